@@ -1,0 +1,169 @@
+"""What a model caches per token, a contiguous cache, and KV bytes analytic and measured.
+
+Every attention layer declares its cached per-token tensors with `cache_spec()`, a mapping
+name -> `FieldSpec(trailing shape, dtype)`. The model adds per-sequence fields stored once, not
+per layer (EG-MLA's token ids). From that spec alone:
+
+- `CacheSpec.bytes_per_token(dtype)` is the analytic KV cost, and
+- `ContiguousCache(spec, ...)` allocates exactly those tensors; `nbytes()` measures them.
+
+The two numbers must agree; tests check them against a hand-written formula per variant.
+
+Worked example, the paper's 12-layer d=768 EG-MLA with d_c=64, d_rope=64 under `gate_position: kv`:
+each layer caches c (64) and k_rope (64), so 12 * 128 = 1,536 elements per token; in bf16 that is
+3,072 bytes, plus 4 bytes for the int32 token id stored once per token of the sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from egmla.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One cached per-token tensor: trailing shape and dtype (None: the cache's float dtype)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        return self.numel * (self.dtype or dtype).itemsize
+
+
+LayerSpec = dict[str, FieldSpec]
+
+# Token ids stored once per sequence position (EG-MLA `kv` rebuilds K/V from them at decode).
+TOKEN_IDS = FieldSpec((), torch.int32)
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Per-layer cached fields plus per-sequence fields (stored once, shared by all layers)."""
+
+    layers: tuple[LayerSpec, ...]
+    sequence: LayerSpec = field(default_factory=dict)
+
+    def elements_per_token(self) -> int:
+        """Float elements cached per token over all layers (the paper's unit; ids excluded)."""
+        return sum(f.numel for layer in self.layers for f in layer.values() if f.dtype is None)
+
+    def layer_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return sum(f.nbytes(dtype) for layer in self.layers for f in layer.values())
+
+    def sequence_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return sum(f.nbytes(dtype) for f in self.sequence.values())
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Analytic KV-cache bytes per token: every cached tensor, every layer."""
+        return self.layer_bytes_per_token(dtype) + self.sequence_bytes_per_token(dtype)
+
+
+def cache_spec_for(config: ModelConfig) -> CacheSpec:
+    """The cache spec of a config, read from the real layers built on the meta device (no memory)."""
+    from egmla.models.transformer import Transformer  # local: models import this module
+
+    with torch.device("meta"):
+        return Transformer(config).cache_spec()
+
+
+class LayerCache:
+    """One layer's window onto a `ContiguousCache` for the current forward step.
+
+    `update(**fields)` writes the step's new tokens at the cache's current length and returns
+    every cached token so far; `key_positions` are those tokens' positions.
+    """
+
+    def __init__(self, cache: ContiguousCache, index: int) -> None:
+        self._cache, self._index = cache, index
+
+    def update(self, **new: torch.Tensor) -> dict[str, torch.Tensor]:
+        buffers = self._cache.layers[self._index]
+        if set(new) != set(buffers):
+            raise KeyError(f"layer {self._index} cached {sorted(new)}, spec says {sorted(buffers)}")
+        start = self._cache.length
+        out = {}
+        for name, value in new.items():
+            end = start + value.shape[1]
+            buffers[name][:, start:end] = value
+            out[name] = buffers[name][:, :end]
+        return out
+
+    @property
+    def key_positions(self) -> torch.Tensor:
+        return self._cache.key_positions
+
+    def token_ids(self) -> torch.Tensor:
+        """Token ids of every cached position plus the current step's, (B, T_total) int64."""
+        return self._cache.token_ids()
+
+
+class ContiguousCache:
+    """A preallocated cache of `max_len` positions for a batch of equal-length sequences.
+
+    The model writes per-sequence fields with `write_sequence`, each layer writes its fields
+    through `layer(i).update`, then the model calls `advance(T)` once per step.
+    """
+
+    def __init__(
+        self,
+        spec: CacheSpec,
+        batch_size: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if batch_size < 1 or max_len < 1:
+            raise ValueError(f"batch_size={batch_size} and max_len={max_len} must be >= 1")
+        self.spec, self.batch_size, self.max_len, self.dtype = spec, batch_size, max_len, dtype
+
+        def alloc(f: FieldSpec) -> torch.Tensor:
+            shape = (batch_size, max_len, *f.shape)
+            return torch.zeros(shape, dtype=f.dtype or dtype, device=device)
+
+        self.layers = [{name: alloc(f) for name, f in layer.items()} for layer in spec.layers]
+        self.sequence = {name: alloc(f) for name, f in spec.sequence.items()}
+        self.length = 0
+        self._step = 0  # tokens in the step being written (set by `begin`)
+        self._positions = torch.arange(max_len, device=device)
+
+    def begin(self, token_ids: torch.Tensor) -> None:
+        """Start a step of `token_ids` (B, T): check space, record per-sequence fields."""
+        B, T = token_ids.shape
+        if B != self.batch_size:
+            raise ValueError(f"batch of {B} sequences for a cache of batch_size={self.batch_size}")
+        if self.length + T > self.max_len:
+            raise ValueError(
+                f"cache full: {self.length} cached + {T} new tokens > max_len={self.max_len}"
+            )
+        self._step = T
+        if "token_ids" in self.sequence:
+            self.sequence["token_ids"][:, self.length : self.length + T] = token_ids
+
+    def advance(self) -> None:
+        """Commit the step begun with `begin`."""
+        self.length += self._step
+        self._step = 0
+
+    def layer(self, index: int) -> LayerCache:
+        return LayerCache(self, index)
+
+    @property
+    def key_positions(self) -> torch.Tensor:
+        return self._positions[: self.length + self._step]
+
+    def token_ids(self) -> torch.Tensor:
+        return self.sequence["token_ids"][:, : self.length + self._step].long()
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor this cache allocated (measured, not computed from the spec)."""
+        tensors = [t for layer in self.layers for t in layer.values()] + list(self.sequence.values())
+        return sum(t.untyped_storage().nbytes() for t in tensors)

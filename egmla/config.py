@@ -1,0 +1,284 @@
+"""Typed model configuration.
+
+A model is a `ModelConfig` holding one attention config from the registry (`mha`, `mla`,
+`egmla`). Configs are plain dataclasses: `from_dict` is strict (an unknown or misspelled key
+raises `ConfigError` naming it), `to_dict` returns JSON-ready data, and both round-trip. Shapes
+are checked when a config is constructed, so an impossible model fails before any tensor exists.
+
+    >>> cfg = ModelConfig.from_dict({"vocab_size": 256, "d_model": 64, "n_layers": 2,
+    ...                              "n_heads": 4, "attention": {"type": "mla", "d_c": 32}})
+    >>> cfg.attention.d_c
+    32
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is invalid; the message names it."""
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _strict_kwargs(cls: type, data: dict[str, Any], where: str) -> dict[str, Any]:
+    """Reject keys `cls` does not declare, naming the first bad one and the allowed ones."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    allowed = [f.name for f in dataclasses.fields(cls) if f.init]
+    unknown = [k for k in data if k not in allowed]
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key {unknown[0]!r}; allowed keys: {', '.join(sorted(allowed))}"
+        )
+    return dict(data)
+
+
+def _check_literals(obj: Any, where: str) -> None:
+    """Check every `Literal[...]`-typed field holds one of its allowed values."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        hint = hints[f.name]
+        if typing.get_origin(hint) is Literal:
+            value = getattr(obj, f.name)
+            choices = typing.get_args(hint)
+            _check(value in choices, f"{where}.{f.name}={value!r}: must be one of {list(choices)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Attention variants
+
+
+@dataclass
+class AttentionConfig:
+    """Base of the attention configs. `type` is the registry name, set by each subclass."""
+
+    type: ClassVar[str] = ""
+
+    def validate(self, model: ModelConfig) -> None:
+        _check_literals(self, f"attention[{self.type}]")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, **dataclasses.asdict(self)}
+
+
+@dataclass
+class MHAConfig(AttentionConfig):
+    """Multi-head attention; `n_kv_heads` < `n_heads` gives GQA, `n_kv_heads=1` MQA.
+
+    Caches K and V: 2 * n_kv_heads * head_dim elements per token per layer.
+    """
+
+    type: ClassVar[str] = "mha"
+    n_kv_heads: int | None = None  # None: same as the model's n_heads (plain MHA)
+    head_dim: int | None = None  # None: d_model // n_heads
+
+    def kv_heads(self, model: ModelConfig) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else model.n_heads
+
+    def head_size(self, model: ModelConfig) -> int:
+        return self.head_dim if self.head_dim is not None else model.d_model // model.n_heads
+
+    def validate(self, model: ModelConfig) -> None:
+        super().validate(model)
+        n_kv = self.kv_heads(model)
+        _check(n_kv >= 1, f"attention.n_kv_heads={n_kv}: must be >= 1")
+        _check(
+            model.n_heads % n_kv == 0,
+            f"attention.n_kv_heads={n_kv} must divide n_heads={model.n_heads}",
+        )
+        if self.head_dim is None:
+            _check(
+                model.d_model % model.n_heads == 0,
+                f"d_model={model.d_model} is not divisible by n_heads={model.n_heads}; "
+                "set attention.head_dim explicitly",
+            )
+        hd = self.head_size(model)
+        _check(hd >= 2 and hd % 2 == 0, f"attention.head_dim={hd}: must be even (RoPE) and >= 2")
+
+
+@dataclass
+class MLAConfig(AttentionConfig):
+    """Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, section 2.1).
+
+    Caches the normed latent c (d_c) and the shared RoPE key (d_rope): d_c + d_rope elements per
+    token per layer. `impl` chooses the computation: `naive` up-projects K/V from the latent and
+    runs SDPA; `absorbed` folds W_UK into the query and attends over the latent itself; `auto`
+    uses naive without a cache or for multi-token prefill and absorbed for cached decode.
+    """
+
+    type: ClassVar[str] = "mla"
+    d_c: int = 256  # KV latent width (DeepSeek's kv_lora_rank)
+    d_q: int | None = None  # query latent width (q_lora_rank); None: full-rank query
+    d_nope: int = 64  # per-head query/key width without RoPE
+    d_rope: int = 64  # decoupled RoPE width (per-head query part and the shared key)
+    d_v: int = 64  # per-head value width
+    impl: Literal["auto", "naive", "absorbed"] = "auto"
+
+    def validate(self, model: ModelConfig) -> None:
+        super().validate(model)
+        for name in ("d_c", "d_nope", "d_v"):
+            _check(getattr(self, name) >= 1, f"attention.{name}={getattr(self, name)}: must be >= 1")
+        _check(
+            self.d_rope >= 2 and self.d_rope % 2 == 0,
+            f"attention.d_rope={self.d_rope}: must be even (RoPE) and >= 2",
+        )
+        _check(self.d_q is None or self.d_q >= 1, f"attention.d_q={self.d_q}: must be >= 1 or null")
+
+
+@dataclass
+class EGMLAConfig(MLAConfig):
+    """MLA with a token-ID embedding gate (EG-MLA, arXiv 2509.16686).
+
+    Each group of `gate_group_size` consecutive layers shares a table E (vocab x d_e); the layer
+    up-projects g = W_UE E[token] and multiplies it into the KV path, then applies `gate_norm`.
+    `gate_position: kv` gates the up-projected K/V (u = W_UKV c; K,V = Norm(u * g)); decode
+    rebuilds K/V from the cached latent and the cached token ids, and absorption does not apply.
+    `gate_position: latent` gates the latent (c' = Norm(c * g)) before it is cached, so decode
+    is MLA's absorbed decode and token ids need not be cached. See docs/attention.md.
+    """
+
+    type: ClassVar[str] = "egmla"
+    d_e: int = 256
+    gate_position: Literal["kv", "latent"] = "kv"
+    gate_norm: Literal["layernorm", "rmsnorm", "none"] = "layernorm"
+    gate_group_size: int = 1  # consecutive layers sharing one gate table
+
+    def validate(self, model: ModelConfig) -> None:
+        super().validate(model)
+        _check(self.d_e >= 1, f"attention.d_e={self.d_e}: must be >= 1")
+        _check(
+            self.gate_group_size >= 1 and model.n_layers % self.gate_group_size == 0,
+            f"attention.gate_group_size={self.gate_group_size} must be >= 1 and divide "
+            f"n_layers={model.n_layers}",
+        )
+        _check(
+            not (self.gate_position == "kv" and self.impl == "absorbed"),
+            "attention.impl='absorbed' is impossible with gate_position='kv': the gate is applied "
+            "after the up-projection, so W_UK cannot be folded into the query",
+        )
+
+    def n_gate_tables(self, model: ModelConfig) -> int:
+        return model.n_layers // self.gate_group_size
+
+
+ATTENTION_REGISTRY: dict[str, type[AttentionConfig]] = {
+    cls.type: cls for cls in (MHAConfig, MLAConfig, EGMLAConfig)
+}
+
+
+def attention_from_dict(data: dict[str, Any]) -> AttentionConfig:
+    if not isinstance(data, dict) or "type" not in data:
+        raise ConfigError(
+            f"attention: needs a 'type' key, one of {sorted(ATTENTION_REGISTRY)}; got {data!r}"
+        )
+    kind = data["type"]
+    if kind not in ATTENTION_REGISTRY:
+        raise ConfigError(f"attention.type={kind!r}: must be one of {sorted(ATTENTION_REGISTRY)}")
+    cls = ATTENTION_REGISTRY[kind]
+    kwargs = _strict_kwargs(cls, {k: v for k, v in data.items() if k != "type"}, f"attention[{kind}]")
+    return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only transformer: pre-norm blocks of attention and a SwiGLU MLP."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    attention: AttentionConfig = field(default_factory=MHAConfig)
+    d_ff: int | None = None  # SwiGLU hidden width; None: 8/3 * d_model rounded up to 64
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    # Token ids, used by `generate` and imported tokenizers; optional.
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.attention, dict):
+            self.attention = attention_from_dict(self.attention)
+        if self.d_ff is None:
+            self.d_ff = 64 * -(-(8 * self.d_model // 3) // 64)
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
+            value = getattr(self, name)
+            _check(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                f"{name}={value!r}: must be a positive integer",
+            )
+        _check(self.rope_theta > 0, f"rope_theta={self.rope_theta}: must be > 0")
+        _check(self.norm_eps > 0, f"norm_eps={self.norm_eps}: must be > 0")
+        _check(
+            isinstance(self.attention, AttentionConfig),
+            f"attention: expected an attention config, got {type(self.attention).__name__}",
+        )
+        self.attention.validate(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        kwargs = _strict_kwargs(cls, data, "model")
+        if "attention" in kwargs:
+            kwargs["attention"] = attention_from_dict(kwargs["attention"])
+        missing = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+            and f.name not in kwargs
+        ]
+        if missing:
+            raise ConfigError(f"model: missing required key {missing[0]!r}")
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["attention"] = self.attention.to_dict()
+        return out
+
+    # ---- analytic sizes ---------------------------------------------------------------------
+
+    def num_params(self, include_gate_tables: bool = True) -> int:
+        """Parameter count computed from the config (checked against the built module)."""
+        d, V, L = self.d_model, self.vocab_size, self.n_layers
+        per_layer = 2 * d + 3 * d * self.d_ff + _attention_params(self)  # 2 norms + SwiGLU
+        total = V * d + L * per_layer + d + (0 if self.tie_embeddings else V * d)
+        if include_gate_tables and isinstance(self.attention, EGMLAConfig):
+            total += self.attention.n_gate_tables(self) * V * self.attention.d_e
+        return total
+
+
+def _attention_params(cfg: ModelConfig) -> int:
+    """Parameters of one attention layer, excluding EG-MLA's (possibly shared) gate tables."""
+    a, d, h = cfg.attention, cfg.d_model, cfg.n_heads
+    if isinstance(a, MHAConfig):
+        hd, kv = a.head_size(cfg), a.kv_heads(cfg)
+        return d * h * hd + 2 * d * kv * hd + h * hd * d
+    assert isinstance(a, MLAConfig)
+    q_width = h * (a.d_nope + a.d_rope)
+    q = d * q_width if a.d_q is None else d * a.d_q + a.d_q + a.d_q * q_width
+    kv = d * (a.d_c + a.d_rope) + a.d_c + a.d_c * h * (a.d_nope + a.d_v)
+    out = h * a.d_v * d
+    total = q + kv + out
+    if isinstance(a, EGMLAConfig):
+        gated = h * (a.d_nope + a.d_v) if a.gate_position == "kv" else a.d_c
+        norm = {"layernorm": 2 * gated, "rmsnorm": gated, "none": 0}[a.gate_norm]
+        total += a.d_e * gated + norm
+    return total

@@ -1,0 +1,7 @@
+"""Plain-PyTorch model code: imports only torch and the standard library."""
+
+from egmla.models.attention import EGMLA, MHA, MLA
+from egmla.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope
+from egmla.models.transformer import Transformer
+
+__all__ = ["EGMLA", "MHA", "MLA", "RMSNorm", "Rotary", "SwiGLU", "Transformer", "apply_rope"]

@@ -1,0 +1,33 @@
+"""Scaled dot-product attention shared by the variants, with the causal mask from positions."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    positions: torch.Tensor,
+    key_positions: torch.Tensor | None,
+) -> torch.Tensor:
+    """Causal attention; K/V may have fewer heads than Q (GQA/MQA, and MLA's absorbed decode).
+
+    q (B, T, H, Dk), k (B, S, Hkv, Dk), v (B, S, Hkv, Dv) -> (B, T, H, Dv).
+    Without `key_positions` the keys are the queries' own tokens in order (training, or a
+    prefill with no cache), so the plain causal mask applies. Otherwise query at position p
+    sees every cached key at position <= p.
+    """
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T or S, D)
+    gqa = k.shape[1] != q.shape[1]
+    if key_positions is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        mask = key_positions[None, None, :] <= positions[:, :, None]  # (B, T, S)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=gqa
+        )
+    return out.transpose(1, 2)  # (B, T, H, Dv)

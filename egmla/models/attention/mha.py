@@ -1,0 +1,53 @@
+"""Multi-head attention with grouped K/V heads: MHA (n_kv = n_h), GQA, MQA (n_kv = 1)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from egmla.cache import FieldSpec, LayerCache, LayerSpec
+from egmla.config import MHAConfig, ModelConfig
+from egmla.models.attention.common import attend
+from egmla.models.layers import Rotary, apply_rope
+
+
+class MHA(nn.Module):
+    """Caches K and V per layer: 2 * n_kv * d_h elements per token."""
+
+    needs_token_ids = False
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        a = config.attention
+        assert isinstance(a, MHAConfig)
+        d = config.d_model
+        self.n_heads, self.n_kv, self.head_dim = config.n_heads, a.kv_heads(config), a.head_size(config)
+        self.wq = nn.Linear(d, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(d, self.n_kv * self.head_dim, bias=False)
+        self.wv = nn.Linear(d, self.n_kv * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
+        self.rope = Rotary(self.head_dim, config.rope_theta)
+
+    def cache_spec(self) -> LayerSpec:
+        return {"k": FieldSpec((self.n_kv, self.head_dim)), "v": FieldSpec((self.n_kv, self.head_dim))}
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: LayerCache | None = None,
+        token_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # B batch, T new tokens, S cached + new tokens, H query heads, G kv heads, D head dim
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
+        k = self.wk(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, G, D)
+        v = self.wv(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, G, D)
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        key_positions = None
+        if cache is not None:
+            kv = cache.update(k=k, v=v)
+            k, v, key_positions = kv["k"], kv["v"], cache.key_positions  # (B, S, G, D)
+        o = attend(q, k, v, self.head_dim**-0.5, positions, key_positions)  # (B, T, H, D)
+        return self.wo(o.reshape(B, T, self.n_heads * self.head_dim))

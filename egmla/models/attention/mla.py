@@ -1,0 +1,125 @@
+"""Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, section 2.1).
+
+Per token t with hidden h (notation of the paper; H heads, n = d_nope, r = d_rope):
+
+    c      = RMSNorm(W_DKV h)                       (d_c)      cached
+    k_rope = RoPE(W_KR h)                           (r)        cached, shared by all heads
+    q      = W_Q h   or   W_UQ RMSNorm(W_DQ h)      (H, n + r) split into q_nope, q_rope=RoPE(.)
+    k_nope = W_UK c,  v = W_UV c                    (H, n), (H, d_v)
+    score  = (q_nope . k_nope + q_rope . k_rope) / sqrt(n + r)
+
+Naive: up-project k_nope/v for every cached token and run SDPA. Absorbed: q_nope . (W_UK c) =
+(W_UK^T q_nope) . c, so fold W_UK into the query and attend over the latent directly, an MQA with
+one shared "head" of key [c, k_rope] and value c; then apply W_UV to the attended latent. Both
+compute the same function; absorbed never materializes per-head K/V (cheap decode), naive does
+less arithmetic for long prefills.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from egmla.cache import FieldSpec, LayerCache, LayerSpec
+from egmla.config import MLAConfig, ModelConfig
+from egmla.models.attention.common import attend
+from egmla.models.layers import RMSNorm, Rotary, apply_rope
+
+
+class MLA(nn.Module):
+    """Caches c (d_c) and k_rope (d_rope) per layer: d_c + d_rope elements per token."""
+
+    needs_token_ids = False
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        a = config.attention
+        assert isinstance(a, MLAConfig)
+        d, H = config.d_model, config.n_heads
+        self.n_heads, self.d_c, self.d_nope, self.d_rope, self.d_v = H, a.d_c, a.d_nope, a.d_rope, a.d_v
+        self.impl, self.d_q = a.impl, a.d_q
+        q_width = H * (a.d_nope + a.d_rope)
+        if a.d_q is None:
+            self.wq = nn.Linear(d, q_width, bias=False)
+        else:
+            self.wq_a = nn.Linear(d, a.d_q, bias=False)  # W_DQ
+            self.q_norm = RMSNorm(a.d_q, config.norm_eps)
+            self.wq_b = nn.Linear(a.d_q, q_width, bias=False)  # W_UQ (and W_QR)
+        self.wkv_a = nn.Linear(d, a.d_c + a.d_rope, bias=False)  # [W_DKV; W_KR]
+        self.kv_norm = RMSNorm(a.d_c, config.norm_eps)
+        self.wkv_b = nn.Linear(a.d_c, H * (a.d_nope + a.d_v), bias=False)  # [W_UK; W_UV] per head
+        self.wo = nn.Linear(H * a.d_v, d, bias=False)
+        self.rope = Rotary(a.d_rope, config.rope_theta)
+        self.scale = (a.d_nope + a.d_rope) ** -0.5
+
+    def cache_spec(self) -> LayerSpec:
+        return {"c": FieldSpec((self.d_c,)), "k_rope": FieldSpec((self.d_rope,))}
+
+    # ---- pieces a subclass (EG-MLA) may refine ------------------------------------------------
+
+    def latent(self, x: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, d) -> normed latent c (B, T, d_c) and un-rotated k_rope (B, T, d_rope)."""
+        c, k_rope = self.wkv_a(x).split([self.d_c, self.d_rope], dim=-1)
+        return self.kv_norm(c), k_rope
+
+    def expand(self, c: torch.Tensor, key_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent c (B, S, d_c) -> k_nope (B, S, H, d_nope), v (B, S, H, d_v)."""
+        B, S, _ = c.shape
+        kv = self.wkv_b(c).view(B, S, self.n_heads, self.d_nope + self.d_v)
+        return kv.split([self.d_nope, self.d_v], dim=-1)
+
+    def supports_absorbed(self) -> bool:
+        return True
+
+    # ---- forward ------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: LayerCache | None = None,
+        token_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # B batch, T new tokens, S cached + new tokens, H heads, C = d_c, n = d_nope, r = d_rope
+        B, T, _ = x.shape
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        q = self.wq(x) if self.d_q is None else self.wq_b(self.q_norm(self.wq_a(x)))
+        q = q.view(B, T, self.n_heads, self.d_nope + self.d_rope)  # (B, T, H, n + r)
+        q_nope, q_rope = q.split([self.d_nope, self.d_rope], dim=-1)
+        q_rope = apply_rope(q_rope, cos, sin)
+
+        c, k_rope = self.latent(x, token_ids)  # (B, T, C), (B, T, r)
+        k_rope = apply_rope(k_rope[:, :, None], cos, sin)[:, :, 0]  # one head shared by all
+        key_positions, key_ids = None, token_ids
+        if cache is not None:
+            kv = cache.update(c=c, k_rope=k_rope)
+            c, k_rope, key_positions = kv["c"], kv["k_rope"], cache.key_positions  # (B, S, .)
+            if self.needs_token_ids:
+                key_ids = cache.token_ids()  # (B, S)
+
+        if self._use_absorbed(T, cache):
+            o = self._absorbed(q_nope, q_rope, c, k_rope, positions, key_positions)
+        else:
+            o = self._naive(q_nope, q_rope, c, k_rope, key_ids, positions, key_positions)
+        return self.wo(o.reshape(B, T, self.n_heads * self.d_v))
+
+    def _use_absorbed(self, T: int, cache: LayerCache | None) -> bool:
+        if self.impl == "auto":
+            return cache is not None and T == 1 and self.supports_absorbed()
+        return self.impl == "absorbed"
+
+    def _naive(self, q_nope, q_rope, c, k_rope, key_ids, positions, key_positions) -> torch.Tensor:
+        k_nope, v = self.expand(c, key_ids)  # (B, S, H, n), (B, S, H, d_v)
+        k_rope = k_rope[:, :, None].expand(-1, -1, self.n_heads, -1)  # (B, S, H, r)
+        q = torch.cat((q_nope, q_rope), dim=-1)  # (B, T, H, n + r)
+        k = torch.cat((k_nope, k_rope), dim=-1)  # (B, S, H, n + r)
+        return attend(q, k, v, self.scale, positions, key_positions)  # (B, T, H, d_v)
+
+    def _absorbed(self, q_nope, q_rope, c, k_rope, positions, key_positions) -> torch.Tensor:
+        w = self.wkv_b.weight.view(self.n_heads, self.d_nope + self.d_v, self.d_c)
+        w_uk, w_uv = w.split([self.d_nope, self.d_v], dim=1)  # (H, n, C), (H, d_v, C)
+        q_latent = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)  # (B, T, H, C)
+        q = torch.cat((q_latent, q_rope), dim=-1)  # (B, T, H, C + r)
+        k = torch.cat((c, k_rope), dim=-1)[:, :, None]  # (B, S, 1, C + r)
+        o_latent = attend(q, k, c[:, :, None], self.scale, positions, key_positions)  # (B, T, H, C)
+        return torch.einsum("bthc,hvc->bthv", o_latent, w_uv)  # (B, T, H, d_v)

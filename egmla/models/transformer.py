@@ -1,0 +1,131 @@
+"""The decoder-only backbone: token embedding, pre-norm blocks, final norm, LM head.
+
+    logits = model(token_ids)                          # training: whole sequences, causal
+    logits = model(token_ids, cache=cache)             # prefill or decode: cache passed in
+
+The attention variant is chosen by `config.attention.type`; every variant implements
+`forward(x, positions, cache=None, token_ids=None)` and `cache_spec()`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from egmla.cache import TOKEN_IDS, CacheSpec, ContiguousCache
+from egmla.config import EGMLAConfig, ModelConfig
+from egmla.models.attention.egmla import EGMLA
+from egmla.models.attention.mha import MHA
+from egmla.models.attention.mla import MLA
+from egmla.models.layers import RMSNorm, SwiGLU
+
+ATTENTION_MODULES: dict[str, type[nn.Module]] = {"mha": MHA, "mla": MLA, "egmla": EGMLA}
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, attention: nn.Module) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = attention
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = SwiGLU(config.d_model, config.d_ff)
+
+    def forward(self, x, positions, cache=None, token_ids=None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, cache, token_ids)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(
+            Block(config, attention) for attention in self._build_attention(config)
+        )
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.reset_parameters()
+
+    @staticmethod
+    def _build_attention(config: ModelConfig) -> list[nn.Module]:
+        a = config.attention
+        if not isinstance(a, EGMLAConfig):
+            return [ATTENTION_MODULES[a.type](config) for _ in range(config.n_layers)]
+        # One gate table per group of consecutive layers, registered in each layer of the group.
+        tables = [nn.Embedding(config.vocab_size, a.d_e) for _ in range(a.n_gate_tables(config))]
+        return [EGMLA(config, tables[i // a.gate_group_size]) for i in range(config.n_layers)]
+
+    def reset_parameters(self) -> None:
+        """N(0, init_std) weights; residual outputs scaled by 1/sqrt(2 L); unit-scale gates."""
+        std = self.config.init_std
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=std)
+            if name.endswith(("attn.wo", "mlp.w_down")):
+                nn.init.normal_(module.weight, std=std / math.sqrt(2 * self.config.n_layers))
+            if isinstance(module, EGMLA):
+                # E[id] ~ N(0, 1) and W_UE ~ N(0, 1/d_e) give g ~ N(0, 1): a gate of unit scale,
+                # so the gated K/V are not crushed below the norm's epsilon at initialization.
+                nn.init.normal_(module.gate_table.weight, std=1.0)
+                nn.init.normal_(module.w_gate.weight, std=module.w_gate.in_features**-0.5)
+            if isinstance(module, (RMSNorm, nn.LayerNorm)):
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+    def cache_spec(self) -> CacheSpec:
+        layers = tuple(block.attn.cache_spec() for block in self.layers)
+        needs_ids = any(block.attn.needs_token_ids for block in self.layers)
+        return CacheSpec(layers=layers, sequence={"token_ids": TOKEN_IDS} if needs_ids else {})
+
+    def new_cache(
+        self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None
+    ) -> ContiguousCache:
+        """A contiguous cache for this model, in its parameters' dtype and device by default."""
+        weight = self.tok_emb.weight
+        return ContiguousCache(
+            self.cache_spec(),
+            batch_size,
+            max_len or self.config.max_seq_len,
+            dtype=dtype or weight.dtype,
+            device=weight.device,
+        )
+
+    def num_params(self, include_gate_tables: bool = True) -> int:
+        """Parameters of the built module (shared and tied tensors counted once)."""
+        total = sum(p.numel() for p in self.parameters())
+        if not include_gate_tables:
+            tables = {id(b.attn.gate_table.weight): b.attn.gate_table.weight for b in self.layers
+                      if isinstance(b.attn, EGMLA)}
+            total -= sum(w.numel() for w in tables.values())
+        return total
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: ContiguousCache | None = None,
+    ) -> torch.Tensor:
+        """token_ids (B, T) -> logits (B, T, vocab).
+
+        `positions` (B, T) or (T,) default to the next T positions: 0..T-1 without a cache,
+        after the cached tokens with one.
+        """
+        B, T = token_ids.shape
+        start = cache.length if cache is not None else 0
+        if positions is None:
+            positions = torch.arange(start, start + T, device=token_ids.device)
+        positions = positions.expand(B, T)  # (B, T)
+        if cache is not None:
+            cache.begin(token_ids)
+        x = self.tok_emb(token_ids)  # (B, T, d)
+        for i, block in enumerate(self.layers):
+            x = block(x, positions, cache.layer(i) if cache is not None else None, token_ids)
+        if cache is not None:
+            cache.advance()
+        return self.lm_head(self.norm(x))

@@ -1,0 +1,1 @@
+"""Evaluation: KV-bytes report, lm-eval adapter and run comparison."""

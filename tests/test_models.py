@@ -1,0 +1,219 @@
+"""Backbone correctness against references: causality, prefill+decode == full forward,
+absorbed == naive, parameter counts, and the building blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from egmla.config import ModelConfig
+from egmla.models import RMSNorm, Rotary, Transformer, apply_rope
+from egmla.presets import PRESETS, preset
+
+TINY = sorted(n for n in PRESETS if n.startswith("tiny-"))
+
+
+def with_attention(cfg: ModelConfig, **changes) -> ModelConfig:
+    return dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, **changes))
+
+
+# Every computation the acceptance criteria name, plus grouped gates and a low-rank query.
+VARIANTS = {
+    "mha": preset("tiny-mha"),
+    "gqa": preset("tiny-gqa2"),
+    "mqa": preset("tiny-mha", attention={"type": "mha", "n_kv_heads": 1}),
+    "mla-naive": with_attention(preset("tiny-mla"), impl="naive"),
+    "mla-absorbed": with_attention(preset("tiny-mla"), impl="absorbed"),
+    "mla-lowrank-q": with_attention(preset("tiny-mla"), d_q=24),
+    "egmla-kv": preset("tiny-egmla"),
+    "egmla-kv-rmsnorm-grouped": with_attention(preset("tiny-egmla"), gate_norm="rmsnorm",
+                                               gate_group_size=2),
+    "egmla-latent-naive": with_attention(preset("tiny-egmla-latent"), impl="naive"),
+    "egmla-latent-absorbed": with_attention(preset("tiny-egmla-latent"), impl="absorbed"),
+    "egmla-latent-nonorm": with_attention(preset("tiny-egmla-latent"), gate_norm="none"),
+}
+
+
+def build(cfg: ModelConfig, dtype=torch.float64, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(cfg).to(dtype).eval()
+
+
+def random_ids(cfg: ModelConfig, B: int, T: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_causality(name):
+    """Changing token t changes no output before t, and does change the output at t."""
+    cfg = VARIANTS[name]
+    model, ids = build(cfg), random_ids(cfg, 2, 16)
+    t = 9
+    changed = ids.clone()
+    changed[:, t] = (changed[:, t] + 1) % cfg.vocab_size
+    with torch.no_grad():
+        a, b = model(ids), model(changed)
+    assert torch.equal(a[:, :t], b[:, :t])
+    assert (a[:, t] - b[:, t]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("k", [1, 5])
+def test_prefill_then_decode_equals_full_forward(name, k):
+    cfg = VARIANTS[name]
+    model, ids = build(cfg), random_ids(cfg, 3, 20)
+    T = ids.shape[1]
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache(batch_size=3, max_len=T)
+        steps = [model(ids[:, : T - k], cache=cache)]
+        steps += [model(ids[:, t : t + 1], cache=cache) for t in range(T - k, T)]
+    assert cache.length == T
+    assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-9
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_chunked_prefill_equals_full_forward(name):
+    cfg = VARIANTS[name]
+    model, ids = build(cfg), random_ids(cfg, 2, 17)
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache(2, 17)
+        chunks = [model(ids[:, s : s + 6], cache=cache) for s in range(0, 17, 6)]
+    assert (torch.cat(chunks, dim=1) - full).abs().max().item() < 1e-9
+
+
+@pytest.mark.parametrize("base", ["tiny-mla", "tiny-egmla-latent"])
+def test_absorbed_equals_naive(base):
+    """Same weights, two computations: full forward and cached decode agree in float64."""
+    naive_cfg = with_attention(preset(base), impl="naive")
+    absorbed_cfg = with_attention(preset(base), impl="absorbed")
+    naive, absorbed = build(naive_cfg), Transformer(absorbed_cfg).double().eval()
+    absorbed.load_state_dict(naive.state_dict())
+    ids = random_ids(naive_cfg, 2, 12)
+    with torch.no_grad():
+        assert (naive(ids) - absorbed(ids)).abs().max().item() < 1e-12
+        caches = [m.new_cache(2, 12) for m in (naive, absorbed)]
+        for m, c in zip((naive, absorbed), caches):
+            m(ids[:, :11], cache=c)
+        step_naive = naive(ids[:, 11:], cache=caches[0])
+        step_absorbed = absorbed(ids[:, 11:], cache=caches[1])
+    assert (step_naive - step_absorbed).abs().max().item() < 1e-12
+
+
+def test_auto_impl_uses_absorbed_for_decode_only():
+    model = build(preset("tiny-mla"))
+    attn = model.layers[0].attn
+    assert attn._use_absorbed(1, cache=object()) and not attn._use_absorbed(4, cache=object())
+    assert not attn._use_absorbed(1, cache=None)
+    kv_gate = build(preset("tiny-egmla")).layers[0].attn
+    assert not kv_gate._use_absorbed(1, cache=object())  # kv gate: no absorption possible
+
+
+def test_egmla_gate_changes_with_token_id_only():
+    """The gate is a function of the token id: the kv-gated model differs from plain MLA
+    with the same remaining weights, and equal ids give equal gates."""
+    model = build(preset("tiny-egmla"))
+    attn = model.layers[0].attn
+    ids = torch.tensor([[3, 7, 3]])
+    g = attn.gate(ids)
+    assert torch.equal(g[0, 0], g[0, 2]) and not torch.equal(g[0, 0], g[0, 1])
+
+
+def test_grouped_gate_tables_are_shared():
+    cfg = with_attention(preset("tiny-egmla"), gate_group_size=2)
+    model = build(cfg)
+    assert model.layers[0].attn.gate_table is model.layers[1].attn.gate_table
+    ungrouped = build(preset("tiny-egmla"))
+    assert ungrouped.layers[0].attn.gate_table is not ungrouped.layers[1].attn.gate_table
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_parameter_count_analytic_equals_built(name):
+    cfg = preset(name)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    assert model.num_params() == cfg.num_params()
+    assert model.num_params(include_gate_tables=False) == cfg.num_params(include_gate_tables=False)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_parameter_count_variants_untied(name):
+    cfg = dataclasses.replace(VARIANTS[name], tie_embeddings=False)
+    model = Transformer(cfg)
+    assert model.num_params() == cfg.num_params()
+    assert model.lm_head.weight is not model.tok_emb.weight
+
+
+def test_gate_tables_counted_separately():
+    cfg = preset("paper-egmla-kv64")
+    gate = cfg.num_params() - cfg.num_params(include_gate_tables=False)
+    assert gate == 12 * 50257 * 256  # one table per layer: lookup-only parameters
+
+
+def test_tied_embeddings_share_storage():
+    model = build(preset("tiny-mha"))
+    assert model.lm_head.weight is model.tok_emb.weight
+
+
+def test_cache_overflow_is_a_clear_error():
+    model = build(preset("tiny-mha"))
+    cache = model.new_cache(1, 4)
+    with pytest.raises(ValueError, match="cache full"):
+        model(torch.zeros(1, 5, dtype=torch.long), cache=cache)
+
+
+def test_rmsnorm_matches_formula():
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    norm = RMSNorm(8, eps=1e-6).double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 2.0, 8))
+    expected = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * norm.weight
+    assert torch.allclose(norm(x), expected, atol=1e-14)
+
+
+def test_rope_depends_only_on_relative_position():
+    """q_p . k_s after RoPE is unchanged when both positions shift by the same offset."""
+    rope = Rotary(16, 10000.0)
+    q, k = torch.randn(1, 1, 1, 16, dtype=torch.float64), torch.randn(1, 1, 1, 16, dtype=torch.float64)
+
+    def score(p: int, s: int) -> torch.Tensor:
+        cq, sq = rope.cos_sin(torch.tensor([[p]]), torch.float64)
+        ck, sk = rope.cos_sin(torch.tensor([[s]]), torch.float64)
+        return (apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum()
+
+    assert torch.allclose(score(7, 3), score(107, 103), atol=1e-10)
+    assert not torch.allclose(score(7, 3), score(7, 4), atol=1e-6)
+    cos, sin = rope.cos_sin(torch.tensor([[0]]), torch.float64)
+    assert torch.equal(apply_rope(q, cos, sin), q)  # position 0 is the identity
+
+
+def test_rope_survives_bf16_model_cast():
+    """`model.to(bfloat16)` must not quantize the RoPE frequencies (they are not buffers)."""
+    model = build(preset("tiny-mha"), dtype=torch.bfloat16)
+    assert not list(model.buffers())
+    ids = random_ids(preset("tiny-mha"), 1, 8)
+    assert torch.isfinite(model(ids).float()).all()
+
+
+def test_training_step_reduces_loss():
+    """Gradients flow through every variant's parameters, including the gate tables."""
+    for name in ("mha", "mla-naive", "egmla-kv", "egmla-latent-naive"):
+        cfg = VARIANTS[name]
+        model = build(cfg, dtype=torch.float32).train()
+        ids = random_ids(cfg, 4, 16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(5):
+            logits = model(ids[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+            opt.zero_grad()
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+        missing = [n for n, p in model.named_parameters() if p.grad is None]
+        assert not missing, f"{name}: no gradient for {missing}"
+        assert losses[-1] < losses[0], f"{name}: {losses}"
