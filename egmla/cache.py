@@ -133,7 +133,7 @@ class ContiguousCache:
         self.sequence = {name: alloc(f) for name, f in spec.sequence.items()}
         self.length = 0
         self._step = 0  # tokens in the step being written (set by `begin`)
-        self._positions = torch.arange(max_len, device=device)
+        self.device = device
 
     def begin(self, token_ids: torch.Tensor) -> None:
         """Start a step of `token_ids` (B, T): check space, record per-sequence fields."""
@@ -158,7 +158,7 @@ class ContiguousCache:
 
     @property
     def key_positions(self) -> torch.Tensor:
-        return self._positions[: self.length + self._step]
+        return torch.arange(self.length + self._step, device=self.device)
 
     def token_ids(self) -> torch.Tensor:
         return self.sequence["token_ids"][:, : self.length + self._step].long()

@@ -62,6 +62,8 @@ class Transformer(nn.Module):
 
     def reset_parameters(self) -> None:
         """N(0, init_std) weights; residual outputs scaled by 1/sqrt(2 L); unit-scale gates."""
+        if self.tok_emb.weight.is_meta:
+            return  # built for its shapes only (e.g. cache_spec_for): nothing to initialize
         std = self.config.init_std
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
