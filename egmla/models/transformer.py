@@ -115,14 +115,15 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """token_ids (B, T) -> logits (B, T, vocab).
 
-        `positions` (B, T) or (T,) default to the next T positions: 0..T-1 without a cache,
+        `positions` (B, T), (1, T) or (T,) default to the next T positions: 0..T-1 without a cache,
         after the cached tokens with one.
         """
         B, T = token_ids.shape
         start = cache.length if cache is not None else 0
         if positions is None:
             positions = torch.arange(start, start + T, device=token_ids.device)
-        positions = positions.expand(B, T)  # (B, T)
+        if positions.dim() == 1:
+            positions = positions[None]  # (1, T): broadcasts over the batch, RoPE computed once
         if cache is not None:
             cache.begin(token_ids)
         x = self.tok_emb(token_ids)  # (B, T, d)

