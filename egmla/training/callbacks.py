@@ -1,0 +1,96 @@
+"""Callbacks and loggers: throughput and MFU, the plain export, a CSV log that survives resume."""
+
+from __future__ import annotations
+
+import csv
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.utilities import rank_zero_only
+
+from egmla.checkpoint import save_export
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x (parameters that do matmuls) + attention's 12 L d T.
+
+    Embedding and gate tables are lookups, not matmuls, so they are left out; a tied LM head
+    is a matmul and is counted once. (The usual estimate of the PaLM paper, appendix B.)
+    """
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    head = getattr(model, "lm_head", None)
+    matmul_params = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
+    if head is not None and id(head.weight) in lookups:
+        matmul_params += head.weight.numel()
+    cfg = model.config
+    return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.d_model * seq_len
+
+
+class Throughput(L.Callback):
+    """Logs tokens/s (shown in the progress bar) and an MFU estimate when peak FLOPs are known.
+
+    Tokens are counted over all ranks; the time is the wall time between optimizer steps.
+    """
+
+    def __init__(self, tokens_per_step: int, seq_len: int, peak_flops: float | None) -> None:
+        self.tokens_per_step, self.seq_len, self.peak_flops = tokens_per_step, seq_len, peak_flops
+        self._last: float | None = None
+        self._flops_per_token = 0.0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._flops_per_token = flops_per_token(pl_module.model, self.seq_len)
+        self._last = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return  # mid-accumulation: no optimizer step yet
+        now = time.perf_counter()
+        if self._last is not None:
+            tokens_per_s = self.tokens_per_step / (now - self._last)
+            pl_module.log("train/tokens_per_s", tokens_per_s, prog_bar=True)
+            if self.peak_flops:
+                mfu = tokens_per_s * self._flops_per_token / (self.peak_flops * trainer.world_size)
+                pl_module.log("train/mfu", mfu)
+        self._last = now
+
+
+class Export(L.Callback):
+    """After training, write the plain export (config.json, model.safetensors, tokenizer)."""
+
+    def __init__(self, directory: Path, tokenizer: Any = None, extra: dict | None = None) -> None:
+        self.directory, self.tokenizer, self.extra = directory, tokenizer, extra
+
+    @rank_zero_only
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        model = pl_module.model
+        model = getattr(model, "_orig_mod", model)
+        save_export(model, self.directory, tokenizer=self.tokenizer,
+                    extra={**(self.extra or {}), "global_step": trainer.global_step})
+
+
+class _AppendingWriter(ExperimentWriter):
+    def _check_log_dir_exists(self) -> None:
+        """Lightning's writer deletes an existing metrics.csv; a resumed run appends to it."""
+        path = Path(self.metrics_file_path)
+        if path.is_file():
+            with path.open(newline="") as f:
+                self.metrics_keys = list(next(csv.reader(f), []))
+
+
+class ResumableCSVLogger(CSVLogger):
+    """CSVLogger writing `<save_dir>/metrics.csv`, appending when a run resumes."""
+
+    def __init__(self, save_dir: Path) -> None:
+        super().__init__(save_dir=str(save_dir), name="", version="")
+
+    @property
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _AppendingWriter(log_dir=self.log_dir)
+        return self._experiment

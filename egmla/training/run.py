@@ -1,0 +1,226 @@
+"""One training run: check the config, prepare or resume the run directory, fit, export, report.
+
+Run directory layout (the same path resumes the run):
+
+    config.json        the validated, resolved config (first start; a later start must agree)
+    run_info.json      git SHA, package versions, hardware, command: one entry per start
+    metrics.csv        every logged metric (appended across resumes)
+    checkpoints/       last.ckpt (every trainer.checkpoint_every_n_steps) + best by val/loss
+    wandb/             the wandb run (offline without an API key)
+    export/            the plain export: config.json, model.safetensors, tokenizer files
+    summary.json       final validation loss, the unigram baseline, where the export is
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+from egmla.cache import cache_spec_for
+from egmla.config import ConfigError
+from egmla.provenance import provenance
+from egmla.training.callbacks import Export, ResumableCSVLogger, Throughput
+from egmla.training.config import TrainConfig
+from egmla.training.data import MQARDataModule, TextDataModule, build_datamodule
+from egmla.training.module import LanguageModel
+
+# Sections that define what is being trained: a resumed run must not change them.
+FROZEN = ("data.kind", "data.tokenizer", "data.hf", "data.mqar", "data.seq_len", "model", "seed")
+
+
+class RunError(ValueError):
+    """The run directory cannot be used as asked; nothing in it was changed."""
+
+
+def _get(d: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
+def _first_difference(a: Any, b: Any, path: str) -> tuple[str, Any, Any] | None:
+    """The first leaf where two nested dicts differ: (dotted path, value in a, value in b)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            found = _first_difference(a.get(key), b.get(key), f"{path}.{key}")
+            if found:
+                return found
+        return None
+    return None if a == b else (path, a, b)
+
+
+def _is_rank_zero() -> bool:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0
+
+
+def check_resume(run_dir: Path, config: TrainConfig, tokenizer_id: str | None) -> Path | None:
+    """Raise RunError if run_dir holds a different run; return last.ckpt if there is one."""
+    saved_path = run_dir / "config.json"
+    if not saved_path.is_file():
+        return None
+    saved = json.loads(saved_path.read_text())
+    current = {**config.to_dict(), "tokenizer_fingerprint": tokenizer_id}
+    for key in (*FROZEN, "tokenizer_fingerprint"):
+        difference = _first_difference(_get(saved, key), _get(current, key), key)
+        if difference:
+            path, there, now = difference
+            raise RunError(
+                f"{run_dir} holds a run with a different {path} ({there!r} there, {now!r} now); "
+                "resume it with its own config, or choose another run directory "
+                "(name=... or hydra.run.dir=...)"
+            )
+    last = run_dir / "checkpoints" / "last.ckpt"
+    return last if last.is_file() else None
+
+
+def _wandb_logger(config: TrainConfig, run_dir: Path):
+    w = config.wandb
+    mode = w.mode
+    if mode == "disabled":
+        return None
+    if mode == "auto":
+        netrc = Path.home() / ".netrc"
+        has_key = bool(os.environ.get("WANDB_API_KEY")) or (
+            netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore"))
+        mode = os.environ.get("WANDB_MODE") or ("online" if has_key else "offline")
+    from lightning.pytorch.loggers import WandbLogger
+
+    id_file = run_dir / "wandb_id"  # one wandb run per run directory, continued on resume
+    if not id_file.is_file() and _is_rank_zero():
+        id_file.write_text(uuid.uuid4().hex[:12])
+    run_id = id_file.read_text().strip() if id_file.is_file() else None
+    return WandbLogger(name=config.name, save_dir=str(run_dir), project=w.project,
+                       entity=w.entity, group=w.group, tags=w.tags, id=run_id, resume="allow",
+                       offline=mode == "offline", mode=mode)
+
+
+def _peak_flops(config: TrainConfig) -> float | None:
+    if config.trainer.peak_tflops:
+        return config.trainer.peak_tflops * 1e12
+    if config.trainer.accelerator in ("gpu", "cuda") and torch.cuda.is_available():
+        from lightning.fabric.utilities.throughput import get_available_flops
+
+        dtype = torch.bfloat16 if "bf16" in config.trainer.precision else torch.float32
+        return get_available_flops(torch.device("cuda"), dtype)
+    return None  # CPUs: unknown; MFU is not logged
+
+
+def unigram_loss(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:
+    """Cross-entropy (nats/token) of the validation tokens under the training unigram
+    distribution (add-one smoothed): the loss a model that ignores context would reach."""
+    counts = np.bincount(np.asarray(train), minlength=vocab_size).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    return float(-logp[np.asarray(val)].mean())
+
+
+def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = ()) -> dict[str, Any]:
+    """Train (or resume) the run described by `raw` in `run_dir`; return the summary."""
+    config = TrainConfig.from_dict(raw)
+    model_config = config.model_config()
+    run_dir = Path(run_dir)
+    datamodule = build_datamodule(config.data, config.seed, config.trainer.max_steps)
+    tokenizer = tokenizer_id = None
+    if isinstance(datamodule, TextDataModule):
+        tokenizer = datamodule.load_tokenizer()
+        tokenizer_id = datamodule.fingerprint()
+        if len(tokenizer) > model_config.vocab_size:
+            raise ConfigError(f"model.vocab_size={model_config.vocab_size} is smaller than the "
+                              f"tokenizer's vocabulary ({len(tokenizer)})")
+    elif model_config.vocab_size < config.data.mqar.vocab_size:
+        raise ConfigError(f"model.vocab_size={model_config.vocab_size} < data.mqar.vocab_size="
+                          f"{config.data.mqar.vocab_size}")
+    resume_from = check_resume(run_dir, config, tokenizer_id)
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if _is_rank_zero():
+        if not (run_dir / "config.json").is_file():
+            record = {**config.to_dict(), "tokenizer_fingerprint": tokenizer_id}
+            (run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
+        info_path = run_dir / "run_info.json"
+        starts = json.loads(info_path.read_text())["starts"] if info_path.is_file() else []
+        spec = cache_spec_for(model_config)
+        starts.append({**provenance(), "resumed_from": str(resume_from) if resume_from else None,
+                       "max_steps": config.trainer.max_steps})
+        info = {
+            "params": model_config.num_params(),
+            "params_without_gate_tables": model_config.num_params(include_gate_tables=False),
+            "kv_elements_per_token": spec.elements_per_token(),
+            "kv_bytes_per_token_bf16": spec.bytes_per_token(torch.bfloat16),
+            "starts": starts,
+        }
+        info_path.write_text(json.dumps(info, indent=2) + "\n")
+
+    L.seed_everything(config.seed, workers=True, verbose=False)
+    val_slices = datamodule.val_slices if isinstance(datamodule, MQARDataModule) else None
+    module = LanguageModel(model=model_config.to_dict(), optim=vars(config.optim).copy(),
+                           max_steps=config.trainer.max_steps, compile=config.trainer.compile,
+                           val_slices=val_slices)
+    t, d = config.trainer, config.data
+    ckpt_dir = run_dir / "checkpoints"
+    callbacks = [
+        ModelCheckpoint(dirpath=ckpt_dir, filename="last", save_top_k=0, save_last=True,
+                        every_n_train_steps=t.checkpoint_every_n_steps),
+        ModelCheckpoint(dirpath=ckpt_dir, filename="best-step{step}", monitor="val/loss",
+                        mode="min", save_top_k=1, auto_insert_metric_name=False),
+        LearningRateMonitor(logging_interval="step"),
+        TQDMProgressBar(refresh_rate=max(1, t.log_every_n_steps // 2)),  # steps, loss, tok/s, ETA
+        Throughput(tokens_per_step=d.batch_size * t.accumulate_grad_batches * d.seq_len,
+                   seq_len=d.seq_len, peak_flops=_peak_flops(config)),
+        *extra_callbacks,
+    ]
+    if config.export:
+        callbacks.append(Export(run_dir / "export", tokenizer=tokenizer,
+                                extra={"run": config.name, "run_dir": str(run_dir)}))
+    loggers = [ResumableCSVLogger(run_dir)]
+    wandb_logger = _wandb_logger(config, run_dir)
+    if wandb_logger is not None:
+        loggers.append(wandb_logger)
+    plugins = [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
+
+    trainer = L.Trainer(
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=t.strategy,
+        precision=t.precision, max_steps=t.max_steps, max_epochs=-1,
+        accumulate_grad_batches=t.accumulate_grad_batches, gradient_clip_val=t.gradient_clip_val,
+        val_check_interval=t.val_every_n_steps * t.accumulate_grad_batches,
+        check_val_every_n_epoch=None, limit_val_batches=t.limit_val_batches,
+        log_every_n_steps=t.log_every_n_steps, num_sanity_val_steps=0,
+        deterministic=t.deterministic, use_distributed_sampler=False,
+        default_root_dir=str(run_dir), logger=loggers, callbacks=callbacks, plugins=plugins,
+        enable_model_summary=_is_rank_zero(),
+    )
+    if _is_rank_zero():  # -> hparams.yaml in the run directory and the wandb run's config
+        stats = {k: v for k, v in info.items() if k != "starts"}
+        for logger in loggers:
+            logger.log_hyperparams({"config": config.to_dict(), **stats})
+    started = time.perf_counter()
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None)
+    fit_seconds = time.perf_counter() - started
+    trainer.limit_val_batches = 1.0  # the final number covers the whole validation set
+    final = trainer.validate(module, datamodule=datamodule, verbose=False)
+    val_loss = float(final[0]["val/loss"]) if final else math.nan
+
+    summary: dict[str, Any] = {
+        "name": config.name, "run_dir": str(run_dir), "global_step": trainer.global_step,
+        "val_loss": val_loss, "fit_seconds": round(fit_seconds, 1),
+        "export": str(run_dir / "export") if config.export else None,
+    }
+    if isinstance(datamodule, TextDataModule):
+        summary["unigram_val_loss"] = unigram_loss(
+            datamodule.train_set.tokens, datamodule.val_sets[0].tokens, len(tokenizer))
+    if val_slices:
+        summary["mqar_accuracy"] = {k.removeprefix("val/mqar_acc/"): float(v)
+                                    for k, v in final[0].items() if k.startswith("val/mqar_acc/")}
+    if trainer.is_global_zero:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

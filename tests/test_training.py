@@ -1,0 +1,234 @@
+"""Training for real: Lightning fast_dev_run per variant, resume after a crash, two processes
+against one, the submitit launcher, and bad input that must not crash or overwrite."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from egmla.training.config import TrainConfig
+from egmla.training.data import build_datamodule
+from egmla.training.module import LanguageModel, lr_lambda
+from egmla.training.run import train
+from training_utils import TINY, compose_config, run_train
+
+
+@pytest.fixture(scope="module", autouse=True)
+def egmla_cache(tmp_path_factory):
+    """One tokenizer/token cache for the module (and its subprocesses), never the user's."""
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("egmla-cache")
+        mp.setenv("EGMLA_CACHE", str(path))
+        mp.setenv("WANDB_MODE", "offline")
+        yield path
+
+
+def export_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "export" / "model.safetensors"))
+
+
+ATTENTIONS = ["small_mha", "small_gqa2", "small_mla", "small_egmla", "small_egmla_latent"]
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_fast_dev_run(attention):
+    config = TrainConfig.from_dict(compose_config([*TINY, f"model/attention={attention}"]))
+    datamodule = build_datamodule(config.data, seed=0, max_steps=1)
+    module = LanguageModel(model=config.model_config().to_dict(), optim=vars(config.optim),
+                           max_steps=1)
+    before = {k: v.clone() for k, v in module.model.state_dict().items()}
+    trainer = L.Trainer(fast_dev_run=True, accelerator="cpu", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False)
+    trainer.fit(module, datamodule=datamodule)
+    assert trainer.global_step == 1
+    changed = [k for k, v in module.model.state_dict().items() if not torch.equal(v, before[k])]
+    assert len(changed) == len(before)  # every parameter (gate tables too) got an update
+
+
+def test_mqar_fast_dev_run_reports_accuracy_by_slice():
+    config = TrainConfig.from_dict(compose_config([
+        "experiment=mqar_sweep", "data.mqar.train_examples=256", "data.mqar.val_examples=32",
+        "data.batch_size=16", "data.seq_len=64"]))
+    datamodule = build_datamodule(config.data, seed=0, max_steps=1)
+    datamodule.setup("fit")
+    module = LanguageModel(model=config.model_config().to_dict(), optim=vars(config.optim),
+                           max_steps=1, val_slices=datamodule.val_slices)
+    trainer = L.Trainer(fast_dev_run=True, accelerator="cpu", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False)
+    trainer.fit(module, datamodule=datamodule)
+    logged = trainer.callback_metrics
+    assert {f"val/mqar_acc/kv{k}" for k in (4, 8, 16)} <= set(logged)
+    assert all(0.0 <= float(logged[f"val/mqar_acc/kv{k}"]) <= 1.0 for k in (4, 8, 16))
+
+
+def test_lr_schedules():
+    from egmla.training.config import OptimConfig
+
+    cos = lr_lambda(OptimConfig(warmup_steps=10, min_lr_ratio=0.1), max_steps=110)
+    assert cos(0) == pytest.approx(0.1) and cos(9) == pytest.approx(1.0)
+    assert cos(60) == pytest.approx(0.55) and cos(110) == pytest.approx(0.1)
+    wsd = lr_lambda(OptimConfig(schedule="wsd", warmup_steps=10, min_lr_ratio=0.0,
+                                decay_fraction=0.2), max_steps=100)
+    assert wsd(50) == 1.0 and wsd(79) == 1.0 and wsd(90) == pytest.approx(0.5)
+
+
+def test_no_weight_decay_on_norms_biases_embeddings():
+    from egmla.models import Transformer
+    from egmla.presets import preset
+    from egmla.training.module import param_groups
+
+    model = Transformer(preset("tiny-egmla"))
+    decay, no_decay = param_groups(model, 0.1)
+    no_decay_ids = {id(p) for p in no_decay["params"]}
+    assert id(model.tok_emb.weight) in no_decay_ids
+    assert id(model.layers[0].attn.gate_table.weight) in no_decay_ids
+    assert id(model.layers[0].attn_norm.weight) in no_decay_ids
+    assert id(model.layers[0].attn.wkv_b.weight) not in no_decay_ids
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+class SimulatedCrash(RuntimeError):
+    pass
+
+
+class CrashAtStep(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            raise SimulatedCrash(f"crash at step {self.step}")
+
+
+@pytest.mark.slow
+def test_resume_after_crash_equals_uninterrupted(tmp_path):
+    overrides = [*TINY, "trainer.max_steps=12", "trainer.checkpoint_every_n_steps=6",
+                 "trainer.val_every_n_steps=6", "trainer.deterministic=true"]
+    full = train(compose_config(overrides), tmp_path / "full")
+
+    resumed_dir = tmp_path / "resumed"
+    with pytest.raises(SimulatedCrash):
+        train(compose_config(overrides), resumed_dir, extra_callbacks=(CrashAtStep(8),))
+    last = torch.load(resumed_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 6  # steps 7-8 are lost, nothing more
+    assert not (resumed_dir / "export").exists()
+    resumed = train(compose_config(overrides), resumed_dir)
+
+    assert resumed["global_step"] == full["global_step"] == 12
+    a, b = export_weights(tmp_path / "full"), export_weights(resumed_dir)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert resumed["val_loss"] == full["val_loss"]
+    info = json.loads((resumed_dir / "run_info.json").read_text())
+    assert len(info["starts"]) == 2 and info["starts"][1]["resumed_from"].endswith("last.ckpt")
+    with (resumed_dir / "metrics.csv").open() as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f) if row["train/loss"]]
+    assert min(steps) <= 1 and max(steps) >= 11  # the first start's rows survived the resume
+    assert info["starts"][0]["git"]["sha"] and info["starts"][0]["versions"]["torch"]
+
+
+@pytest.mark.slow
+def test_run_directory_contents(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_train([*TINY, "trainer.max_steps=4", "trainer.val_every_n_steps=2",
+                        "trainer.checkpoint_every_n_steps=2", "wandb.mode=offline",
+                        "sample_prompt=ROMEO:", f"hydra.run.dir={run_dir}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("config.json", "run_info.json", "metrics.csv", "summary.json",
+                 "checkpoints/last.ckpt", "export/config.json", "export/model.safetensors",
+                 "export/tokenizer.json"):
+        assert (run_dir / name).exists(), name
+    assert list((run_dir / "checkpoints").glob("best-step*.ckpt"))
+    assert list(run_dir.glob(".hydra/*/config.yaml"))  # Hydra's composed config, per start
+    assert list((run_dir / "wandb").glob("offline-run-*"))
+    header = (run_dir / "metrics.csv").read_text().splitlines()[0].split(",")
+    for metric in ("train/loss", "train/ppl", "train/grad_norm", "train/tokens_per_s",
+                   "val/loss", "val/ppl", "lr-AdamW/decay"):
+        assert metric in header, metric
+    assert "export:" in result.stdout and "sample:" in result.stdout and "ROMEO:" in result.stdout
+    # The export loads without Lightning or Hydra.
+    code = ("import sys\nfor m in ('lightning', 'hydra', 'omegaconf'): sys.modules[m] = None\n"
+            "from egmla.checkpoint import load_export\n"
+            f"print(load_export({str(run_dir / 'export')!r}).num_params())")
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and int(out.stdout) > 0, out.stderr
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process_at_twice_the_batch(tmp_path):
+    common = [*TINY, "trainer.max_steps=6", "trainer.val_every_n_steps=6",
+              "trainer.checkpoint_every_n_steps=6", "optim.lr=3e-3"]
+    single = run_train([*common, "data.batch_size=8", f"hydra.run.dir={tmp_path / 'one'}"])
+    assert single.returncode == 0, single.stderr[-3000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    double = run_train([*common, "trainer=ddp_cpu", "data.batch_size=4",
+                        f"hydra.run.dir={tmp_path / 'two'}"], launcher=torchrun)
+    assert double.returncode == 0, double.stderr[-3000:]
+    a, b = export_weights(tmp_path / "one"), export_weights(tmp_path / "two")
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst < 1e-5, worst
+
+
+@pytest.mark.slow
+def test_submitit_local_sweep_writes_two_runs(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = run_train(["-m", "cluster=submitit_local", *TINY, "trainer.max_steps=2",
+                        "trainer.val_every_n_steps=2", "seed=0,1", f"hydra.sweep.dir={sweep}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = sorted(sweep.glob("*/summary.json"))
+    assert len(summaries) == 2
+    seeds = {json.loads((s.parent / "config.json").read_text())["seed"] for s in summaries}
+    assert seeds == {0, 1}
+
+
+# ---- bad input: a clear message, a non-zero exit, no traceback, nothing overwritten -------
+
+
+def assert_clean_failure(result, *needles: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    for needle in needles:
+        assert needle in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["model/attention=gqa"], ["gqa", "small_mha"]),  # Hydra lists the options
+        (["model.attention.type=gqa"], ["'gqa'"]),
+        (["+trainer.max_step=3"], ["'max_step'"]),
+        (["data=hf", "data.tokenizer.kind=bpe", "data.hf.path=json",
+          "data.hf.data_files=/nonexistent/train.jsonl"],
+         ["/nonexistent/train.jsonl"]),
+    ],
+)
+def test_bad_input_fails_cleanly(tmp_path, args, needles):
+    result = run_train([*TINY, *args, f"hydra.run.dir={tmp_path / 'run'}"])
+    assert_clean_failure(result, *needles)
+
+
+@pytest.mark.slow
+def test_resuming_with_another_model_or_tokenizer_is_refused(tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_train([*TINY, "trainer.max_steps=2", f"hydra.run.dir={run_dir}"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    for change, needle in (("model.d_model=128", "different model.d_model (64 there, 128 now)"),
+                           ("data.tokenizer.vocab_size=600", "different data.tokenizer.vocab_size")):
+        result = run_train([*TINY, "trainer.max_steps=4", change, f"hydra.run.dir={run_dir}"])
+        assert_clean_failure(result, needle)
+    after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p in before}
+    assert after == before

@@ -1,0 +1,43 @@
+"""Train an egmla backbone: the Hydra entry point.
+
+    python train.py                                         # the quickstart (small EG-MLA, CPU)
+    python train.py model/attention=mla trainer.max_steps=200 name=mla-try
+    python train.py -m experiment=mqar_sweep model/attention=mha,mla,egmla
+    torchrun --standalone --nproc_per_node=2 train.py trainer=ddp_cpu
+    python train.py -m cluster=slurm experiment=paper_egmla_kv64      # SLURM via submitit
+
+Configs live in configs/ (groups: model, model/attention, data, optim, trainer, cluster,
+experiment); `python train.py --help` lists them. Re-running with the same run directory
+(runs/<name>) resumes from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+
+@hydra.main(config_path="configs", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> float | None:
+    from egmla.training.report import print_summary
+    from egmla.training.run import train
+
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        summary = train(raw, Path(HydraConfig.get().runtime.output_dir))
+    except (ValueError, FileNotFoundError) as err:  # bad config, data, tokenizer or run directory
+        if os.environ.get("EGMLA_DEBUG"):
+            raise
+        print(f"train.py: error: {err}\n(set EGMLA_DEBUG=1 for the traceback)", file=sys.stderr)
+        sys.exit(2)
+    print_summary(summary, raw.get("sample_prompt"))
+    return summary["val_loss"]  # the value a Hydra sweeper minimizes
+
+
+if __name__ == "__main__":
+    main()
