@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -134,23 +133,14 @@ def run_child(size: str, model: str, steps: int, warmup: int, threads: int) -> d
 
 
 def metadata(args: argparse.Namespace) -> dict:
-    import torch
-    import transformers
+    from egmla.provenance import provenance
 
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        sha = None
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    p = provenance()
     return {
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "git_sha": sha,
-        "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "cpu": cpu, "cores": os.cpu_count(),
-        "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "sizes": {k: SIZES[k] for k in args.sizes}, "steps": args.steps, "warmup": args.warmup,
-        "rounds": args.rounds,
+        **p, "git_sha": p["git"]["sha"], "cpu": p["hardware"]["cpu"],
+        "torch": p["versions"]["torch"], "transformers": p["versions"]["transformers"],
+        "threads": args.threads, "sizes": {k: SIZES[k] for k in args.sizes},
+        "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
     }
 
 
@@ -177,7 +167,7 @@ def markdown(meta: dict, table: list[dict]) -> str:
     lines = [
         "# Training throughput (forward + backward), CPU",
         "",
-        f"{meta['date']}; {meta['cpu']}, {meta['threads']} threads; torch {meta['torch']}, "
+        f"{meta['time_utc']}; {meta['cpu']}, {meta['threads']} threads; torch {meta['torch']}, "
         f"transformers {meta['transformers']}; git {meta['git_sha']}; "
         f"median of {meta['rounds']} interleaved rounds x {meta['steps']} steps.",
         "",

@@ -17,11 +17,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import platform
 import shlex
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +29,7 @@ import torch
 from egmla.cache import CacheSpec, ContiguousCache, cache_spec_for
 from egmla.config import ConfigError, ModelConfig
 from egmla.presets import PRESETS, preset
+from egmla.provenance import git_info, hardware
 
 PAPER_SET = ["paper-mha", "paper-gqa4", "paper-mla", "paper-egmla-kv256", "paper-egmla-kv64",
              "paper-egmla-kv16"]
@@ -328,28 +326,12 @@ def render(report: dict[str, Any], markdown: bool = False) -> str:
 
 def metadata(argv: list[str]) -> dict[str, Any]:
     """What produced this report: command, git SHA, versions, host."""
-    def git(*args: str) -> str | None:
-        try:
-            res = subprocess.run(["git", *args], capture_output=True, text=True, timeout=5,
-                                 cwd=Path(__file__).resolve().parent)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return res.stdout.strip() if res.returncode == 0 else None
-
-    cpu = platform.processor() or None
-    try:
-        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                    if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    status = git("status", "--porcelain")
+    git = git_info()
     return {
         "command": shlex.join(["python", "-m", "eval.kv_bytes", *argv]),
-        "git_sha": git("rev-parse", "HEAD"),
-        "git_dirty": None if status is None else bool(status),
+        "git_sha": git["sha"], "git_dirty": git["dirty"],
         "torch": torch.__version__, "python": platform.python_version(),
-        "hostname": socket.gethostname(), "cpu": cpu, "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
+        **hardware(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 

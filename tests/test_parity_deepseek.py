@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-
 import transformers
 
 from egmla.generate import generate

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import transformers
 
 import egmla.imports

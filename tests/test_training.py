@@ -12,12 +12,12 @@ import lightning as L
 import pytest
 import torch
 from safetensors.torch import load_file
+from training_utils import TINY, compose_config, run_train
 
 from egmla.training.config import TrainConfig
 from egmla.training.data import build_datamodule
 from egmla.training.module import LanguageModel, lr_lambda
 from egmla.training.run import train
-from training_utils import TINY, compose_config, run_train
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,6 +51,36 @@ def test_fast_dev_run(attention):
     assert trainer.global_step == 1
     changed = [k for k, v in module.model.state_dict().items() if not torch.equal(v, before[k])]
     assert len(changed) == len(before)  # every parameter (gate tables too) got an update
+
+
+def fast_dev_run(overrides: list[str]) -> L.Trainer:
+    config = TrainConfig.from_dict(compose_config(overrides))
+    datamodule = build_datamodule(config.data, seed=0, max_steps=1)
+    module = LanguageModel(model=config.model_config().to_dict(), optim=vars(config.optim),
+                           max_steps=1)
+    trainer = L.Trainer(fast_dev_run=True, accelerator="cpu", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False)
+    trainer.fit(module, datamodule=datamodule)
+    return trainer
+
+
+def test_local_files_through_datasets(tmp_path):
+    """data=hf with local JSONL files: the path a cluster run takes with ClimbMix or FineWeb."""
+    lines = [json.dumps({"text": f"Document {i}: " + "the quick brown fox " * (20 + i % 7)})
+             for i in range(200)]
+    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
+    trainer = fast_dev_run([*TINY, "data=hf", "data.tokenizer.kind=bpe", "data.hf.path=json",
+                            f"data.hf.data_files={tmp_path / 'train.jsonl'}"])
+    assert trainer.global_step == 1 and float(trainer.callback_metrics["val/loss"]) > 0
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_run():
+    """The real 49,152-token vocabulary: the model's vocabulary follows the tokenizer."""
+    trainer = fast_dev_run([*TINY, "data=corpus_smollm2", "data.tokenizer.vocab_size=49152",
+                            "data.batch_size=2"])
+    assert trainer.lightning_module.model.config.vocab_size == 49152
 
 
 def test_mqar_fast_dev_run_reports_accuracy_by_slice():

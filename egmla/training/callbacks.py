@@ -34,7 +34,8 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
 class Throughput(L.Callback):
     """Logs tokens/s (shown in the progress bar) and an MFU estimate when peak FLOPs are known.
 
-    Tokens are counted over all ranks; the time is the wall time between optimizer steps.
+    `tokens_per_step` is per device; the logged rate counts all ranks. The time is the wall
+    time between optimizer steps.
     """
 
     def __init__(self, tokens_per_step: int, seq_len: int, peak_flops: float | None) -> None:
@@ -51,7 +52,7 @@ class Throughput(L.Callback):
             return  # mid-accumulation: no optimizer step yet
         now = time.perf_counter()
         if self._last is not None:
-            tokens_per_s = self.tokens_per_step / (now - self._last)
+            tokens_per_s = self.tokens_per_step * trainer.world_size / (now - self._last)
             pl_module.log("train/tokens_per_s", tokens_per_s, prog_bar=True)
             if self.peak_flops:
                 mfu = tokens_per_s * self._flops_per_token / (self.peak_flops * trainer.world_size)

@@ -124,6 +124,29 @@ def unigram_loss(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:
     return float(-logp[np.asarray(val)].mean())
 
 
+def _model_stats(model_config) -> dict[str, Any]:
+    spec = cache_spec_for(model_config)
+    return {
+        "params": model_config.num_params(),
+        "params_without_gate_tables": model_config.num_params(include_gate_tables=False),
+        "kv_elements_per_token": spec.elements_per_token(),
+        "kv_bytes_per_token_bf16": spec.bytes_per_token(torch.bfloat16),
+    }
+
+
+def _record_start(run_dir: Path, config: TrainConfig, tokenizer_id: str | None,
+                  resume_from: Path | None, stats: dict[str, Any]) -> None:
+    """config.json on the first start; run_info.json gains one provenance entry per start."""
+    if not (run_dir / "config.json").is_file():
+        record = {**config.to_dict(), "tokenizer_fingerprint": tokenizer_id}
+        (run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
+    info_path = run_dir / "run_info.json"
+    starts = json.loads(info_path.read_text())["starts"] if info_path.is_file() else []
+    starts.append({**provenance(), "resumed_from": str(resume_from) if resume_from else None,
+                   "max_steps": config.trainer.max_steps})
+    info_path.write_text(json.dumps({**stats, "starts": starts}, indent=2) + "\n")
+
+
 def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = ()) -> dict[str, Any]:
     """Train (or resume) the run described by `raw` in `run_dir`; return the summary."""
     config = TrainConfig.from_dict(raw)
@@ -143,23 +166,9 @@ def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = ()) -> di
     resume_from = check_resume(run_dir, config, tokenizer_id)
 
     run_dir.mkdir(parents=True, exist_ok=True)
+    stats = _model_stats(model_config)
     if _is_rank_zero():
-        if not (run_dir / "config.json").is_file():
-            record = {**config.to_dict(), "tokenizer_fingerprint": tokenizer_id}
-            (run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
-        info_path = run_dir / "run_info.json"
-        starts = json.loads(info_path.read_text())["starts"] if info_path.is_file() else []
-        spec = cache_spec_for(model_config)
-        starts.append({**provenance(), "resumed_from": str(resume_from) if resume_from else None,
-                       "max_steps": config.trainer.max_steps})
-        info = {
-            "params": model_config.num_params(),
-            "params_without_gate_tables": model_config.num_params(include_gate_tables=False),
-            "kv_elements_per_token": spec.elements_per_token(),
-            "kv_bytes_per_token_bf16": spec.bytes_per_token(torch.bfloat16),
-            "starts": starts,
-        }
-        info_path.write_text(json.dumps(info, indent=2) + "\n")
+        _record_start(run_dir, config, tokenizer_id, resume_from, stats)
 
     L.seed_everything(config.seed, workers=True, verbose=False)
     val_slices = datamodule.val_slices if isinstance(datamodule, MQARDataModule) else None
@@ -200,7 +209,6 @@ def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = ()) -> di
         enable_model_summary=_is_rank_zero(),
     )
     if _is_rank_zero():  # -> hparams.yaml in the run directory and the wandb run's config
-        stats = {k: v for k, v in info.items() if k != "starts"}
         for logger in loggers:
             logger.log_hyperparams({"config": config.to_dict(), **stats})
     started = time.perf_counter()
