@@ -135,8 +135,12 @@ class ContiguousCache:
         self._step = 0  # tokens in the step being written (set by `begin`)
         self.device = device
 
-    def begin(self, token_ids: torch.Tensor) -> None:
-        """Start a step of `token_ids` (B, T): check space, record per-sequence fields."""
+    def begin(self, token_ids: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """Start a step of `token_ids` (B, T): check space, record per-sequence fields.
+
+        `positions` must be the cache's next T positions (rows of equal length); a paged cache
+        uses them to place ragged rows.
+        """
         B, T = token_ids.shape
         if B != self.batch_size:
             raise ValueError(f"batch of {B} sequences for a cache of batch_size={self.batch_size}")
@@ -144,6 +148,13 @@ class ContiguousCache:
             raise ValueError(
                 f"cache full: {self.length} cached + {T} new tokens > max_len={self.max_len}"
             )
+        if positions is not None:
+            expected = torch.arange(self.length, self.length + T, device=positions.device)
+            if not bool((positions == expected).all()):
+                raise ValueError(
+                    f"positions must continue the contiguous cache at {self.length}; "
+                    f"got {positions.flatten()[:4].tolist()}..."
+                )
         self._step = T
         if "token_ids" in self.sequence:
             self.sequence["token_ids"][:, self.length : self.length + T] = token_ids

@@ -119,13 +119,13 @@ class Transformer(nn.Module):
         after the cached tokens with one.
         """
         B, T = token_ids.shape
-        start = cache.length if cache is not None else 0
-        if positions is None:
+        if positions is None:  # a paged (ragged) step always passes its positions
+            start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + T, device=token_ids.device)
         if positions.dim() == 1:
             positions = positions[None]  # (1, T): broadcasts over the batch, RoPE computed once
         if cache is not None:
-            cache.begin(token_ids)
+            cache.begin(token_ids, positions)
         x = self.tok_emb(token_ids)  # (B, T, d)
         for i, block in enumerate(self.layers):
             x = block(x, positions, cache.layer(i) if cache is not None else None, token_ids)

@@ -19,14 +19,17 @@ def attend(
     q (B, T, H, Dk), k (B, S, Hkv, Dk), v (B, S, Hkv, Dv) -> (B, T, H, Dv).
     Without `key_positions` the keys are the queries' own tokens in order (training, or a
     prefill with no cache), so the plain causal mask applies. Otherwise query at position p
-    sees every cached key at position <= p.
+    sees every cached key at position <= p. `key_positions` is (S,) when all rows share them
+    (contiguous cache) or (B, S) for ragged rows (paged cache), whose padding slots carry a
+    position larger than any query's, so the mask hides them.
     """
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T or S, D)
     gqa = k.shape[1] != q.shape[1]
     if key_positions is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        mask = key_positions[None, None, :] <= positions[:, :, None]  # (B, T, S)
+        kp = key_positions if key_positions.dim() == 2 else key_positions[None]  # (B or 1, S)
+        mask = kp[:, None, :] <= positions[:, :, None]  # (B, T, S)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=gqa
         )

@@ -1,0 +1,147 @@
+"""The paged KV cache: fixed-size blocks of every cached field, shared by all sequences.
+
+Every attention variant declares what it caches (`cache_spec()`); this module allocates, for each
+layer and field, a pool of `num_blocks` blocks of `block_size` token slots, plus one pool per
+per-sequence field (EG-MLA's token ids). One implementation serves MHA (k, v), MLA (c, k_rope)
+and EG-MLA (c, k_rope + token ids) with no per-variant code.
+
+A forward step over a ragged batch (rows of different lengths, new tokens of different counts)
+goes through `PagedStep`, which implements the model's cache protocol:
+
+- `begin(token_ids, positions)`: write the per-sequence fields of the new tokens;
+- `layer(i).update(**fields)`: scatter the new tokens' fields into their slots, then gather each
+  row's whole history into a padded (B, S_max, ...) tensor;
+- `key_positions` (B, S_max): each history slot's position, padding set past any query so the
+  causal mask hides it.
+
+Slot of position p in a sequence = block_table[p // block_size] * block_size + p % block_size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from egmla.cache import CacheSpec, FieldSpec
+
+# Key position of padding slots: larger than any query position, so `key <= query` is false.
+PAD_POSITION = 2**62
+
+
+class PagedKVCache:
+    """Block pools for every cached field; `nbytes()` measures what was allocated."""
+
+    def __init__(
+        self,
+        spec: CacheSpec,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
+        self.spec, self.num_blocks, self.block_size = spec, num_blocks, block_size
+        self.dtype, self.device = dtype, device
+
+        def pool(f: FieldSpec) -> torch.Tensor:
+            shape = (num_blocks * block_size, *f.shape)  # flat slots: block-major
+            return torch.zeros(shape, dtype=f.dtype or dtype, device=device)
+
+        self.layers = [{name: pool(f) for name, f in layer.items()} for layer in spec.layers]
+        self.sequence = {name: pool(f) for name, f in spec.sequence.items()}
+
+    def nbytes(self) -> int:
+        tensors = [t for layer in self.layers for t in layer.values()] + list(self.sequence.values())
+        return sum(t.untyped_storage().nbytes() for t in tensors)
+
+    def block_bytes(self) -> int:
+        """Bytes of one block across every layer and field."""
+        return self.nbytes() // self.num_blocks
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write: duplicate block `src` into `dst` in every pool."""
+        s, d, n = src * self.block_size, dst * self.block_size, self.block_size
+        for t in [t for layer in self.layers for t in layer.values()] + list(self.sequence.values()):
+            t[d : d + n] = t[s : s + n]
+
+    def step(
+        self,
+        block_tables: Sequence[Sequence[int]],
+        context_lens: Sequence[int],
+        new_lens: Sequence[int],
+    ) -> PagedStep:
+        """A forward step: row b already has context_lens[b] cached tokens and adds new_lens[b]."""
+        return PagedStep(self, block_tables, context_lens, new_lens)
+
+
+class PagedStep:
+    """One ragged forward step over the paged cache (the model's cache protocol)."""
+
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        block_tables: Sequence[Sequence[int]],
+        context_lens: Sequence[int],
+        new_lens: Sequence[int],
+    ) -> None:
+        if not (len(block_tables) == len(context_lens) == len(new_lens)):
+            raise ValueError("block_tables, context_lens and new_lens need one entry per row")
+        self.cache = cache
+        bs, device = cache.block_size, cache.device
+        B, T, S = len(new_lens), max(new_lens), max(c + n for c, n in zip(context_lens, new_lens))
+        slots = torch.zeros(B, S, dtype=torch.long)  # (B, S): slot of each history position
+        key_positions = torch.full((B, S), PAD_POSITION, dtype=torch.long)
+        new_slots = torch.full((B, T), -1, dtype=torch.long)  # (B, T): where new tokens go
+        for b, (table, ctx, new) in enumerate(zip(block_tables, context_lens, new_lens)):
+            total = ctx + new
+            if total > len(table) * bs:
+                raise ValueError(f"row {b}: {total} tokens do not fit {len(table)} blocks of {bs}")
+            pos = torch.arange(total)
+            row = torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs
+            slots[b, :total], key_positions[b, :total] = row, pos
+            new_slots[b, :new] = row[ctx:]
+        self.slots, self.new_slots = slots.to(device), new_slots.to(device)
+        self.key_positions = key_positions.to(device)
+        self._valid = self.new_slots >= 0  # (B, T): real new tokens (the rest is padding)
+
+    def _write(self, pool: torch.Tensor, values: torch.Tensor) -> None:
+        pool[self.new_slots[self._valid]] = values[self._valid].to(pool.dtype)
+
+    def begin(self, token_ids: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        if token_ids.shape != self.new_slots.shape:
+            raise ValueError(f"token_ids {tuple(token_ids.shape)} != step {tuple(self.new_slots.shape)}")
+        if "token_ids" in self.cache.sequence:
+            self._write(self.cache.sequence["token_ids"], token_ids)
+
+    def advance(self) -> None:
+        """Nothing to commit: the engine's block manager tracks lengths."""
+
+    def layer(self, index: int) -> _PagedLayer:
+        return _PagedLayer(self, index)
+
+    def token_ids(self) -> torch.Tensor:
+        return self.cache.sequence["token_ids"][self.slots].long()  # (B, S)
+
+
+class _PagedLayer:
+    def __init__(self, step: PagedStep, index: int) -> None:
+        self._step, self._pools = step, step.cache.layers[index]
+
+    def update(self, **new: torch.Tensor) -> dict[str, torch.Tensor]:
+        if set(new) != set(self._pools):
+            raise KeyError(f"cached {sorted(new)}, spec says {sorted(self._pools)}")
+        out = {}
+        for name, values in new.items():
+            pool = self._pools[name]
+            self._step._write(pool, values)
+            out[name] = pool[self._step.slots].to(values.dtype)  # (B, S, ...) padded history
+        return out
+
+    @property
+    def key_positions(self) -> torch.Tensor:
+        return self._step.key_positions
+
+    def token_ids(self) -> torch.Tensor:
+        return self._step.token_ids()
