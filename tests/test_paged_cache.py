@@ -7,12 +7,12 @@ import random
 
 import pytest
 import torch
+from test_models import VARIANTS, build
 
 from egmla.cache import cache_spec_for
 from egmla.models import Transformer
 from egmla.presets import PRESETS, preset
 from serve.paged_cache import PagedKVCache
-from test_models import VARIANTS, build
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -1,0 +1,247 @@
+"""A continuous-batching engine over the paged KV cache (first step: scheduling and greedy or
+sampled decoding; the vLLM-shaped API and the HTTP server build on it).
+
+Every step the scheduler fills a token budget: running decodes first (one token each), then
+prefills in arrival order, long prompts cut into chunks (chunked prefill). When the block pool
+cannot hold a decode, the most recently arrived running sequence is preempted by recompute: its
+blocks are freed and it goes back to the head of the queue, to be prefilled again (prompt plus
+what it had generated; full blocks may still be found in the prefix cache). All scheduled rows
+run as one ragged forward over `PagedKVCache`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from egmla.generate import sample_next
+from egmla.models import Transformer
+from serve.block_manager import BlockManager
+from serve.paged_cache import PagedKVCache
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens}: must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}: must be >= 0")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k={self.top_k}: must be >= 1")
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int = 256
+    max_num_seqs: int = 64  # rows in one step
+    max_num_batched_tokens: int = 512  # token budget of one step
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    cache_dtype: torch.dtype | None = None  # None: the model's dtype
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt: list[int]
+    params: SamplingParams
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the cache
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    preemptions: int = 0
+    peak_running: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, model: Transformer, config: EngineConfig | None = None) -> None:
+        self.model, self.config = model.eval(), config or EngineConfig()
+        c = self.config
+        weight = model.tok_emb.weight
+        self.cache = PagedKVCache(model.cache_spec(), c.num_blocks, c.block_size,
+                                  dtype=c.cache_dtype or weight.dtype, device=weight.device)
+        self.blocks = BlockManager(c.num_blocks, c.block_size, c.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.finished: dict[int, Sequence] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(self, prompt: list[int], params: SamplingParams | None = None) -> int:
+        params = params or SamplingParams()
+        if not prompt:
+            raise ValueError("prompt is empty: a request needs at least one token")
+        limit = self.model.config.max_seq_len
+        if len(prompt) + params.max_tokens > limit:
+            raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds "
+                             f"the model's context ({limit})")
+        blocks = -(-(len(prompt) + params.max_tokens) // self.config.block_size)
+        if blocks > self.config.num_blocks:
+            raise ValueError(f"a request of {len(prompt) + params.max_tokens} tokens needs {blocks}"
+                             f" blocks; the pool has {self.config.num_blocks}")
+        seq = Sequence(next(self._ids), list(prompt), params)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        self.waiting.append(seq)
+        return seq.seq_id
+
+    def abort(self, seq_id: int) -> None:
+        for seq in list(self.running):
+            if seq.seq_id == seq_id:
+                self.running.remove(seq)
+                self.blocks.free(seq_id)
+                self._finish(seq, "abort")
+        for seq in list(self.waiting):
+            if seq.seq_id == seq_id:
+                self.waiting.remove(seq)
+                if self.blocks.has(seq_id):
+                    self.blocks.free(seq_id)
+                self._finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.finished[seq.seq_id] = seq
+
+    # ---- scheduling -------------------------------------------------------------------------
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _reserve(self, seq: Sequence, n: int) -> bool:
+        pairs = self.blocks.append_slots(seq.seq_id, seq.tokens, n)
+        if pairs is None:
+            return False
+        for src, dst in pairs:
+            self.cache.copy_block(src, dst)
+        return True
+
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        c = self.config
+        budget, rows = c.max_num_batched_tokens, []
+        # 1. Running sequences, oldest first: decodes (1 token) and unfinished chunked prefills.
+        for seq in list(self.running):
+            if seq not in self.running:
+                continue  # preempted below to make room for an older sequence
+            want = len(seq.tokens) - seq.num_computed
+            n = min(want, budget) if (want == 1 or c.enable_chunked_prefill) else want
+            if n < 1 or n > budget:
+                continue
+            while not self._reserve(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq in self.running:
+                rows.append((seq, n))
+                budget -= n
+        # 2. Waiting sequences in arrival order, while budget, rows and blocks allow.
+        while self.waiting and budget > 0 and len(rows) < c.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.blocks.has(seq.seq_id):
+                cached = self.blocks.allocate_prompt(seq.seq_id, seq.tokens)
+                seq.num_computed = cached
+                self.stats.cached_prompt_tokens += cached
+            want = len(seq.tokens) - seq.num_computed
+            n = min(want, budget) if c.enable_chunked_prefill else want
+            if n > budget or not self._reserve(seq, n):
+                # FCFS: later requests wait for this one, which holds nothing while it waits
+                # (else a queue of half-admitted requests could hold the whole pool).
+                self.blocks.free(seq.seq_id)
+                seq.num_computed = 0
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            rows.append((seq, n))
+            budget -= n
+        self.stats.peak_running = max(self.stats.peak_running, len(self.running))
+        return rows
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> list[Sequence]:
+        """Schedule, run one ragged forward, sample; return the sequences that finished."""
+        rows = self._schedule()
+        if not rows:
+            if self.waiting and not self.running:
+                raise RuntimeError("the next request cannot be scheduled: the block pool or the "
+                                   "token budget is too small for it")
+            return []
+        B, T = len(rows), max(n for _, n in rows)
+        device = self.model.tok_emb.weight.device
+        tokens = torch.zeros(B, T, dtype=torch.long)
+        positions = torch.zeros(B, T, dtype=torch.long)  # padding queries sit at position 0
+        for b, (seq, n) in enumerate(rows):
+            start = seq.num_computed
+            tokens[b, :n] = torch.tensor(seq.tokens[start : start + n])
+            positions[b, :n] = torch.arange(start, start + n)
+        step = self.cache.step([self.blocks.block_table(s.seq_id) for s, _ in rows],
+                               [s.num_computed for s, _ in rows], [n for _, n in rows])
+        logits = self.model(tokens.to(device), positions.to(device), cache=step)  # (B, T, V)
+        self.stats.steps += 1
+        done = []
+        for b, (seq, n) in enumerate(rows):
+            prefill = len(seq.tokens) - seq.num_computed > 1
+            seq.num_computed += n
+            if prefill:
+                self.stats.prefill_tokens += n
+            else:
+                self.stats.decode_tokens += n
+            self.blocks.commit(seq.seq_id, seq.tokens[: seq.num_computed])
+            if seq.num_computed < len(seq.tokens):
+                continue  # a chunk of a longer prompt: no token yet
+            p = seq.params
+            nxt = int(sample_next(logits[b, n - 1][None], p.temperature, p.top_k, p.top_p,
+                                  seq.generator)[0])
+            seq.output.append(nxt)
+            if nxt in p.stop_token_ids or len(seq.output) >= p.max_tokens:
+                self.running.remove(seq)
+                self.blocks.free(seq.seq_id)
+                self._finish(seq, "stop" if nxt in p.stop_token_ids else "length")
+                done.append(seq)
+        return done
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None
+                 ) -> list[list[int]]:
+        """Run `prompts` to completion; return each one's generated token ids, in order."""
+        ids = [self.add_request(p, params) for p in prompts]
+        while self.has_unfinished():
+            self.step()
+        return [self.finished[i].output for i in ids]
