@@ -1,1 +1,4 @@
-"""Serving: paged-KV engine and OpenAI-compatible server (to come; see the serving issue)."""
+"""Serving: a paged-KV engine for every attention variant (the API and HTTP server come next).
+
+    from serve.engine import LLMEngine, EngineConfig, SamplingParams
+"""
