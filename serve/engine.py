@@ -31,8 +31,11 @@ class SamplingParams:
     top_p: float | None = None
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    n: int = 1  # samples of one prompt; sample i draws with seed + i and shares the prompt's blocks
 
     def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n={self.n}: must be >= 1")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens}: must be >= 1")
         if self.temperature < 0:
@@ -64,6 +67,7 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     preemptions: int = 0
+    request_id: int = -1  # the request this sample belongs to (its first sample's seq_id)
 
     @property
     def tokens(self) -> list[int]:
@@ -91,6 +95,7 @@ class LLMEngine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.finished: dict[int, Sequence] = {}
+        self.requests: dict[int, list[int]] = {}  # request id -> its samples' seq ids
         self.stats = EngineStats()
         self._ids = itertools.count()
 
@@ -108,11 +113,26 @@ class LLMEngine:
         if blocks > self.config.num_blocks:
             raise ValueError(f"a request of {len(prompt) + params.max_tokens} tokens needs {blocks}"
                              f" blocks; the pool has {self.config.num_blocks}")
-        seq = Sequence(next(self._ids), list(prompt), params)
-        if params.seed is not None:
-            seq.generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        seq_id = next(self._ids)
+        seq = Sequence(seq_id, list(prompt), params, generator=_generator(params.seed),
+                       request_id=seq_id)
+        self.requests[seq_id] = [seq_id]
         self.waiting.append(seq)
-        return seq.seq_id
+        return seq_id
+
+    def _fork(self, parent: Sequence, logits: torch.Tensor) -> list[Sequence]:
+        """Samples 1..n-1 of a request whose prompt just finished: they share every block of the
+        prompt (copy-on-write on the first write into the shared last block) and draw their
+        first token from the same logits with their own seeds."""
+        p, children = parent.params, []
+        for i in range(1, p.n):
+            child = Sequence(next(self._ids), parent.prompt, p, num_computed=parent.num_computed,
+                             generator=_generator(None if p.seed is None else p.seed + i),
+                             request_id=parent.request_id)
+            self.blocks.fork(parent.seq_id, child.seq_id)
+            self.requests[parent.request_id].append(child.seq_id)
+            children.append(child)
+        return children
 
     def abort(self, seq_id: int) -> None:
         for seq in list(self.running):
@@ -227,21 +247,38 @@ class LLMEngine:
             self.blocks.commit(seq.seq_id, seq.tokens[: seq.num_computed])
             if seq.num_computed < len(seq.tokens):
                 continue  # a chunk of a longer prompt: no token yet
-            p = seq.params
-            nxt = int(sample_next(logits[b, n - 1][None], p.temperature, p.top_k, p.top_p,
-                                  seq.generator)[0])
-            seq.output.append(nxt)
-            if nxt in p.stop_token_ids or len(seq.output) >= p.max_tokens:
-                self.running.remove(seq)
-                self.blocks.free(seq.seq_id)
-                self._finish(seq, "stop" if nxt in p.stop_token_ids else "length")
-                done.append(seq)
+            first = not seq.output and len(self.requests[seq.request_id]) < seq.params.n
+            group = [seq, *self._fork(seq, logits[b, n - 1])] if first else [seq]
+            for s in group:
+                if s is not seq:
+                    self.running.append(s)
+                if self._sample(s, logits[b, n - 1]):
+                    done.append(s)
+        self.stats.peak_running = max(self.stats.peak_running, len(self.running))
         return done
 
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> bool:
+        """Append the next token; finish the sequence if it stops. True when it finished."""
+        p = seq.params
+        nxt = int(sample_next(logits[None], p.temperature, p.top_k, p.top_p, seq.generator)[0])
+        seq.output.append(nxt)
+        if nxt not in p.stop_token_ids and len(seq.output) < p.max_tokens:
+            return False
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        self._finish(seq, "stop" if nxt in p.stop_token_ids else "length")
+        return True
+
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None
-                 ) -> list[list[int]]:
-        """Run `prompts` to completion; return each one's generated token ids, in order."""
+                 ) -> list[list[int]] | list[list[list[int]]]:
+        """Run `prompts` to completion; return each one's generated token ids, in order
+        (with n > 1, a list of n outputs per prompt)."""
         ids = [self.add_request(p, params) for p in prompts]
         while self.has_unfinished():
             self.step()
-        return [self.finished[i].output for i in ids]
+        outputs = [[self.finished[s].output for s in self.requests[i]] for i in ids]
+        return outputs if (params and params.n > 1) else [o[0] for o in outputs]
+
+
+def _generator(seed: int | None) -> torch.Generator | None:
+    return None if seed is None else torch.Generator(device="cpu").manual_seed(seed)

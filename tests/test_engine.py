@@ -57,3 +57,32 @@ def test_greedy_equals_full_recompute(name, setting):
     if setting == "prefix+chunked":
         assert engine.stats.cached_prompt_tokens > 0
     assert engine.blocks.num_used() == 0  # every block back: free or evictable cache
+
+
+@pytest.mark.parametrize("name", ["mha", "mla-absorbed", "egmla-kv"])
+def test_n_samples_share_the_prompt_blocks_and_equal_independent_runs(name):
+    model = build(VARIANTS[name])
+    prompt = mixed_prompts(model.config.vocab_size)[1]  # 25-40 tokens: a partial last block
+    params = dict(max_tokens=6, temperature=1.0, top_k=20)
+    config = EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=64)
+
+    engine = LLMEngine(model, config)
+    request = engine.add_request(prompt, SamplingParams(n=4, seed=100, **params))
+    engine.step()  # the prompt's prefill; samples 1-3 fork from sample 0
+    samples = engine.requests[request]
+    tables = [engine.blocks.block_table(s) for s in samples]
+    assert len(samples) == 4 and all(t == tables[0] for t in tables)  # every block shared
+    prompt_blocks = len(tables[0])
+    assert engine.blocks.num_used() == prompt_blocks  # measured: one copy for four samples
+    engine.step()  # first decode: each fork copies the shared partial block before writing
+    assert engine.blocks.num_used() <= prompt_blocks + 3 + 4
+    assert engine.blocks.num_used() < 4 * prompt_blocks
+    while engine.has_unfinished():
+        engine.step()
+    together = [engine.finished[s].output for s in samples]
+
+    alone = [LLMEngine(model, config).generate([prompt], SamplingParams(seed=100 + i, **params))[0]
+             for i in range(4)]
+    assert together == alone
+    assert len({tuple(o) for o in together}) > 1  # sampling actually varied across seeds
+    assert engine.blocks.num_used() == 0
