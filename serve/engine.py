@@ -12,6 +12,8 @@ run as one ragged forward over `PagedKVCache`.
 from __future__ import annotations
 
 import itertools
+import statistics
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -68,6 +70,20 @@ class Sequence:
     generator: torch.Generator | None = None
     preemptions: int = 0
     request_id: int = -1  # the request this sample belongs to (its first sample's seq_id)
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first: (E2E - TTFT) / (n - 1), as vLLM reports it."""
+        if self.finish_time is None or self.first_token_time is None or len(self.output) < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (len(self.output) - 1)
 
     @property
     def tokens(self) -> list[int]:
@@ -82,6 +98,8 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     cached_prompt_tokens: int = 0
+    reserved_slot_steps: int = 0  # sum over steps of KV slots held by live sequences
+    used_slot_steps: int = 0  # sum over steps of the slots those sequences filled
 
 
 class LLMEngine:
@@ -134,24 +152,27 @@ class LLMEngine:
             children.append(child)
         return children
 
-    def abort(self, seq_id: int) -> None:
-        for seq in list(self.running):
-            if seq.seq_id == seq_id:
+    def abort(self, request_id: int) -> None:
+        """Stop every sample of a request and free its blocks (finished ones are left as is)."""
+        if request_id not in self.requests:
+            raise KeyError(f"unknown request {request_id}")
+        for seq_id in self.requests[request_id]:
+            seq = next((s for s in (*self.running, *self.waiting) if s.seq_id == seq_id), None)
+            if seq is None:
+                continue  # already finished
+            if seq in self.running:
                 self.running.remove(seq)
-                self.blocks.free(seq_id)
-                self._finish(seq, "abort")
-        for seq in list(self.waiting):
-            if seq.seq_id == seq_id:
+            else:
                 self.waiting.remove(seq)
-                if self.blocks.has(seq_id):
-                    self.blocks.free(seq_id)
-                self._finish(seq, "abort")
+            if self.blocks.has(seq_id):
+                self.blocks.free(seq_id)
+            self._finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.finish_reason = reason
+        seq.finish_reason, seq.finish_time = reason, time.perf_counter()
         self.finished[seq.seq_id] = seq
 
     # ---- scheduling -------------------------------------------------------------------------
@@ -236,6 +257,8 @@ class LLMEngine:
                                [s.num_computed for s, _ in rows], [n for _, n in rows])
         logits = self.model(tokens.to(device), positions.to(device), cache=step)  # (B, T, V)
         self.stats.steps += 1
+        self.stats.reserved_slot_steps += self.blocks.reserved_slots()
+        self.stats.used_slot_steps += self.blocks.used_slots()
         done = []
         for b, (seq, n) in enumerate(rows):
             prefill = len(seq.tokens) - seq.num_computed > 1
@@ -262,6 +285,8 @@ class LLMEngine:
         p = seq.params
         nxt = int(sample_next(logits[None], p.temperature, p.top_k, p.top_p, seq.generator)[0])
         seq.output.append(nxt)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
         if nxt not in p.stop_token_ids and len(seq.output) < p.max_tokens:
             return False
         self.running.remove(seq)
@@ -278,6 +303,34 @@ class LLMEngine:
             self.step()
         outputs = [[self.finished[s].output for s in self.requests[i]] for i in ids]
         return outputs if (params and params.n > 1) else [o[0] for o in outputs]
+
+
+    def metrics(self) -> dict[str, float | int | None]:
+        """Run statistics: latency of finished requests, throughput, KV use, cache hits."""
+        done = [s for s in self.finished.values() if s.finish_reason != "abort"]
+        ttft = [s.ttft for s in done if s.ttft is not None]
+        tpot = [s.tpot for s in done if s.tpot is not None]
+        span = (max((s.finish_time for s in done), default=0.0)
+                - min((s.arrival for s in done), default=0.0))
+        out_tokens = sum(len(s.output) for s in done)
+        blocks = self.blocks.stats()
+        slot_bytes = self.cache.block_bytes() // self.config.block_size
+        mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
+        return {
+            "requests_finished": len(done), "output_tokens": out_tokens,
+            "output_tokens_per_s": out_tokens / span if span > 0 else None,
+            "ttft_mean_s": mean(ttft), "tpot_mean_s": mean(tpot),
+            "steps": self.stats.steps, "preemptions": self.stats.preemptions,
+            "peak_running": self.stats.peak_running,
+            "kv_blocks_used": blocks.used_blocks, "kv_blocks_total": blocks.num_blocks,
+            "kv_bytes_reserved_now": blocks.reserved_slots * slot_bytes,
+            "kv_bytes_used_now": blocks.used_slots * slot_bytes,
+            "fragmentation_now": blocks.fragmentation,
+            # unused / reserved KV slots, summed over every step of the run
+            "fragmentation_mean": (1 - self.stats.used_slot_steps / self.stats.reserved_slot_steps
+                                   if self.stats.reserved_slot_steps else 0.0),
+            "prefix_cache_hit_rate": blocks.hit_rate,
+        }
 
 
 def _generator(seed: int | None) -> torch.Generator | None:
