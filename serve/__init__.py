@@ -1,4 +1,13 @@
-"""Serving: a paged-KV engine for every attention variant (the API and HTTP server come next).
+"""Serving: a paged-KV engine for every attention variant, with a vLLM-shaped Python API.
 
-    from serve.engine import LLMEngine, EngineConfig, SamplingParams
+    from serve import LLM, SamplingParams
+    llm = LLM(model="SmolLM2-135M-Instruct")
+    print(llm.generate("The capital of France is")[0].outputs[0].text)
+
+The OpenAI-compatible HTTP server is next (see the serving issue).
 """
+
+from serve.engine import EngineConfig, LLMEngine, SamplingParams
+from serve.llm import LLM, CompletionOutput, RequestOutput
+
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]

@@ -157,16 +157,20 @@ class LLMEngine:
         if request_id not in self.requests:
             raise KeyError(f"unknown request {request_id}")
         for seq_id in self.requests[request_id]:
-            seq = next((s for s in (*self.running, *self.waiting) if s.seq_id == seq_id), None)
-            if seq is None:
-                continue  # already finished
-            if seq in self.running:
-                self.running.remove(seq)
-            else:
-                self.waiting.remove(seq)
-            if self.blocks.has(seq_id):
-                self.blocks.free(seq_id)
-            self._finish(seq, "abort")
+            self.finish_early(seq_id, "abort")
+
+    def finish_early(self, seq_id: int, reason: str) -> None:
+        """End one live sample now (abort, or a stop string seen by the caller)."""
+        seq = next((s for s in (*self.running, *self.waiting) if s.seq_id == seq_id), None)
+        if seq is None:
+            return  # already finished
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        if self.blocks.has(seq_id):
+            self.blocks.free(seq_id)
+        self._finish(seq, reason)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

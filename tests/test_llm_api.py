@@ -1,0 +1,50 @@
+"""The vLLM-shaped Python API on a real pretrained model (SmolLM2-135M-Instruct, offline)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from egmla.generate import generate
+from serve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EGMLA_CACHE", str(tmp_path_factory.mktemp("egmla-cache")))
+        yield LLM(model="SmolLM2-135M-Instruct", block_size=16, num_blocks=256)
+
+
+@pytest.mark.slow
+def test_greedy_text_equals_the_plain_generator(llm):
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12))
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([llm.tokenizer.encode(prompt)])
+        expected = generate(llm.model, ids, 12, eos_token_id=llm.tokenizer.eos_token_id)
+        assert out.outputs[0].token_ids == expected[0, ids.shape[1]:].tolist()
+        assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids,
+                                                           skip_special_tokens=True)
+        assert out.prompt == prompt and out.outputs[0].finish_reason in ("length", "stop")
+    assert "Paris" in outs[0].outputs[0].text
+
+
+@pytest.mark.slow
+def test_chat_writes_python_and_stop_strings_cut(llm):
+    messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    out = llm.chat(messages, SamplingParams(max_tokens=40))[0].outputs[0]
+    assert "def " in out.text and "return" in out.text
+    cut = llm.chat(messages, SamplingParams(max_tokens=40), stop=["return"])[0].outputs[0]
+    assert cut.finish_reason == "stop" and "return" not in cut.text
+    assert out.text.startswith(cut.text)
+
+
+def test_text_prompt_without_tokenizer_is_an_error():
+    from egmla.models import Transformer
+    from egmla.presets import preset
+
+    llm = LLM(Transformer(preset("tiny-mha")), num_blocks=16)
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("hello")
