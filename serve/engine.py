@@ -131,6 +131,10 @@ class LLMEngine:
         if blocks > self.config.num_blocks:
             raise ValueError(f"a request of {len(prompt) + params.max_tokens} tokens needs {blocks}"
                              f" blocks; the pool has {self.config.num_blocks}")
+        c = self.config
+        if not c.enable_chunked_prefill and len(prompt) > c.max_num_batched_tokens:
+            raise ValueError(f"prompt of {len(prompt)} tokens exceeds max_num_batched_tokens="
+                             f"{c.max_num_batched_tokens} and chunked prefill is off")
         seq_id = next(self._ids)
         seq = Sequence(seq_id, list(prompt), params, generator=_generator(params.seed),
                        request_id=seq_id)

@@ -131,3 +131,29 @@ def test_metrics_are_consistent():
     assert m["kv_blocks_used"] == 0 and m["fragmentation_now"] == 0.0
     for s in engine.finished.values():
         assert s.ttft <= s.finish_time - s.arrival
+
+
+@pytest.mark.parametrize(
+    "prompt_len, params, config, message",
+    [
+        (0, {}, {}, "prompt is empty"),
+        (250, {"max_tokens": 10}, {}, "exceeds the model's context"),
+        (40, {"max_tokens": 8}, {"num_blocks": 4}, "the pool has 4"),
+        (40, {}, {"enable_chunked_prefill": False, "max_num_batched_tokens": 16},
+         "chunked prefill is off"),
+    ],
+)
+def test_requests_that_can_never_run_are_refused_up_front(prompt_len, params, config, message):
+    model = build(VARIANTS["mha"], dtype=torch.float32)
+    engine = LLMEngine(model, EngineConfig(**{"block_size": 4, "num_blocks": 64, **config}))
+    with pytest.raises(ValueError, match=message):
+        engine.add_request([1] * prompt_len, SamplingParams(**params))
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("bad, message", [({"max_tokens": 0}, "max_tokens=0"),
+                                          ({"temperature": -1}, "temperature=-1"),
+                                          ({"top_p": 0}, "top_p=0"), ({"n": 0}, "n=0")])
+def test_bad_sampling_params_name_the_field(bad, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**bad)
