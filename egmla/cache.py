@@ -75,6 +75,28 @@ def cache_spec_for(config: ModelConfig) -> CacheSpec:
         return Transformer(config).cache_spec()
 
 
+class CacheTensors:
+    """Every tensor a cache allocates for `spec`: per layer and field, and per-sequence fields,
+    each of shape (*leading, *field.shape). `nbytes()` measures the storage actually allocated.
+    Shared by the contiguous cache (leading = batch, positions) and the paged one (slots)."""
+
+    def __init__(self, spec: CacheSpec, leading: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device | str | None) -> None:
+        def alloc(f: FieldSpec) -> torch.Tensor:
+            return torch.zeros((*leading, *f.shape), dtype=f.dtype or dtype, device=device)
+
+        self.spec, self.dtype, self.device = spec, dtype, device
+        self.layers = [{name: alloc(f) for name, f in layer.items()} for layer in spec.layers]
+        self.sequence = {name: alloc(f) for name, f in spec.sequence.items()}
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for layer in self.layers for t in layer.values()] + list(self.sequence.values())
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor allocated (measured, not computed from the spec)."""
+        return sum(t.untyped_storage().nbytes() for t in self.tensors())
+
+
 class LayerCache:
     """One layer's window onto a `ContiguousCache` for the current forward step.
 
@@ -106,11 +128,11 @@ class LayerCache:
         return self._cache.token_ids()
 
 
-class ContiguousCache:
+class ContiguousCache(CacheTensors):
     """A preallocated cache of `max_len` positions for a batch of equal-length sequences.
 
-    The model writes per-sequence fields with `write_sequence`, each layer writes its fields
-    through `layer(i).update`, then the model calls `advance(T)` once per step.
+    Per step the model calls `begin(token_ids, positions)` (per-sequence fields), each layer
+    writes its fields through `layer(i).update`, then the model calls `advance()`.
     """
 
     def __init__(
@@ -123,17 +145,10 @@ class ContiguousCache:
     ) -> None:
         if batch_size < 1 or max_len < 1:
             raise ValueError(f"batch_size={batch_size} and max_len={max_len} must be >= 1")
-        self.spec, self.batch_size, self.max_len, self.dtype = spec, batch_size, max_len, dtype
-
-        def alloc(f: FieldSpec) -> torch.Tensor:
-            shape = (batch_size, max_len, *f.shape)
-            return torch.zeros(shape, dtype=f.dtype or dtype, device=device)
-
-        self.layers = [{name: alloc(f) for name, f in layer.items()} for layer in spec.layers]
-        self.sequence = {name: alloc(f) for name, f in spec.sequence.items()}
+        super().__init__(spec, (batch_size, max_len), dtype, device)
+        self.batch_size, self.max_len = batch_size, max_len
         self.length = 0
         self._step = 0  # tokens in the step being written (set by `begin`)
-        self.device = device
 
     def begin(self, token_ids: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """Start a step of `token_ids` (B, T): check space, record per-sequence fields.
@@ -173,8 +188,3 @@ class ContiguousCache:
 
     def token_ids(self) -> torch.Tensor:
         return self.sequence["token_ids"][:, : self.length + self._step].long()
-
-    def nbytes(self) -> int:
-        """Bytes of every tensor this cache allocated (measured, not computed from the spec)."""
-        tensors = [t for layer in self.layers for t in layer.values()] + list(self.sequence.values())
-        return sum(t.untyped_storage().nbytes() for t in tensors)

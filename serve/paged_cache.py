@@ -23,13 +23,13 @@ from collections.abc import Sequence
 
 import torch
 
-from egmla.cache import CacheSpec, FieldSpec
+from egmla.cache import CacheSpec, CacheTensors
 
 # Key position of padding slots: larger than any query position, so `key <= query` is false.
 PAD_POSITION = 2**62
 
 
-class PagedKVCache:
+class PagedKVCache(CacheTensors):
     """Block pools for every cached field; `nbytes()` measures what was allocated."""
 
     def __init__(
@@ -42,19 +42,8 @@ class PagedKVCache:
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
-        self.spec, self.num_blocks, self.block_size = spec, num_blocks, block_size
-        self.dtype, self.device = dtype, device
-
-        def pool(f: FieldSpec) -> torch.Tensor:
-            shape = (num_blocks * block_size, *f.shape)  # flat slots: block-major
-            return torch.zeros(shape, dtype=f.dtype or dtype, device=device)
-
-        self.layers = [{name: pool(f) for name, f in layer.items()} for layer in spec.layers]
-        self.sequence = {name: pool(f) for name, f in spec.sequence.items()}
-
-    def nbytes(self) -> int:
-        tensors = [t for layer in self.layers for t in layer.values()] + list(self.sequence.values())
-        return sum(t.untyped_storage().nbytes() for t in tensors)
+        super().__init__(spec, (num_blocks * block_size,), dtype, device)  # flat, block-major
+        self.num_blocks, self.block_size = num_blocks, block_size
 
     def block_bytes(self) -> int:
         """Bytes of one block across every layer and field."""
@@ -63,7 +52,7 @@ class PagedKVCache:
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: duplicate block `src` into `dst` in every pool."""
         s, d, n = src * self.block_size, dst * self.block_size, self.block_size
-        for t in [t for layer in self.layers for t in layer.values()] + list(self.sequence.values()):
+        for t in self.tensors():
             t[d : d + n] = t[s : s + n]
 
     def step(
