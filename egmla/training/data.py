@@ -17,7 +17,7 @@ from egmla.data.mqar import MQARConfig, MQARDataset
 from egmla.data.packing import PackedDataset, tokenize_to_cache
 from egmla.data.sampler import StepSampler
 from egmla.data.sources import load_text_source
-from egmla.data.tokenizer import get_tokenizer, tokenizer_fingerprint
+from egmla.data.tokenizer import get_tokenizer
 from egmla.training.config import DataConfig
 
 
@@ -90,8 +90,11 @@ class TextDataModule(_StepDataModule):
         return load_text_source("hf", val_fraction=self.data.val_fraction, **options)
 
     def load_tokenizer(self):
-        t = self.data.tokenizer
-        return get_tokenizer(t.kind, vocab_size=t.vocab_size, path=t.path)
+        """The run's tokenizer, loaded (or trained and cached on disk) once per process."""
+        if self.tokenizer is None:
+            t = self.data.tokenizer
+            self.tokenizer = get_tokenizer(t.kind, vocab_size=t.vocab_size, path=t.path)
+        return self.tokenizer
 
     def _tokens(self):
         tokenizer = self.load_tokenizer()
@@ -107,12 +110,9 @@ class TextDataModule(_StepDataModule):
         self._tokens()
 
     def setup(self, stage: str | None = None) -> None:
-        self.tokenizer, train, val = self._tokens()
+        _, train, val = self._tokens()
         self.train_set = PackedDataset(train, self.data.seq_len)
         self.val_sets = [PackedDataset(val, self.data.seq_len)]
-
-    def fingerprint(self) -> str:
-        return tokenizer_fingerprint(self.tokenizer or self.load_tokenizer())
 
 
 class MQARDataModule(_StepDataModule):

@@ -29,6 +29,7 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from egmla.cache import cache_spec_for
 from egmla.config import ConfigError
+from egmla.data.tokenizer import tokenizer_fingerprint
 from egmla.provenance import provenance
 from egmla.training.callbacks import Export, ResumableCSVLogger, Throughput
 from egmla.training.config import TrainConfig
@@ -156,7 +157,7 @@ def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = ()) -> di
     tokenizer = tokenizer_id = None
     if isinstance(datamodule, TextDataModule):
         tokenizer = datamodule.load_tokenizer()
-        tokenizer_id = datamodule.fingerprint()
+        tokenizer_id = tokenizer_fingerprint(tokenizer)
         if len(tokenizer) > model_config.vocab_size:
             raise ConfigError(f"model.vocab_size={model_config.vocab_size} is smaller than the "
                               f"tokenizer's vocabulary ({len(tokenizer)})")
