@@ -11,8 +11,8 @@ run as one ragged forward over `PagedKVCache`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -23,6 +23,14 @@ from egmla.generate import sample_next
 from egmla.models import Transformer
 from serve.block_manager import BlockManager
 from serve.paged_cache import PagedKVCache
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses; `param` names the offending field (for HTTP errors)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -36,22 +44,23 @@ class SamplingParams:
     n: int = 1  # samples of one prompt; sample i draws with seed + i and shares the prompt's blocks
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"n={self.n}: must be >= 1")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens}: must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}: must be >= 0")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k={self.top_k}: must be >= 1")
+        checks = {
+            "n": self.n >= 1, "max_tokens": self.max_tokens >= 1, "temperature": self.temperature >= 0,
+            "top_p": self.top_p is None or 0 < self.top_p <= 1,
+            "top_k": self.top_k is None or self.top_k >= 1,
+        }
+        rules = {"n": "must be >= 1", "max_tokens": "must be >= 1", "temperature": "must be >= 0",
+                 "top_p": "must be in (0, 1]", "top_k": "must be >= 1"}
+        for name, ok in checks.items():
+            if not ok:
+                raise InvalidRequest(f"{name}={getattr(self, name)}: {rules[name]}", name)
 
 
 @dataclass
 class EngineConfig:
     block_size: int = 16
-    num_blocks: int = 256
+    num_blocks: int | None = None  # blocks in the pool; None: as many as kv_cache_memory holds
+    kv_cache_memory: int = 256 * 2**20  # bytes for the paged KV pool when num_blocks is None
     max_num_seqs: int = 64  # rows in one step
     max_num_batched_tokens: int = 512  # token budget of one step
     enable_prefix_caching: bool = True
@@ -97,18 +106,35 @@ class EngineStats:
     peak_running: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    sampled_tokens: int = 0  # tokens generated, finished or not
+    aborted: int = 0  # samples aborted (client gone, or stopped by the caller)
     cached_prompt_tokens: int = 0
+    # finished (not aborted) requests' samples: running sums, so metrics survive release()
+    finished: int = 0
+    output_tokens: int = 0
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
+    tpot_sum: float = 0.0
+    tpot_count: int = 0
+    first_arrival: float | None = None
+    last_finish: float | None = None
     reserved_slot_steps: int = 0  # sum over steps of KV slots held by live sequences
     used_slot_steps: int = 0  # sum over steps of the slots those sequences filled
 
 
 class LLMEngine:
     def __init__(self, model: Transformer, config: EngineConfig | None = None) -> None:
-        self.model, self.config = model.eval(), config or EngineConfig()
-        c = self.config
+        self.model, c = model.eval(), config or EngineConfig()
         weight = model.tok_emb.weight
-        self.cache = PagedKVCache(model.cache_spec(), c.num_blocks, c.block_size,
-                                  dtype=c.cache_dtype or weight.dtype, device=weight.device)
+        spec, dtype = model.cache_spec(), c.cache_dtype or weight.dtype
+        if c.num_blocks is None:
+            block_bytes = spec.bytes_per_token(dtype) * c.block_size
+            if c.kv_cache_memory < block_bytes:
+                raise ValueError(f"kv_cache_memory={c.kv_cache_memory} bytes holds no block of "
+                                 f"{block_bytes} bytes (block_size={c.block_size})")
+            c = dataclasses.replace(c, num_blocks=c.kv_cache_memory // block_bytes)
+        self.config = c
+        self.cache = PagedKVCache(spec, c.num_blocks, c.block_size, dtype=dtype, device=weight.device)
         self.blocks = BlockManager(c.num_blocks, c.block_size, c.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -119,22 +145,31 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------
 
+    def check_request(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest if this request could never run here. Reads only the (fixed)
+        configuration, so any thread may call it."""
+        c, limit, total = self.config, self.model.config.max_seq_len, len(prompt) + params.max_tokens
+        if not prompt:
+            raise InvalidRequest("prompt is empty: a request needs at least one token", "prompt")
+        if total > limit:
+            raise InvalidRequest(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
+                                 f"exceeds the model's context of {limit} tokens", "prompt")
+        if params.n > c.max_num_seqs:
+            raise InvalidRequest(f"n={params.n}: exceeds max_num_seqs={c.max_num_seqs}", "n")
+        # The n samples share the prompt's full blocks and each need blocks of their own after.
+        shared = len(prompt) // c.block_size
+        blocks = shared + params.n * -(-(total - shared * c.block_size) // c.block_size)
+        if blocks > c.num_blocks:
+            param = "n" if params.n > 1 else "max_tokens"
+            raise InvalidRequest(f"{params.n} x {total} tokens need {blocks} KV blocks; the pool "
+                                 f"has {c.num_blocks} (block_size={c.block_size})", param)
+        if not c.enable_chunked_prefill and len(prompt) > c.max_num_batched_tokens:
+            raise InvalidRequest(f"prompt of {len(prompt)} tokens exceeds max_num_batched_tokens="
+                                 f"{c.max_num_batched_tokens} and chunked prefill is off", "prompt")
+
     def add_request(self, prompt: list[int], params: SamplingParams | None = None) -> int:
         params = params or SamplingParams()
-        if not prompt:
-            raise ValueError("prompt is empty: a request needs at least one token")
-        limit = self.model.config.max_seq_len
-        if len(prompt) + params.max_tokens > limit:
-            raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds "
-                             f"the model's context ({limit})")
-        blocks = -(-(len(prompt) + params.max_tokens) // self.config.block_size)
-        if blocks > self.config.num_blocks:
-            raise ValueError(f"a request of {len(prompt) + params.max_tokens} tokens needs {blocks}"
-                             f" blocks; the pool has {self.config.num_blocks}")
-        c = self.config
-        if not c.enable_chunked_prefill and len(prompt) > c.max_num_batched_tokens:
-            raise ValueError(f"prompt of {len(prompt)} tokens exceeds max_num_batched_tokens="
-                             f"{c.max_num_batched_tokens} and chunked prefill is off")
+        self.check_request(prompt, params)
         seq_id = next(self._ids)
         seq = Sequence(seq_id, list(prompt), params, generator=_generator(params.seed),
                        request_id=seq_id)
@@ -163,10 +198,16 @@ class LLMEngine:
         for seq_id in self.requests[request_id]:
             self.finish_early(seq_id, "abort")
 
+    def sequence(self, seq_id: int) -> Sequence:
+        """A sample by id, live or finished."""
+        if seq_id in self.finished:
+            return self.finished[seq_id]
+        return next(s for s in (*self.running, *self.waiting) if s.seq_id == seq_id)
+
     def finish_early(self, seq_id: int, reason: str) -> None:
         """End one live sample now (abort, or a stop string seen by the caller)."""
-        seq = next((s for s in (*self.running, *self.waiting) if s.seq_id == seq_id), None)
-        if seq is None:
+        seq = self.sequence(seq_id)
+        if seq.finish_reason is not None:
             return  # already finished
         if seq in self.running:
             self.running.remove(seq)
@@ -179,9 +220,35 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def is_finished(self, request_id: int) -> bool:
+        """Every sample of the request has finished (an aborted prompt never forks)."""
+        seqs = [self.finished.get(s) for s in self.requests[request_id]]
+        if any(s is None for s in seqs):
+            return False
+        return len(seqs) == seqs[0].params.n or seqs[0].finish_reason == "abort"
+
+    def release(self, request_id: int) -> list[Sequence]:
+        """Forget a finished request (a server calls this once it has answered); returns its
+        samples. `metrics()` keeps counting it."""
+        if not self.is_finished(request_id):
+            raise ValueError(f"request {request_id} has not finished")
+        return [self.finished.pop(s) for s in self.requests.pop(request_id)]
+
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason, seq.finish_time = reason, time.perf_counter()
         self.finished[seq.seq_id] = seq
+        st = self.stats
+        if reason == "abort":
+            st.aborted += 1
+            return
+        st.finished += 1
+        st.output_tokens += len(seq.output)
+        if seq.ttft is not None:
+            st.ttft_sum, st.ttft_count = st.ttft_sum + seq.ttft, st.ttft_count + 1
+        if seq.tpot is not None:
+            st.tpot_sum, st.tpot_count = st.tpot_sum + seq.tpot, st.tpot_count + 1
+        st.first_arrival = min(seq.arrival, st.first_arrival or seq.arrival)
+        st.last_finish = max(seq.finish_time, st.last_finish or seq.finish_time)
 
     # ---- scheduling -------------------------------------------------------------------------
 
@@ -246,24 +313,17 @@ class LLMEngine:
 
     @torch.no_grad()
     def step(self) -> list[Sequence]:
-        """Schedule, run one ragged forward, sample; return the sequences that finished."""
+        """Schedule, run the step's forwards, sample; return the sequences that finished."""
         rows = self._schedule()
         if not rows:
             if self.waiting and not self.running:
                 raise RuntimeError("the next request cannot be scheduled: the block pool or the "
                                    "token budget is too small for it")
             return []
-        B, T = len(rows), max(n for _, n in rows)
-        device = self.model.tok_emb.weight.device
-        tokens = torch.zeros(B, T, dtype=torch.long)
-        positions = torch.zeros(B, T, dtype=torch.long)  # padding queries sit at position 0
-        for b, (seq, n) in enumerate(rows):
-            start = seq.num_computed
-            tokens[b, :n] = torch.tensor(seq.tokens[start : start + n])
-            positions[b, :n] = torch.arange(start, start + n)
-        step = self.cache.step([self.blocks.block_table(s.seq_id) for s, _ in rows],
-                               [s.num_computed for s, _ in rows], [n for _, n in rows])
-        logits = self.model(tokens.to(device), positions.to(device), cache=step)  # (B, T, V)
+        last_logits = {}  # row index -> logits of its last new token
+        for group in _forward_groups([n for _, n in rows]):
+            logits = self._forward([rows[i] for i in group])  # (len(group), V)
+            last_logits.update(zip(group, logits))
         self.stats.steps += 1
         self.stats.reserved_slot_steps += self.blocks.reserved_slots()
         self.stats.used_slot_steps += self.blocks.used_slots()
@@ -279,20 +339,37 @@ class LLMEngine:
             if seq.num_computed < len(seq.tokens):
                 continue  # a chunk of a longer prompt: no token yet
             first = not seq.output and len(self.requests[seq.request_id]) < seq.params.n
-            group = [seq, *self._fork(seq, logits[b, n - 1])] if first else [seq]
+            group = [seq, *self._fork(seq, last_logits[b])] if first else [seq]
             for s in group:
                 if s is not seq:
                     self.running.append(s)
-                if self._sample(s, logits[b, n - 1]):
+                if self._sample(s, last_logits[b]):
                     done.append(s)
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
         return done
+
+    def _forward(self, rows: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """One ragged forward over the paged cache -> (rows, vocab) logits of each row's last
+        new token."""
+        B, T = len(rows), max(n for _, n in rows)
+        tokens = torch.zeros(B, T, dtype=torch.long)
+        positions = torch.zeros(B, T, dtype=torch.long)  # padding queries sit at position 0
+        for b, (seq, n) in enumerate(rows):
+            start = seq.num_computed
+            tokens[b, :n] = torch.tensor(seq.tokens[start : start + n])
+            positions[b, :n] = torch.arange(start, start + n)
+        step = self.cache.step([self.blocks.block_table(s.seq_id) for s, _ in rows],
+                               [s.num_computed for s, _ in rows], [n for _, n in rows])
+        device = self.model.tok_emb.weight.device
+        last = torch.tensor([n - 1 for _, n in rows], device=device)
+        return self.model(tokens.to(device), positions.to(device), cache=step, logits_at=last)
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> bool:
         """Append the next token; finish the sequence if it stops. True when it finished."""
         p = seq.params
         nxt = int(sample_next(logits[None], p.temperature, p.top_k, p.top_p, seq.generator)[0])
         seq.output.append(nxt)
+        self.stats.sampled_tokens += 1
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         if nxt not in p.stop_token_ids and len(seq.output) < p.max_tokens:
@@ -315,19 +392,14 @@ class LLMEngine:
 
     def metrics(self) -> dict[str, float | int | None]:
         """Run statistics: latency of finished requests, throughput, KV use, cache hits."""
-        done = [s for s in self.finished.values() if s.finish_reason != "abort"]
-        ttft = [s.ttft for s in done if s.ttft is not None]
-        tpot = [s.tpot for s in done if s.tpot is not None]
-        span = (max((s.finish_time for s in done), default=0.0)
-                - min((s.arrival for s in done), default=0.0))
-        out_tokens = sum(len(s.output) for s in done)
-        blocks = self.blocks.stats()
+        st, blocks = self.stats, self.blocks.stats()
+        span = (st.last_finish - st.first_arrival) if st.finished else 0.0
         slot_bytes = self.cache.block_bytes() // self.config.block_size
-        mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
         return {
-            "requests_finished": len(done), "output_tokens": out_tokens,
-            "output_tokens_per_s": out_tokens / span if span > 0 else None,
-            "ttft_mean_s": mean(ttft), "tpot_mean_s": mean(tpot),
+            "requests_finished": st.finished, "output_tokens": st.output_tokens,
+            "output_tokens_per_s": st.output_tokens / span if span > 0 else None,
+            "ttft_mean_s": st.ttft_sum / st.ttft_count if st.ttft_count else None,
+            "tpot_mean_s": st.tpot_sum / st.tpot_count if st.tpot_count else None,
             "steps": self.stats.steps, "preemptions": self.stats.preemptions,
             "peak_running": self.stats.peak_running,
             "kv_blocks_used": blocks.used_blocks, "kv_blocks_total": blocks.num_blocks,
@@ -339,6 +411,23 @@ class LLMEngine:
                                    if self.stats.reserved_slot_steps else 0.0),
             "prefix_cache_hit_rate": blocks.hit_rate,
         }
+
+
+def _forward_groups(lengths: list[int], max_padding: float = 0.25) -> list[list[int]]:
+    """Split a step's rows (new-token counts) into forwards that waste little on padding: all
+    decodes (1 token) together, prefill chunks grouped longest first while the padded size stays
+    within (1 + max_padding) x their real tokens. A (B, T) forward computes B * T tokens, so one
+    512-token chunk padded with 30 decodes would otherwise cost 31x."""
+    decodes = [i for i, n in enumerate(lengths) if n == 1]
+    groups = [decodes] if decodes else []
+    group: list[int] = []
+    for i in sorted((i for i, n in enumerate(lengths) if n > 1), key=lambda i: -lengths[i]):
+        real = sum(lengths[j] for j in group) + lengths[i]
+        if group and (len(group) + 1) * lengths[group[0]] > (1 + max_padding) * real:
+            groups.append(group)
+            group = []
+        group.append(i)
+    return groups + ([group] if group else [])
 
 
 def _generator(seed: int | None) -> torch.Generator | None:

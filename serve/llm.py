@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +20,8 @@ import torch
 
 from egmla.imports import load_pretrained
 from egmla.models import Transformer
-from serve.engine import EngineConfig, LLMEngine, SamplingParams
+from serve.engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams
+from serve.outputs import OutputProcessor
 
 
 @dataclass
@@ -58,28 +60,41 @@ class LLM:
             self.model, loaded_tokenizer = load_pretrained(model, dtype=dtype)
             self.tokenizer = tokenizer or loaded_tokenizer
         self.model.eval()
-        self.name = getattr(model, "name", None) or str(model)
-        if num_blocks is None:
-            per_block = self.model.cache_spec().bytes_per_token(
-                self.model.tok_emb.weight.dtype) * block_size
-            num_blocks = max(1, kv_cache_memory // per_block)
+        self.name = str(model) if not isinstance(model, Transformer) else "egmla"
         self.engine = LLMEngine(self.model, EngineConfig(
-            block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill))
+        self.outputs = OutputProcessor(self.engine, self.decode)
 
     # ---- text <-> tokens ----------------------------------------------------------------------
 
-    def _encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """Text -> token ids (token ids pass through)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass token ids, not text")
+                raise InvalidRequest("this model has no tokenizer: pass token ids, not text", "prompt")
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def _decode(self, ids: list[int]) -> str:
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation -> token ids, through the tokenizer's chat template with the assistant
+        turn opened."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequest(f"{self.name}: its tokenizer has no chat template", "messages")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+
+    def with_eos(self, params: SamplingParams) -> SamplingParams:
+        """`params` that also stop at the model's end-of-sequence token."""
+        eos = getattr(self.tokenizer, "eos_token_id", None) or self.model.config.eos_token_id
+        if eos is None or eos in params.stop_token_ids:
+            return params
+        return dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, eos))
 
     # ---- generation ---------------------------------------------------------------------------
 
@@ -91,52 +106,30 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); stop strings end a sample early and are
         cut from its text."""
-        params = params or SamplingParams()
+        params = self.with_eos(params or SamplingParams())
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        eos = getattr(self.tokenizer, "eos_token_id", None) or self.model.config.eos_token_id
-        if eos is not None and eos not in params.stop_token_ids:
-            params = SamplingParams(**{**vars(params), "stop_token_ids": (*params.stop_token_ids, eos)})
-        requests = [(p, self._encode(p)) for p in prompts]
+        requests = [(p, self.encode(p)) for p in prompts]
+        for _, tokens in requests:  # refuse a bad batch before any of it is queued
+            self.engine.check_request(tokens, params)
         ids = [self.engine.add_request(tokens, params) for _, tokens in requests]
-        stopped: dict[int, str] = {}  # seq id -> text cut at a stop string
-        while self.engine.has_unfinished():
-            self.engine.step()
-            if stop:
-                self._check_stop_strings(ids, stop, stopped)
-        return [self._output(rid, p, tokens, stopped) for rid, (p, tokens) in zip(ids, requests)]
-
-    def _check_stop_strings(self, ids: list[int], stop: list[str], stopped: dict[int, str]) -> None:
-        live = {s.seq_id: s for s in (*self.engine.running, *self.engine.waiting)}
         for rid in ids:
-            for seq_id in self.engine.requests[rid]:
-                seq = live.get(seq_id)
-                if seq is None or not seq.output:
-                    continue
-                text = self._decode(seq.output)
-                cut = min((text.find(s) for s in stop if s in text), default=-1)
-                if cut >= 0:
-                    stopped[seq_id] = text[:cut]
-                    self.engine.finish_early(seq_id, "stop")
-
-    def _output(self, rid: int, prompt, tokens: list[int], stopped: dict[int, str]) -> RequestOutput:
-        out = RequestOutput(rid, prompt if isinstance(prompt, str) else None, tokens)
-        for i, seq_id in enumerate(self.engine.requests[rid]):
-            seq = self.engine.finished[seq_id]
-            text = stopped.get(seq_id, self._decode(seq.output))
-            out.outputs.append(CompletionOutput(i, text, list(seq.output), seq.finish_reason))
-        return out
+            self.outputs.add(rid, stop or ())
+        results = {}
+        while len(results) < len(ids):
+            if self.engine.has_unfinished():
+                self.engine.step()
+            results.update((u.request_id, u) for u in self.outputs.process() if u.finished)
+        return [
+            RequestOutput(rid, p if isinstance(p, str) else None, tokens,
+                          [CompletionOutput(o.index, o.text, o.token_ids, o.finish_reason)
+                           for o in results[rid].outputs])
+            for rid, (p, tokens) in zip(ids, requests)
+        ]
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              params: SamplingParams | None = None, stop: list[str] | None = None
              ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template (with the assistant prompt) and generate."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"{self.name}: its tokenizer has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = []
-        for conv in conversations:
-            ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True)
-            prompts.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys")
-                                else ids))
-        return self.generate(prompts, params, stop)
+        return self.generate([self.encode_chat(c) for c in conversations], params, stop)

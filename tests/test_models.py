@@ -86,6 +86,16 @@ def test_chunked_prefill_equals_full_forward(name):
     assert (torch.cat(chunks, dim=1) - full).abs().max().item() < 1e-9
 
 
+def test_logits_at_picks_one_position_per_row():
+    cfg = VARIANTS["egmla-kv"]
+    model, ids = build(cfg), random_ids(cfg, 3, 11)
+    at = torch.tensor([10, 0, 4])
+    with torch.no_grad():
+        full, picked = model(ids), model(ids, logits_at=at)
+    assert picked.shape == (3, cfg.vocab_size)
+    assert (picked - full[torch.arange(3), at]).abs().max().item() < 1e-12
+
+
 @pytest.mark.parametrize("base", ["tiny-mla", "tiny-egmla-latent"])
 def test_absorbed_equals_naive(base):
     """Same weights, two computations: full forward and cached decode agree in float64."""

@@ -112,11 +112,13 @@ class Transformer(nn.Module):
         token_ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         cache: ContiguousCache | None = None,
+        logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """token_ids (B, T) -> logits (B, T, vocab).
+        """token_ids (B, T) -> logits (B, T, vocab), or (B, vocab) with `logits_at`.
 
         `positions` (B, T), (1, T) or (T,) default to the next T positions: 0..T-1 without a cache,
-        after the cached tokens with one.
+        after the cached tokens with one. `logits_at` (B,) picks one index per row (the last real
+        token of a prefill chunk): the LM head then runs on B tokens instead of B * T.
         """
         B, T = token_ids.shape
         if positions is None:  # a paged (ragged) step always passes its positions
@@ -131,4 +133,6 @@ class Transformer(nn.Module):
             x = block(x, positions, cache.layer(i) if cache is not None else None, token_ids)
         if cache is not None:
             cache.advance()
+        if logits_at is not None:
+            x = x[torch.arange(B, device=x.device), logits_at]  # (B, d)
         return self.lm_head(self.norm(x))

@@ -1,0 +1,117 @@
+"""`python -m serve --model MODEL`: the OpenAI-compatible HTTP server.
+
+MODEL is a training export directory (runs/<name>/export) or a known imported model name
+(SmolLM2-135M-Instruct). Try it with any OpenAI client:
+
+    python -m serve --model SmolLM2-135M-Instruct --port 8000
+    curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 8}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+
+UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+         "g": 2**30, "gb": 10**9, "gib": 2**30}
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '2GiB', '1.5G', '100000' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 512MiB, 2GiB or 1000000")
+    value = int(float(match.group(1)) * UNITS[match.group(2).lower()])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be >= 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m serve", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True,
+                   help="a training export directory or a known model name (SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", help="the name clients pass as 'model' (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default %(default)s)")
+    p.add_argument("--dtype", choices=DTYPES, help="weights and KV-cache dtype (default: the export's)")
+    g = p.add_argument_group("KV cache and scheduling")
+    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (%(default)s)")
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default="512MiB",
+                   help="memory for the paged KV pool, e.g. 512MiB or 4GiB (default %(default)s)")
+    g.add_argument("--num-blocks", type=positive_int,
+                   help="blocks in the KV pool; overrides --kv-cache-memory")
+    g.add_argument("--max-num-seqs", type=positive_int, default=64,
+                   help="sequences in one batch (default %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=512,
+                   help="token budget of one step (default %(default)s)")
+    g.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests accepted beyond --max-num-seqs before answering 503 (default %(default)s)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
+    g.add_argument("--no-chunked-prefill", action="store_true", help="turn off chunked prefill")
+    p.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.max_queued_requests < 0:
+        print(f"error: --max-queued-requests={args.max_queued_requests}: must be >= 0", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    # Heavy imports after argument parsing, so --help and usage errors are instant.
+    import torch
+    import uvicorn
+
+    from egmla.checkpoint import CheckpointError
+    from serve.api import build_app
+    from serve.async_engine import AsyncEngine
+    from serve.llm import LLM
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        llm = LLM(args.model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                  num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  enable_prefix_caching=not args.no_prefix_caching,
+                  enable_chunked_prefill=not args.no_chunked_prefill,
+                  dtype=getattr(torch, args.dtype) if args.dtype else None)
+    except (CheckpointError, ValueError, OSError) as error:
+        print(f"error: cannot load --model {args.model}: {error}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model))
+                                      if os.path.isdir(args.model) else args.model)
+    c = llm.engine.config
+    logging.getLogger("serve").info(
+        "serving %s as %r: %d KV blocks of %d tokens (%.1f MiB)", args.model, name, c.num_blocks,
+        c.block_size, llm.engine.cache.nbytes() / 2**20)
+    engine = AsyncEngine(llm, max_queued_requests=args.max_queued_requests).start()
+    try:
+        uvicorn.run(build_app(engine, name), host=args.host, port=args.port,
+                    log_level=args.log_level)
+    finally:
+        engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,412 @@
+"""The OpenAI-compatible HTTP API (FastAPI) over an `AsyncEngine`.
+
+    GET  /v1/models              the served model
+    POST /v1/completions         text completion; "stream": true for server-sent events
+    POST /v1/chat/completions    chat through the tokenizer's template; streams the same way
+    GET  /health                 200 while the engine thread is alive, else 503
+    GET  /metrics                Prometheus text: TTFT, TPOT, requests, KV blocks, prefix hits
+
+Errors are OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`, with the status:
+400 for a bad field (named in `param`), 404 for an unknown model, 503 when the request queue is
+full or the engine stopped. Streams end with `data: [DONE]`; a client that disconnects has its
+request aborted and its KV blocks freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict, Field
+
+from serve.async_engine import AsyncEngine, EngineDead, QueueFull, RequestStream
+from serve.engine import InvalidRequest, SamplingParams
+from serve.outputs import RequestUpdate
+
+# ---- request bodies ----------------------------------------------------------------------------
+
+
+class _Common(BaseModel):
+    # Unknown fields are ignored, as OpenAI-compatible servers do; known ones we cannot honour
+    # are refused by _refuse_unsupported rather than silently dropped.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    # Extensions (as in vLLM): top-k sampling, stop token ids, and generating past EOS.
+    top_k: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    # OpenAI fields accepted only at their neutral values.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]]
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # None: the rest of the context (or of the KV pool)
+    max_completion_tokens: int | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def response(self) -> JSONResponse:
+        body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return JSONResponse({"error": body}, status_code=self.status)
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    first = exc.errors()[0]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+                        .rstrip(": "), code="invalid_json")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # Union members add their type to the location (prompt.str, prompt.list[int], ...).
+    field = ".".join(p for p in loc if not (p[:1].isalpha() and ("[" in p or p in {"str", "int"})))
+    if not field:
+        return APIError(400, f"the request body is invalid: {first.get('msg')}")
+    return APIError(400, f"{field}: {first.get('msg')}", param=field.split(".")[0])
+
+
+def _refuse_unsupported(req: _Common) -> None:
+    neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None,
+               "logprobs": None, "echo": False, "suffix": None, "top_logprobs": None, "tools": None}
+    for name, value in neutral.items():
+        have = getattr(req, name, value)
+        if have not in (value, None, False, {}, []):
+            raise APIError(400, f"{name}={have!r} is not supported by this server", param=name)
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and best_of != req.n:
+        raise APIError(400, f"best_of={best_of} is not supported (only best_of == n)", param="best_of")
+
+
+# ---- the app -----------------------------------------------------------------------------------
+
+
+def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
+    """The HTTP API over a started `AsyncEngine`; metrics go to a registry of this app's own."""
+    app = FastAPI(title="egmla serve", description=__doc__)
+    llm, context = engine.llm, engine.llm.model.config.max_seq_len
+    registry = CollectorRegistry()
+    latency = dict(registry=registry, buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+    ttft = Histogram("egmla_time_to_first_token_seconds", "Time to first token", **latency)
+    tpot = Histogram("egmla_time_per_output_token_seconds",
+                     "Time per output token after the first", **latency)
+    registry.register(_EngineCollector(engine))
+    previous = engine._on_finish
+
+    def observe(update: RequestUpdate) -> None:  # on the engine thread
+        for out in update.outputs:
+            if out.finish_reason != "abort":
+                if out.ttft is not None:
+                    ttft.observe(out.ttft)
+                if out.tpot is not None:
+                    tpot.observe(out.tpot)
+        if previous is not None:
+            previous(update)
+
+    engine._on_finish = observe
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    def check_model(name: str) -> None:
+        if name != served_model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves "
+                           f"{served_model_name!r}", param="model", code="model_not_found")
+
+    def sampling(req: _Common, max_tokens: int) -> SamplingParams:
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                top_k=req.top_k, seed=req.seed, n=req.n,
+                stop_token_ids=tuple(req.stop_token_ids or ()))
+        except InvalidRequest as error:
+            raise APIError(400, str(error), param=error.param) from None
+        return params if req.ignore_eos else llm.with_eos(params)
+
+    def submit(prompts: list[list[int]], params: SamplingParams, req: _Common, prompt_field: str
+               ) -> list[RequestStream]:
+        """Queue every prompt, or none: all are checked first, and a full queue midway takes
+        back the ones already queued."""
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        streams: list[RequestStream] = []
+        try:
+            for prompt in prompts:
+                engine.engine.check_request(prompt, params)
+            for prompt in prompts:
+                streams.append(engine.submit(prompt, params, stop, stream=req.stream))
+        except InvalidRequest as error:
+            param = prompt_field if error.param == "prompt" else error.param
+            code = "context_length_exceeded" if "context" in str(error) else None
+            raise APIError(400, str(error), param=param, code=code) from None
+        except QueueFull as error:
+            for stream in streams:
+                stream.abort()
+            raise APIError(503, f"{error}; retry later", type="server_overloaded") from None
+        except EngineDead as error:
+            raise APIError(503, str(error), type="server_error") from None
+        return streams
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not engine.alive:
+            return APIError(503, f"the engine stopped: {engine.error!r}", type="server_error").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": served_model_name, "object": "model", "created": int(app.state.started),
+            "owned_by": "egmla", "max_model_len": context}]}
+
+    app.state.started = time.time()
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        check_model(req.model)
+        _refuse_unsupported(req)
+        prompts = _completion_prompts(req.prompt)
+        try:
+            encoded = [llm.encode(p) for p in prompts]
+        except InvalidRequest as error:
+            raise APIError(400, str(error), param="prompt") from None
+        if req.max_tokens is None:
+            req.max_tokens = 16
+        params = sampling(req, req.max_tokens)
+        streams = submit(encoded, params, req, "prompt")
+        reply = _Reply("cmpl", "text_completion", served_model_name, req, chat=False)
+        return await reply.respond(streams, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request):
+        check_model(req.model)
+        _refuse_unsupported(req)
+        messages = [m.model_dump() for m in req.messages]
+        for m in messages:
+            if not isinstance(m["content"], str):  # OpenAI's list of parts: keep the text ones
+                m["content"] = "".join(p.get("text", "") for p in m["content"] if p.get("type") == "text")
+        try:
+            prompt = llm.encode_chat(messages)
+        except InvalidRequest as error:
+            raise APIError(400, str(error), param="messages") from None
+        except Exception as error:  # noqa: BLE001 - a template may reject a conversation any way
+            raise APIError(400, f"the chat template rejected the messages: {error}",
+                           param="messages") from None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        if max_tokens is None:  # the rest of the context, within what the KV pool can hold
+            pool = engine.engine.config.num_blocks * engine.engine.config.block_size
+            max_tokens = max(1, min(context, pool) - len(prompt))
+        try:
+            params = sampling(req, max_tokens)
+        except APIError as error:
+            error.param = param if error.param == "max_tokens" else error.param
+            raise
+        streams = submit([prompt], params, req, "messages")
+        reply = _Reply("chatcmpl", "chat.completion", served_model_name, req, chat=True)
+        return await reply.respond(streams, request)
+
+    return app
+
+
+def _completion_prompts(prompt: str | list) -> list[str | list[int]]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt: must not be empty", param="prompt")
+    return list(prompt)
+
+
+class _Reply:
+    """Builds OpenAI-shaped responses (whole or streamed) from the requests' updates."""
+
+    def __init__(self, prefix: str, obj: str, model: str, req: _Common, chat: bool) -> None:
+        self.id, self.object, self.model = f"{prefix}-{uuid.uuid4().hex}", obj, model
+        self.created, self.req, self.chat, self.n = int(time.time()), req, chat, req.n
+
+    def _choice(self, index: int, text: str, finish: str | None, delta: bool) -> dict:
+        choice: dict[str, Any] = {"index": index}
+        if not self.chat:
+            choice["text"] = text
+        elif delta:
+            choice["delta"] = {"content": text} if text else {}
+        else:
+            choice["message"] = {"role": "assistant", "content": text}
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish
+        return choice
+
+    def _usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        obj = self.object + ".chunk" if self.chat else self.object
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def respond(self, streams: list[RequestStream], request: Request):
+        if self.req.stream:
+            return StreamingResponse(self._stream(streams), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self._whole(streams, request)
+
+    async def _whole(self, streams: list[RequestStream], request: Request) -> dict:
+        async def last(stream: RequestStream) -> RequestUpdate:
+            async for update in stream:
+                if update.finished:
+                    return update
+            raise EngineDead("the request ended without a result")
+
+        collect = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not collect.done():  # the client left: closing the streams aborts the requests
+                collect.cancel()
+                raise APIError(499, "client disconnected", type="client_closed")
+            finals = collect.result()
+        except EngineDead as error:
+            raise APIError(503, str(error), type="server_error") from None
+        finally:
+            gone.cancel()
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for i, update in enumerate(finals):
+            prompt_tokens += update.prompt_tokens
+            for out in update.outputs:
+                completion_tokens += len(out.token_ids)
+                choices.append(self._choice(i * self.n + out.index, out.text, out.finish_reason,
+                                            delta=False))
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self._usage(prompt_tokens, completion_tokens)}
+
+    async def _stream(self, streams: list[RequestStream]) -> AsyncIterator[str]:
+        merged: asyncio.Queue[tuple[int, RequestUpdate | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for update in stream:
+                    await merged.put((i, update))
+            except Exception as error:  # noqa: BLE001 - reported in the stream below
+                await merged.put((i, error))
+            await merged.put((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            if self.chat:  # OpenAI opens every chat choice with the assistant role
+                yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}
+                                   for i in range(self.n * len(streams))])
+            open_streams, prompt_tokens, completion_tokens = len(streams), 0, 0
+            while open_streams:
+                i, item = await merged.get()
+                if item is None:
+                    open_streams -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    err = {"message": str(item), "type": "server_error", "param": None, "code": None}
+                    yield f"data: {json.dumps({'error': err})}\n\n"
+                    continue
+                choices = [self._choice(i * self.n + d.index, d.text, d.finish_reason, delta=True)
+                           for d in item.deltas if d.text or d.finish_reason]
+                if choices:
+                    yield self._chunk(choices)
+                if item.finished:
+                    prompt_tokens += item.prompt_tokens
+                    completion_tokens += sum(len(o.token_ids) for o in item.outputs)
+            if (self.req.stream_options or {}).get("include_usage"):
+                yield self._chunk([], self._usage(prompt_tokens, completion_tokens))
+            yield "data: [DONE]\n\n"
+        finally:
+            for task in tasks:  # a disconnect cancels us here: stop the pumps, abort the requests
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class _EngineCollector:
+    """Gauges and counters read from the engine's latest snapshot at scrape time."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    def collect(self):
+        s = self._engine.snapshot
+        gauges = {
+            "egmla_num_requests_running": ("Sequences in the running batch", s.running),
+            "egmla_num_requests_waiting": ("Sequences waiting to be scheduled", s.waiting),
+            "egmla_kv_blocks_used": ("KV-cache blocks held by sequences", s.blocks_used),
+            "egmla_kv_blocks_total": ("KV-cache blocks in the pool", s.blocks_total),
+            "egmla_prefix_cache_hit_rate": ("Prompt blocks found in the prefix cache / looked up",
+                                            s.prefix_hit_rate),
+        }
+        for name, (help_text, value) in gauges.items():
+            yield GaugeMetricFamily(name, help_text, value=value)
+        counters = {
+            "egmla_preemptions": ("Sequences preempted (recomputed later)", s.preemptions),
+            "egmla_prompt_tokens": ("Prompt tokens computed", s.prompt_tokens),
+            "egmla_generation_tokens": ("Tokens generated", s.generation_tokens),
+        }
+        for name, (help_text, value) in counters.items():
+            yield CounterMetricFamily(name, help_text, value=value)

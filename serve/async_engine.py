@@ -1,0 +1,198 @@
+"""The engine on a background thread, for asyncio callers (the HTTP server).
+
+The engine is not thread-safe, so one thread owns it: it takes new requests and aborts from a
+command queue, runs `engine.step()` while there is work, and hands each request's updates to
+the asyncio loop that asked for them. Callers never touch the engine directly:
+
+    engine = AsyncEngine(llm).start()
+    async for update in engine.submit(prompt_ids, params, stop=["\\n"]):
+        ...   # RequestUpdate: new text and tokens per sample; the last one has finished=True
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from serve.engine import InvalidRequest, SamplingParams
+from serve.llm import LLM
+from serve.outputs import RequestUpdate
+
+log = logging.getLogger("serve")
+
+
+class QueueFull(RuntimeError):
+    """The server holds as many requests as it accepts; try again later (HTTP 503)."""
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped after an error; no request can complete."""
+
+
+@dataclass
+class Snapshot:
+    """Engine state published after every step, for metrics read from other threads."""
+
+    running: int = 0
+    waiting: int = 0
+    blocks_used: int = 0
+    blocks_total: int = 0
+    prefix_hit_rate: float = 0.0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+class RequestStream:
+    """One request's updates, read with `async for`; closing it early aborts the request."""
+
+    def __init__(self, owner: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:
+        self._owner, self._loop = owner, loop
+        self._queue: asyncio.Queue[RequestUpdate | BaseException] = asyncio.Queue()
+        self.request_id: int | None = None  # set by the engine thread when it adds the request
+        self.finished = False
+
+    def abort(self) -> None:
+        """Stop the request and free its blocks (nothing happens if it already finished)."""
+        if not self.finished:
+            self._owner._abort(self)
+
+    def _put(self, item: RequestUpdate | BaseException) -> None:  # from the engine thread
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is gone; the request is aborted below
+            self._owner._abort(self)
+
+    def __aiter__(self) -> AsyncIterator[RequestUpdate]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestUpdate]:
+        try:
+            while not self.finished:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            if not self.finished:  # the consumer stopped early (client disconnected)
+                self._owner._abort(self)
+
+
+class AsyncEngine:
+    def __init__(self, llm: LLM, max_queued_requests: int = 256,
+                 on_finish: Callable[[RequestUpdate], None] | None = None) -> None:
+        """`max_queued_requests`: requests accepted beyond `max_num_seqs` before answering
+        QueueFull. `on_finish` runs on the engine thread with every request's last update."""
+        self.llm, self.engine = llm, llm.engine
+        self.capacity = self.engine.config.max_num_seqs + max_queued_requests
+        self.snapshot = Snapshot(blocks_total=self.engine.config.num_blocks)
+        self._on_finish = on_finish
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[int, RequestStream] = {}  # engine request id -> its stream
+        self._accepted = 0  # submitted and not yet finished (guarded by _lock)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="egmla-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> AsyncEngine:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    # ---- caller side (any thread with a running asyncio loop) --------------------------------
+
+    def submit(self, prompt: list[int], params: SamplingParams, stop: list[str] | None = None,
+               stream: bool = False) -> RequestStream:
+        """Queue a request. Raises InvalidRequest (bad request), QueueFull or EngineDead now, so
+        the caller can answer before streaming anything."""
+        if not self.alive:
+            raise EngineDead(f"the engine stopped: {self.error!r}")
+        self.engine.check_request(prompt, params)
+        with self._lock:
+            if self._accepted >= self.capacity:
+                raise QueueFull(f"the server holds {self._accepted} requests, its limit")
+            self._accepted += 1
+        handle = RequestStream(self, asyncio.get_running_loop())
+        self._commands.put(("add", handle, prompt, params, stop or [], stream))
+        self._wake.set()
+        return handle
+
+    def _abort(self, handle: RequestStream) -> None:
+        self._commands.put(("abort", handle))
+        self._wake.set()
+
+    # ---- engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        outputs = self.llm.outputs
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if self.engine.has_unfinished():
+                    self.engine.step()
+                for update in outputs.process():
+                    self._deliver(update)
+                self._publish()
+                if not self.engine.has_unfinished() and self._commands.empty():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+        except BaseException as error:  # every waiting caller must hear of it
+            log.exception("engine thread stopped")
+            self.error = error
+            for handle in self._streams.values():
+                handle._put(EngineDead(f"the engine stopped: {error!r}"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command, handle, *args = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command == "add":
+                prompt, params, stop, stream = args
+                try:
+                    handle.request_id = self.engine.add_request(prompt, params)
+                except InvalidRequest as error:  # submit() checked already; kept for safety
+                    with self._lock:
+                        self._accepted -= 1
+                    handle._put(error)
+                    continue
+                self._streams[handle.request_id] = handle
+                self.llm.outputs.add(handle.request_id, stop, stream)
+            elif handle.request_id in self._streams:  # abort of a request still running
+                self.llm.outputs.abort(handle.request_id)
+
+    def _deliver(self, update: RequestUpdate) -> None:
+        handle = self._streams.get(update.request_id)
+        if update.finished:
+            self._streams.pop(update.request_id, None)
+            with self._lock:
+                self._accepted -= 1
+            if self._on_finish is not None:
+                self._on_finish(update)
+        if handle is not None:
+            handle._put(update)
+
+    def _publish(self) -> None:
+        e, s = self.engine, self.engine.stats
+        self.snapshot = Snapshot(
+            running=len(e.running), waiting=len(e.waiting), blocks_used=e.blocks.num_used(),
+            blocks_total=e.config.num_blocks,
+            prefix_hit_rate=e.blocks.prefix_hit_tokens / max(1, e.blocks.prefix_query_tokens),
+            preemptions=s.preemptions, prompt_tokens=s.prefill_tokens,
+            generation_tokens=s.sampled_tokens)
