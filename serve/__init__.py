@@ -4,7 +4,7 @@
     llm = LLM(model="SmolLM2-135M-Instruct")
     print(llm.generate("The capital of France is")[0].outputs[0].text)
 
-The OpenAI-compatible HTTP server is next (see the serving issue).
+The OpenAI-compatible HTTP server: `python -m serve --model ...` (serve/api.py, docs/serving.md).
 """
 
 from serve.engine import EngineConfig, LLMEngine, SamplingParams

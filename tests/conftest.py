@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import tempfile
 
+import pytest
+
 # Set before any test module imports transformers/datasets/wandb: no hub look-ups (which would
 # otherwise wait ~30 s before failing) and no tracker account.
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -12,3 +14,14 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="egmla-hf-home-"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(tmp_path_factory):
+    """SmolLM2-135M-Instruct behind the serving API, converted once per test session into a
+    temporary EGMLA_CACHE (tests that check the conversion itself use their own cache)."""
+    from serve import LLM
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EGMLA_CACHE", str(tmp_path_factory.mktemp("egmla-cache")))
+        return LLM("SmolLM2-135M-Instruct", num_blocks=1024)

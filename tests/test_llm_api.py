@@ -10,10 +10,8 @@ from serve import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EGMLA_CACHE", str(tmp_path_factory.mktemp("egmla-cache")))
-        yield LLM(model="SmolLM2-135M-Instruct", block_size=16, num_blocks=256)
+def llm(smollm2_llm):
+    return smollm2_llm
 
 
 @pytest.mark.slow

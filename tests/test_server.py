@@ -56,11 +56,8 @@ def serving(llm: LLM, name: str = MODEL, **engine_kwargs):
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EGMLA_CACHE", str(tmp_path_factory.mktemp("egmla-cache")))
-        reference = LLM(MODEL, num_blocks=1024)
-    return reference
+def smollm2(smollm2_llm):
+    return smollm2_llm  # the Python-API reference
 
 
 @pytest.fixture(scope="module")
