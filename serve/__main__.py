@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
                     log_level=args.log_level)
     finally:
         engine.close()
+        summary = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                            for k, v in llm.engine.metrics().items() if v is not None)
+        logging.getLogger("serve").info("engine statistics: %s", summary)
     return 0
 
 

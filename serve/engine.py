@@ -60,7 +60,7 @@ class SamplingParams:
 class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # blocks in the pool; None: as many as kv_cache_memory holds
-    kv_cache_memory: int = 256 * 2**20  # bytes for the paged KV pool when num_blocks is None
+    kv_cache_memory: int = 512 * 2**20  # bytes for the paged KV pool when num_blocks is None
     max_num_seqs: int = 64  # rows in one step
     max_num_batched_tokens: int = 512  # token budget of one step
     enable_prefix_caching: bool = True

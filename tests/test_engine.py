@@ -157,3 +157,25 @@ def test_requests_that_can_never_run_are_refused_up_front(prompt_len, params, co
 def test_bad_sampling_params_name_the_field(bad, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**bad)
+
+
+def test_pool_sized_from_a_kv_memory_budget():
+    model = build(VARIANTS["egmla-kv"], dtype=torch.float32)
+    per_block = model.cache_spec().bytes_per_token(torch.float32) * 16
+    budget = 10 * per_block + per_block // 2  # ten and a half blocks
+    engine = LLMEngine(model, EngineConfig(block_size=16, kv_cache_memory=budget))
+    assert engine.config.num_blocks == 10
+    assert engine.cache.nbytes() == 10 * per_block <= budget  # measured, not just computed
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        LLMEngine(model, EngineConfig(block_size=16, kv_cache_memory=per_block - 1))
+
+
+def test_forward_groups_keep_decodes_together_and_bound_prefill_padding():
+    from serve.engine import _forward_groups
+
+    lengths = [1, 512, 1, 30, 500, 1, 28, 2]
+    groups = _forward_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert groups[0] == [0, 2, 5]  # every decode in one forward
+    for g in groups[1:]:
+        assert len(g) * max(lengths[i] for i in g) <= 1.25 * sum(lengths[i] for i in g)
