@@ -17,11 +17,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 @pytest.fixture(scope="session")
-def smollm2_llm(tmp_path_factory):
-    """SmolLM2-135M-Instruct behind the serving API, converted once per test session into a
-    temporary EGMLA_CACHE (tests that check the conversion itself use their own cache)."""
+def smollm2_cache(tmp_path_factory):
+    """An EGMLA_CACHE for this test session (never the user's); SmolLM2 is converted into it once,
+    by the first test that loads it (tests of the conversion itself use their own)."""
+    return tmp_path_factory.mktemp("egmla-cache")
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_cache):
+    """SmolLM2-135M-Instruct behind the serving API."""
     from serve import LLM
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EGMLA_CACHE", str(tmp_path_factory.mktemp("egmla-cache")))
+        mp.setenv("EGMLA_CACHE", str(smollm2_cache))
         return LLM("SmolLM2-135M-Instruct", num_blocks=1024)

@@ -1,0 +1,198 @@
+"""The lm-eval model adapter, registered as `egmla`.
+
+    python -m eval.lm_eval --model egmla --model_args pretrained=runs/quickstart/export \\
+        --tasks egmla_offline --limit 50 --output_path results/
+
+or from Python: `lm_eval.simple_evaluate(model=EgmlaLM("SmolLM2-135M-Instruct"), tasks=[...])`.
+
+- `loglikelihood`: context and continuation are encoded together and split where the context's
+  own encoding ends (lm-eval's `_encode_pair`), so a token straddling the boundary goes to the
+  continuation. Requests run in batches of similar length, one full forward each, and the
+  continuation's log-probabilities are summed in float32.
+- `loglikelihood_rolling`: perplexity over windows of the model's context (lm-eval's disjoint
+  rolling windows, the first predicted from the prefix token).
+- `generate_until`: through the serving engine (`serve.LLM`): every request of a batch is in
+  flight at once, with the task's stop strings.
+
+Tokenization follows lm-eval's `hf` model: the tokenizer's default special tokens unless
+`add_bos_token` says otherwise, and BOS (else EOS) as the prefix of an empty context, so
+the two models score the same tokens on the same weights.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lm_eval import utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from tqdm import tqdm
+
+from serve import LLM, SamplingParams
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "auto": None, None: None}
+
+
+@register_model("egmla")
+class EgmlaLM(TemplateLM):
+    def __init__(
+        self,
+        pretrained: str | LLM = "SmolLM2-135M-Instruct",
+        dtype: str | None = None,
+        batch_size: int | str = 8,
+        max_length: int | None = None,
+        add_bos_token: bool | None = None,
+        kv_cache_memory: int = 512 * 2**20,
+        device: str | None = None,  # lm-eval passes --device; egmla runs where its weights load
+        **unused: Any,
+    ) -> None:
+        super().__init__()
+        if isinstance(pretrained, LLM):
+            self.llm = pretrained
+        else:
+            if dtype not in DTYPES:
+                raise ValueError(f"dtype={dtype!r}: expected one of float32, bfloat16, float16, auto")
+            self.llm = LLM(str(pretrained), dtype=DTYPES[dtype], kv_cache_memory=int(kv_cache_memory))
+        if self.llm.tokenizer is None:
+            raise ValueError(f"{pretrained}: has no tokenizer; lm-eval tasks need one")
+        self.model, self.tokenizer = self.llm.model, self.llm.tokenizer
+        self._batch_size = 8 if str(batch_size).startswith("auto") else int(batch_size)
+        self._max_length = int(max_length) if max_length else self.model.config.max_seq_len
+        self.add_bos_token = add_bos_token
+        self.pretrained = str(pretrained) if not isinstance(pretrained, LLM) else self.llm.name
+
+    # ---- what TemplateLM asks for -------------------------------------------------------------
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.tokenizer.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.pretrained.replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        if add_special_tokens is None and self.add_bos_token is not None:
+            add_special_tokens = self.add_bos_token
+        if add_special_tokens is None:
+            bos = self.tokenizer.decode([self.prefix_token_id])
+            if bos and string.startswith(bos):  # already carries its BOS
+                add_special_tokens = False
+        if add_special_tokens is None:
+            return list(self.tokenizer.encode(string))
+        return list(self.tokenizer.encode(string, add_special_tokens=add_special_tokens))
+
+    def tok_decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens)
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    # ---- scoring ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs
+                              ) -> list[tuple[float, bool]]:
+        """Sum of log p(continuation | context) and whether greedy decoding would produce it."""
+        device = self.model.tok_emb.weight.device
+        # Longest first: a batch pads to its first row, and a too-large batch fails early.
+        order = sorted(range(len(requests)),
+                       key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        for start in tqdm(range(0, len(order), self.batch_size), disable=disable_tqdm,
+                          desc="egmla loglikelihood"):
+            batch = order[start : start + self.batch_size]
+            rows = []
+            for i in batch:
+                _, context, continuation = requests[i]
+                if not continuation:
+                    raise ValueError("a loglikelihood request with an empty continuation")
+                if len(continuation) > self.max_length:
+                    raise ValueError(f"a continuation of {len(continuation)} tokens does not fit "
+                                     f"max_length={self.max_length}")
+                # The model sees at most max_length tokens: the last ones before the final token.
+                rows.append(((context + continuation)[-(self.max_length + 1):][:-1], len(continuation)))
+            width = max(len(tokens) for tokens, _ in rows)
+            ids = torch.zeros(len(rows), width, dtype=torch.long)
+            for b, (tokens, _) in enumerate(rows):
+                ids[b, : len(tokens)] = torch.tensor(tokens)  # right padding: no effect before it
+            logprobs = F.log_softmax(self.model(ids.to(device)).float(), dim=-1)
+            for b, i in enumerate(batch):
+                tokens, n = rows[b]
+                target = torch.tensor(requests[i][2][-n:], device=device)
+                lp = logprobs[b, len(tokens) - n : len(tokens)]  # (n, vocab)
+                picked = lp.gather(1, target[:, None])[:, 0]
+                results[i] = (float(picked.sum()), bool((lp.argmax(-1) == target).all()))
+                if requests[i][0] != (None, None):
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], results[i])
+        return results  # type: ignore[return-value]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows, owners = [], []
+        for index, (string,) in enumerate(req.args for req in requests):
+            for context, target in map(utils.make_disjoint_window, utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append(((None, None), context, target))
+                owners.append(index)
+        totals = [0.0] * len(requests)
+        for owner, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows, disable_tqdm)):
+            totals[owner] += logprob
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    # ---- generation ----------------------------------------------------------------------------
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy (or sampled, if the task asks) generation through the serving engine, all
+        requests with the same generation settings in flight together."""
+        groups: dict[str, list[int]] = defaultdict(list)
+        for i, req in enumerate(requests):
+            groups[repr(sorted(req.args[1].items()))].append(i)
+        out: list[str | None] = [None] * len(requests)
+        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="egmla generate_until")
+        for indices in groups.values():
+            kwargs = dict(requests[indices[0]].args[1])
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_tokens = int(kwargs.pop("max_gen_toks", 256))
+            sample = kwargs.pop("do_sample", False)
+            temperature = float(kwargs.pop("temperature", 0.0)) if sample else 0.0
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                    top_p=kwargs.pop("top_p", None), top_k=kwargs.pop("top_k", None),
+                                    seed=kwargs.pop("seed", None))
+            room = self.max_length - max_tokens
+            if room < 1:
+                raise ValueError(f"max_gen_toks={max_tokens} leaves no room for a context in "
+                                 f"max_length={self.max_length}")
+            prompts = [self.tok_encode(requests[i].args[0])[-room:] for i in indices]
+            for step in range(0, len(indices), 64):  # bounded batches keep memory in check
+                chunk = range(step, min(step + 64, len(indices)))
+                replies = self.llm.generate([prompts[j] for j in chunk], params, stop=until or None)
+                for j, reply in zip(chunk, replies):
+                    out[indices[j]] = reply.outputs[0].text
+                    self.cache_hook.add_partial("generate_until", requests[indices[j]].args,
+                                                reply.outputs[0].text)
+                bar.update(len(chunk))
+        bar.close()
+        return out  # type: ignore[return-value]

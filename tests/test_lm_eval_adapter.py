@@ -1,0 +1,168 @@
+"""The lm-eval adapter (`--model egmla`) against direct computations on the same weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lm_eval.api.instance import Instance
+from lm_eval.api.registry import get_model
+
+from eval.adapter import EgmlaLM
+from eval.local_tasks import resolve_data_files
+from serve import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+PAIRS = [
+    ("The capital of France is", " Paris"),
+    ("The capital of France is", " a city in Germany"),
+    ("Question: 2 + 2 =", " 4"),
+    ("def add(a, b):\n   ", " return a + b"),
+    ("", "Once upon a time"),  # empty context: scored after the prefix token
+    ("A long context " * 20 + "ends here.", " And then?"),
+]
+
+
+def instances(kind: str, args: list[tuple]) -> list[Instance]:
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
+
+
+@pytest.fixture(scope="module")
+def lm(smollm2_llm):
+    return EgmlaLM(smollm2_llm, batch_size=4)
+
+
+def direct_logprob(model, tokens: list[int], n: int) -> tuple[float, bool]:
+    """log p of the last n tokens given the ones before, from one unpadded forward."""
+    with torch.no_grad():
+        logprobs = F.log_softmax(model(torch.tensor([tokens[:-1]])).float(), dim=-1)[0]
+    target = torch.tensor(tokens[-n:])
+    lp = logprobs[-n:]
+    return float(lp.gather(1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all())
+
+
+def encode_pair(tokenizer, context: str, continuation: str, prefix: int) -> tuple[list[int], list[int]]:
+    """lm-eval's convention: trailing whitespace of the context belongs to the continuation."""
+    if not context:
+        return [prefix], tokenizer.encode(continuation)
+    stripped = context.rstrip()
+    context, continuation = stripped, context[len(stripped):] + continuation
+    whole, ctx = tokenizer.encode(context + continuation), tokenizer.encode(context)
+    return ctx, whole[len(ctx):]
+
+
+@pytest.mark.slow
+def test_loglikelihood_equals_a_direct_log_softmax_sum(lm):
+    results = lm.loglikelihood(instances("loglikelihood", PAIRS), disable_tqdm=True)
+    for (context, continuation), (logprob, greedy) in zip(PAIRS, results):
+        ctx, cont = encode_pair(lm.tokenizer, context, continuation, lm.prefix_token_id)
+        expected, expected_greedy = direct_logprob(lm.model, ctx + cont, len(cont))
+        assert logprob == pytest.approx(expected, abs=1e-4)
+        assert greedy == expected_greedy
+    paris, germany = results[0][0], results[1][0]
+    assert paris > germany  # and the numbers mean something
+
+
+@pytest.mark.slow
+def test_batching_does_not_change_scores(lm, smollm2_llm):
+    one = EgmlaLM(smollm2_llm, batch_size=1).loglikelihood(instances("loglikelihood", PAIRS), True)
+    many = lm.loglikelihood(instances("loglikelihood", PAIRS), True)
+    assert [a for a, _ in one] == pytest.approx([b for b, _ in many], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_rolling_loglikelihood_is_the_whole_text_after_the_prefix(lm, smollm2_llm):
+    text = "The quick brown fox jumps over the lazy dog. " * 3
+    tokens = lm.tok_encode(text)
+    (whole,) = lm.loglikelihood_rolling(instances("loglikelihood_rolling", [(text,)]), True)
+    expected, _ = direct_logprob(lm.model, [lm.prefix_token_id, *tokens], len(tokens))
+    assert whole == pytest.approx(expected, abs=1e-3)
+    # With a 16-token window the text is scored in disjoint windows: a different, worse number.
+    short = EgmlaLM(smollm2_llm, max_length=16)
+    (windowed,) = short.loglikelihood_rolling(instances("loglikelihood_rolling", [(text,)]), True)
+    assert windowed < whole
+
+
+@pytest.mark.slow
+def test_generate_until_goes_through_the_engine_with_stop_strings(lm, smollm2_llm):
+    prompts = ["The capital of France is", "1, 2, 3, 4,"]
+    args = [(p, {"until": ["\n", "."], "max_gen_toks": 16, "do_sample": False}) for p in prompts]
+    texts = lm.generate_until(instances("generate_until", args), disable_tqdm=True)
+    expected = smollm2_llm.generate(prompts, SamplingParams(max_tokens=16), stop=["\n", "."])
+    assert texts == [r.outputs[0].text for r in expected]
+    assert "Paris" in texts[0] and "." not in texts[0] and "\n" not in texts[0]
+
+
+def test_registered_under_the_name_egmla():
+    assert get_model("egmla") is EgmlaLM
+
+
+def test_bad_dtype_is_named():
+    with pytest.raises(ValueError, match="dtype='float8'"):
+        EgmlaLM("SmolLM2-135M-Instruct", dtype="float8")
+
+
+# ---- python -m eval.lm_eval on a local task written by someone else -----------------------------
+
+CAPITALS = [
+    ("The capital of France is", [" Paris", " Berlin", " Madrid"], 0),
+    ("The capital of Germany is", [" Rome", " Berlin", " Paris"], 1),
+    ("The capital of Spain is", [" Lisbon", " Athens", " Madrid"], 2),
+    ("The capital of Italy is", [" Rome", " Vienna", " Oslo"], 0),
+]
+TASK_YAML = """\
+task: capitals
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: capitals.jsonl
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+"""
+
+
+def write_local_task(directory: Path) -> None:
+    directory.mkdir(parents=True)
+    (directory / "capitals.yaml").write_text(TASK_YAML)
+    rows = [{"question": q, "choices": c, "answer": a} for q, c, a in CAPITALS]
+    (directory / "capitals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.mark.slow
+def test_cli_runs_a_plain_local_task_from_another_directory(tmp_path, smollm2_cache, lm):
+    write_local_task(tmp_path / "someone" / "tasks")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "EGMLA_CACHE": str(smollm2_cache)}
+    run = subprocess.run(
+        [sys.executable, "-m", "eval.lm_eval", "--model", "egmla",
+         "--model_args", "pretrained=SmolLM2-135M-Instruct", "--tasks", "capitals",
+         "--include_path", str(tmp_path / "someone" / "tasks"), "--output_path", "out"],
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (results,) = (elsewhere / "out").rglob("results_*.json")
+    acc = json.loads(results.read_text())["results"]["capitals"]["acc,none"]
+    # The same choice, made directly: the highest-loglikelihood answer of each question.
+    args = [(q, choice) for q, choices, _ in CAPITALS for choice in choices]
+    scores = [s for s, _ in lm.loglikelihood(instances("loglikelihood", args), True)]
+    picks = [max(range(3), key=lambda k, i=i: scores[3 * i + k]) for i in range(len(CAPITALS))]
+    assert acc == sum(p == a for p, (_, _, a) in zip(picks, CAPITALS)) / len(CAPITALS)
+
+
+def test_relative_data_files_resolve_next_to_the_yaml_only_when_there(tmp_path):
+    (tmp_path / "here.jsonl").write_text("{}\n")
+    cfg = {"dataset_kwargs": {"data_files": {"test": "here.jsonl", "train": ["missing.jsonl"]}}}
+    fixed = resolve_data_files(cfg, tmp_path)["dataset_kwargs"]["data_files"]
+    assert fixed == {"test": str(tmp_path / "here.jsonl"), "train": ["missing.jsonl"]}
+    assert resolve_data_files({"dataset_path": "gsm8k"}, tmp_path) == {"dataset_path": "gsm8k"}
