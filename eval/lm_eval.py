@@ -9,19 +9,30 @@ Every lm-eval flag works as with `lm_eval`; for example
 
 from __future__ import annotations
 
+import os
 import sys
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     import eval.adapter  # noqa: F401 - registers the "egmla" model with lm-eval
+    from egmla.checkpoint import CheckpointError
     from eval.local_tasks import install
     from lm_eval.__main__ import cli_evaluate
 
     install()  # a local task's data files are found next to its YAML, from any directory
     if argv is not None:
         sys.argv = ["lm_eval", *argv]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except (CheckpointError, ValueError, OSError) as error:
+        # A missing checkpoint, an unknown task, data that is not available offline: one line
+        # naming it, not a traceback (EGMLA_DEBUG=1 shows the traceback).
+        if os.environ.get("EGMLA_DEBUG"):
+            raise
+        print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

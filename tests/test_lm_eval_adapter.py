@@ -166,3 +166,30 @@ def test_relative_data_files_resolve_next_to_the_yaml_only_when_there(tmp_path):
     fixed = resolve_data_files(cfg, tmp_path)["dataset_kwargs"]["data_files"]
     assert fixed == {"test": str(tmp_path / "here.jsonl"), "train": ["missing.jsonl"]}
     assert resolve_data_files({"dataset_path": "gsm8k"}, tmp_path) == {"dataset_path": "gsm8k"}
+
+
+def run_cli(*args: str, cwd: Path, cache: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "EGMLA_CACHE": str(cache)}
+    env.pop("EGMLA_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "eval.lm_eval", "--model", "egmla", *args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,named", [("missing checkpoint", "never-trained"),
+                                        ("unknown task", "no_such_task_anywhere"),
+                                        ("hub data offline", "ai2_arc")])
+def test_cli_bad_input_is_one_clear_line(tmp_path, smollm2_cache, case, named):
+    write_local_task(tmp_path / "tasks")
+    pretrained, task = "SmolLM2-135M-Instruct", "capitals"
+    if case == "missing checkpoint":
+        pretrained = str(tmp_path / "runs" / "never-trained" / "export")
+    elif case == "unknown task":
+        task = "no_such_task_anywhere"
+    else:
+        task = "arc_easy"  # an lm-eval task whose data lives on the hub; tests run offline
+    run = run_cli("--model_args", f"pretrained={pretrained}", "--tasks", task, "--limit", "2",
+                  "--include_path", str(tmp_path / "tasks"), cwd=tmp_path, cache=smollm2_cache)
+    assert run.returncode == 2
+    assert "Traceback" not in run.stderr
+    assert named in run.stderr.strip().splitlines()[-1]  # the last line says what is wrong
