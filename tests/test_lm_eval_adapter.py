@@ -193,3 +193,20 @@ def test_cli_bad_input_is_one_clear_line(tmp_path, smollm2_cache, case, named):
     assert run.returncode == 2
     assert "Traceback" not in run.stderr
     assert named in run.stderr.strip().splitlines()[-1]  # the last line says what is wrong
+
+
+@pytest.mark.slow
+def test_offline_gsm8k_task_runs_through_the_adapter(lm):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(ROOT / "eval" / "tasks"), include_defaults=False)
+    out = lm_eval.simple_evaluate(model=lm, tasks=["gsm8k_offline"], task_manager=manager, limit=2,
+                                  log_samples=True)
+    result = out["results"]["gsm8k_offline"]
+    assert 0 <= result["exact_match,strict-match"] <= 1
+    assert 0 <= result["exact_match,flexible-extract"] <= 1
+    samples = out["samples"]["gsm8k_offline"]  # one per document and filter
+    targets = {s["doc_id"]: s["target"] for s in samples}
+    assert len(targets) == 2 and targets[0] == "18"  # Janet's ducks: 9 eggs sold at $2
+    assert all(isinstance(s["resps"][0][0], str) and s["resps"][0][0] for s in samples)
