@@ -134,7 +134,6 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
     tpot = Histogram("egmla_time_per_output_token_seconds",
                      "Time per output token after the first", **latency)
     registry.register(_EngineCollector(engine))
-    previous = engine._on_finish
 
     def observe(update: RequestUpdate) -> None:  # on the engine thread
         for out in update.outputs:
@@ -143,10 +142,8 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
                     ttft.observe(out.ttft)
                 if out.tpot is not None:
                     tpot.observe(out.tpot)
-        if previous is not None:
-            previous(update)
 
-    engine._on_finish = observe
+    engine.on_finish.append(observe)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:

@@ -84,14 +84,14 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, llm: LLM, max_queued_requests: int = 256,
-                 on_finish: Callable[[RequestUpdate], None] | None = None) -> None:
+    def __init__(self, llm: LLM, max_queued_requests: int = 256) -> None:
         """`max_queued_requests`: requests accepted beyond `max_num_seqs` before answering
-        QueueFull. `on_finish` runs on the engine thread with every request's last update."""
+        QueueFull. Callables in `on_finish` run on the engine thread with every request's last
+        update (the server's latency histograms)."""
         self.llm, self.engine = llm, llm.engine
         self.capacity = self.engine.config.max_num_seqs + max_queued_requests
         self.snapshot = Snapshot(blocks_total=self.engine.config.num_blocks)
-        self._on_finish = on_finish
+        self.on_finish: list[Callable[[RequestUpdate], None]] = []
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, RequestStream] = {}  # engine request id -> its stream
         self._accepted = 0  # submitted and not yet finished (guarded by _lock)
@@ -183,8 +183,8 @@ class AsyncEngine:
             self._streams.pop(update.request_id, None)
             with self._lock:
                 self._accepted -= 1
-            if self._on_finish is not None:
-                self._on_finish(update)
+            for listener in self.on_finish:
+                listener(update)
         if handle is not None:
             handle._put(update)
 

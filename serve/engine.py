@@ -1,12 +1,13 @@
-"""A continuous-batching engine over the paged KV cache (first step: scheduling and greedy or
-sampled decoding; the vLLM-shaped API and the HTTP server build on it).
+"""A continuous-batching engine over the paged KV cache; the vLLM-shaped API (serve/llm.py) and
+the HTTP server (serve/api.py) build on it.
 
 Every step the scheduler fills a token budget: running decodes first (one token each), then
 prefills in arrival order, long prompts cut into chunks (chunked prefill). When the block pool
 cannot hold a decode, the most recently arrived running sequence is preempted by recompute: its
 blocks are freed and it goes back to the head of the queue, to be prefilled again (prompt plus
-what it had generated; full blocks may still be found in the prefix cache). All scheduled rows
-run as one ragged forward over `PagedKVCache`.
+what it had generated; full blocks may still be found in the prefix cache). The scheduled rows
+run as a few ragged forwards over `PagedKVCache`, grouped so that little is spent on padding
+(`_forward_groups`).
 """
 
 from __future__ import annotations
@@ -44,16 +45,16 @@ class SamplingParams:
     n: int = 1  # samples of one prompt; sample i draws with seed + i and shares the prompt's blocks
 
     def __post_init__(self) -> None:
-        checks = {
-            "n": self.n >= 1, "max_tokens": self.max_tokens >= 1, "temperature": self.temperature >= 0,
-            "top_p": self.top_p is None or 0 < self.top_p <= 1,
-            "top_k": self.top_k is None or self.top_k >= 1,
+        rules = {  # field: (holds, what it must be)
+            "n": (self.n >= 1, "must be >= 1"),
+            "max_tokens": (self.max_tokens >= 1, "must be >= 1"),
+            "temperature": (self.temperature >= 0, "must be >= 0"),
+            "top_p": (self.top_p is None or 0 < self.top_p <= 1, "must be in (0, 1]"),
+            "top_k": (self.top_k is None or self.top_k >= 1, "must be >= 1"),
         }
-        rules = {"n": "must be >= 1", "max_tokens": "must be >= 1", "temperature": "must be >= 0",
-                 "top_p": "must be in (0, 1]", "top_k": "must be >= 1"}
-        for name, ok in checks.items():
-            if not ok:
-                raise InvalidRequest(f"{name}={getattr(self, name)}: {rules[name]}", name)
+        for name, (holds, rule) in rules.items():
+            if not holds:
+                raise InvalidRequest(f"{name}={getattr(self, name)}: {rule}", name)
 
 
 @dataclass
@@ -389,7 +390,6 @@ class LLMEngine:
         outputs = [[self.finished[s].output for s in self.requests[i]] for i in ids]
         return outputs if (params and params.n > 1) else [o[0] for o in outputs]
 
-
     def metrics(self) -> dict[str, float | int | None]:
         """Run statistics: latency of finished requests, throughput, KV use, cache hits."""
         st, blocks = self.stats, self.blocks.stats()
@@ -400,15 +400,14 @@ class LLMEngine:
             "output_tokens_per_s": st.output_tokens / span if span > 0 else None,
             "ttft_mean_s": st.ttft_sum / st.ttft_count if st.ttft_count else None,
             "tpot_mean_s": st.tpot_sum / st.tpot_count if st.tpot_count else None,
-            "steps": self.stats.steps, "preemptions": self.stats.preemptions,
-            "peak_running": self.stats.peak_running,
+            "steps": st.steps, "preemptions": st.preemptions, "peak_running": st.peak_running,
             "kv_blocks_used": blocks.used_blocks, "kv_blocks_total": blocks.num_blocks,
             "kv_bytes_reserved_now": blocks.reserved_slots * slot_bytes,
             "kv_bytes_used_now": blocks.used_slots * slot_bytes,
             "fragmentation_now": blocks.fragmentation,
             # unused / reserved KV slots, summed over every step of the run
-            "fragmentation_mean": (1 - self.stats.used_slot_steps / self.stats.reserved_slot_steps
-                                   if self.stats.reserved_slot_steps else 0.0),
+            "fragmentation_mean": (1 - st.used_slot_steps / st.reserved_slot_steps
+                                   if st.reserved_slot_steps else 0.0),
             "prefix_cache_hit_rate": blocks.hit_rate,
         }
 
