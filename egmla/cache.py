@@ -179,6 +179,18 @@ class ContiguousCache(CacheTensors):
         self.length += self._step
         self._step = 0
 
+    def repeat(self, times: int) -> ContiguousCache:
+        """A new cache holding every row `times` times (row b -> rows b*times ... b*times +
+        times - 1): one prefill of a shared context, then several continuations from it."""
+        if times < 1:
+            raise ValueError(f"times={times} must be >= 1")
+        out = ContiguousCache(self.spec, self.batch_size * times, self.max_len, self.dtype,
+                              self.device)
+        for src, dst in zip(self.tensors(), out.tensors()):
+            dst.copy_(src.repeat_interleave(times, dim=0))
+        out.length = self.length
+        return out
+
     def layer(self, index: int) -> LayerCache:
         return LayerCache(self, index)
 

@@ -7,8 +7,10 @@ or from Python: `lm_eval.simple_evaluate(model=EgmlaLM("SmolLM2-135M-Instruct"),
 
 - `loglikelihood`: context and continuation are encoded together and split where the context's
   own encoding ends (lm-eval's `_encode_pair`), so a token straddling the boundary goes to the
-  continuation. Requests run in batches of similar length, one full forward each, and the
-  continuation's log-probabilities are summed in float32.
+  continuation. Requests that share a context (the choices of a multiple-choice question) run
+  the context once and every continuation from its KV cache; the rest run in batches of similar
+  length. The LM head runs only where a continuation token is predicted, and log-probabilities
+  are summed in float32.
 - `loglikelihood_rolling`: perplexity over windows of the model's context (lm-eval's disjoint
   rolling windows, the first predicted from the prefix token).
 - `generate_until`: through the serving engine (`serve.LLM`): every request of a batch is in
@@ -113,38 +115,89 @@ class EgmlaLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs
                               ) -> list[tuple[float, bool]]:
         """Sum of log p(continuation | context) and whether greedy decoding would produce it."""
+        shared: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for i, (_, context, continuation) in enumerate(requests):
+            if not continuation:
+                raise ValueError("a loglikelihood request with an empty continuation")
+            if len(continuation) > self.max_length:
+                raise ValueError(f"a continuation of {len(continuation)} tokens does not fit "
+                                 f"max_length={self.max_length}")
+            if context and len(context) + len(continuation) <= self.max_length + 1:  # untruncated
+                shared[tuple(context)].append(i)
+        groups = [g for g in shared.values() if len(g) > 1]
+        grouped = {i for g in groups for i in g}
+        rest = [i for i in range(len(requests)) if i not in grouped]
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="egmla loglikelihood")
+        for group in groups:
+            scores = self._score_shared_context(requests[group[0]][1],
+                                                [requests[i][2] for i in group])
+            for i, score in zip(group, scores):
+                results[i] = score
+            bar.update(len(group))
+        self._score_batched(requests, rest, results, bar)
+        bar.close()
+        for request, result in zip(requests, results):
+            if request[0] != (None, None):
+                self.cache_hook.add_partial("loglikelihood", request[0], result)
+        return results  # type: ignore[return-value]
+
+    def _score_shared_context(self, context: list[int], continuations: list[list[int]]
+                              ) -> list[tuple[float, bool]]:
+        """One forward over the context into a KV cache, then all continuations from copies of it.
+
+        context [c0 .. cm] and continuations [x0 .. xn]: p(x0) comes from the context's last
+        position; x1 .. xn from a batch of the continuations without their last token, right
+        padded (padding comes after every real token, so causal attention never sees it).
+        """
+        device = self.model.tok_emb.weight.device
+        k, longest = len(continuations), max(map(len, continuations))
+        cache = self.model.new_cache(1, len(context) + longest - 1)
+        ids = torch.tensor([context], device=device)
+        last = torch.tensor([len(context) - 1], device=device)
+        first = F.log_softmax(self.model(ids, cache=cache, logits_at=last).float(), dim=-1)  # (1, V)
+        logprobs = first.expand(k, 1, -1)  # (k, 1, vocab)
+        if longest > 1:
+            ids = torch.zeros(k, longest - 1, dtype=torch.long)
+            for b, continuation in enumerate(continuations):
+                ids[b, : len(continuation) - 1] = torch.tensor(continuation[:-1])
+            later = self.model(ids.to(device), cache=cache.repeat(k))  # (k, longest - 1, vocab)
+            logprobs = torch.cat([logprobs, F.log_softmax(later.float(), dim=-1)], dim=1)
+        return [self._pick(logprobs[b, : len(c)], c) for b, c in enumerate(continuations)]
+
+    @staticmethod
+    def _pick(logprobs: torch.Tensor, continuation: list[int]) -> tuple[float, bool]:
+        """(sum of log p of the continuation's tokens, whether each is the argmax): logprobs (n, V)."""
+        target = torch.tensor(continuation, device=logprobs.device)
+        picked = logprobs.gather(1, target[:, None])[:, 0]
+        return float(picked.sum()), bool((logprobs.argmax(-1) == target).all())
+
+    def _score_batched(self, requests, indices: list[int], results: list, bar: tqdm) -> None:
+        """Score requests[indices] in right-padded batches, one forward each, into `results`."""
         device = self.model.tok_emb.weight.device
         # Longest first: a batch pads to its first row, and a too-large batch fails early.
-        order = sorted(range(len(requests)),
-                       key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
-        results: list[tuple[float, bool] | None] = [None] * len(requests)
-        for start in tqdm(range(0, len(order), self.batch_size), disable=disable_tqdm,
-                          desc="egmla loglikelihood"):
+        order = sorted(indices, key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
+        for start in range(0, len(order), self.batch_size):
             batch = order[start : start + self.batch_size]
             rows = []
             for i in batch:
                 _, context, continuation = requests[i]
-                if not continuation:
-                    raise ValueError("a loglikelihood request with an empty continuation")
-                if len(continuation) > self.max_length:
-                    raise ValueError(f"a continuation of {len(continuation)} tokens does not fit "
-                                     f"max_length={self.max_length}")
                 # The model sees at most max_length tokens: the last ones before the final token.
                 rows.append(((context + continuation)[-(self.max_length + 1):][:-1], len(continuation)))
             width = max(len(tokens) for tokens, _ in rows)
+            k = max(n for _, n in rows)
             ids = torch.zeros(len(rows), width, dtype=torch.long)
-            for b, (tokens, _) in enumerate(rows):
+            at = torch.zeros(len(rows), k, dtype=torch.long)  # the positions predicting a target
+            for b, (tokens, n) in enumerate(rows):
                 ids[b, : len(tokens)] = torch.tensor(tokens)  # right padding: no effect before it
-            logprobs = F.log_softmax(self.model(ids.to(device)).float(), dim=-1)
+                at[b] = torch.arange(len(tokens) - n, len(tokens) - n + k).clamp(max=len(tokens) - 1)
+            # The LM head and softmax only where a continuation token is predicted: (B, k, vocab).
+            logits = self.model(ids.to(device), logits_at=at.to(device))
+            logprobs = F.log_softmax(logits.float(), dim=-1)
             for b, i in enumerate(batch):
-                tokens, n = rows[b]
-                target = torch.tensor(requests[i][2][-n:], device=device)
-                lp = logprobs[b, len(tokens) - n : len(tokens)]  # (n, vocab)
-                picked = lp.gather(1, target[:, None])[:, 0]
-                results[i] = (float(picked.sum()), bool((lp.argmax(-1) == target).all()))
-                if requests[i][0] != (None, None):
-                    self.cache_hook.add_partial("loglikelihood", requests[i][0], results[i])
-        return results  # type: ignore[return-value]
+                n = rows[b][1]
+                results[i] = self._pick(logprobs[b, :n], requests[i][2][-n:])
+            bar.update(len(batch))
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         windows, owners = [], []

@@ -96,6 +96,32 @@ def test_logits_at_picks_one_position_per_row():
     assert (picked - full[torch.arange(3), at]).abs().max().item() < 1e-12
 
 
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_repeated_cache_continues_each_copy_like_a_full_forward(name):
+    """One prefill of a shared context, `cache.repeat(3)`, three continuations == three full
+    forwards (how the lm-eval adapter scores the choices of one question)."""
+    cfg = VARIANTS[name]
+    model, context, tails = build(cfg), random_ids(cfg, 1, 7), random_ids(cfg, 3, 4)
+    with torch.no_grad():
+        cache = model.new_cache(1, 11)
+        model(context, cache=cache)
+        continued = model(tails, cache=cache.repeat(3))
+        full = model(torch.cat([context.expand(3, -1), tails], dim=1))[:, 7:]
+    assert cache.length == 7
+    assert (continued - full).abs().max().item() < 1e-5
+
+
+def test_logits_at_picks_several_positions_per_row():
+    cfg = VARIANTS["mla-absorbed"]
+    model, ids = build(cfg), random_ids(cfg, 2, 9)
+    at = torch.tensor([[6, 7, 8], [0, 3, 3]])  # (B, K), repeats allowed (padding of short rows)
+    with torch.no_grad():
+        full, picked = model(ids), model(ids, logits_at=at)
+    assert picked.shape == (2, 3, cfg.vocab_size)
+    for b in range(2):
+        assert (picked[b] - full[b, at[b]]).abs().max().item() < 1e-12
+
+
 @pytest.mark.parametrize("base", ["tiny-mla", "tiny-egmla-latent"])
 def test_absorbed_equals_naive(base):
     """Same weights, two computations: full forward and cached decode agree in float64."""

@@ -114,11 +114,12 @@ class Transformer(nn.Module):
         cache: ContiguousCache | None = None,
         logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """token_ids (B, T) -> logits (B, T, vocab), or (B, vocab) with `logits_at`.
+        """token_ids (B, T) -> logits (B, T, vocab), or only at the indices in `logits_at`.
 
         `positions` (B, T), (1, T) or (T,) default to the next T positions: 0..T-1 without a cache,
         after the cached tokens with one. `logits_at` (B,) picks one index per row (the last real
-        token of a prefill chunk): the LM head then runs on B tokens instead of B * T.
+        token of a prefill chunk) -> (B, vocab); (B, K) picks K per row (the continuation of a
+        scored pair) -> (B, K, vocab). The LM head then runs on B or B * K tokens, not B * T.
         """
         B, T = token_ids.shape
         if positions is None:  # a paged (ragged) step always passes its positions
@@ -134,5 +135,6 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.advance()
         if logits_at is not None:
-            x = x[torch.arange(B, device=x.device), logits_at]  # (B, d)
+            rows = torch.arange(B, device=x.device)
+            x = x[rows if logits_at.dim() == 1 else rows[:, None], logits_at]  # (B, d) or (B, K, d)
         return self.lm_head(self.norm(x))
