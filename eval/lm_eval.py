@@ -24,8 +24,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.argv = ["lm_eval", *argv]
     try:
         cli_evaluate()
-    except (CheckpointError, ValueError, OSError) as error:
-        # A missing checkpoint, an unknown task, data that is not available offline: one line
+    except (CheckpointError, ValueError, OSError, ImportError) as error:
+        # A missing checkpoint, an unknown task, data or a package not available offline: one line
         # naming it, not a traceback (EGMLA_DEBUG=1 shows the traceback).
         if os.environ.get("EGMLA_DEBUG"):
             raise
