@@ -9,7 +9,9 @@ bytes per token in each dtype (per-layer fields plus per-sequence fields such as
 token ids, stated separately), the cache size per sequence at each context length, and the
 reduction against the same model with plain MHA and against its MLA reference. Every number is
 also measured: a `ContiguousCache` (batch 1) is allocated and its `nbytes()` must equal the
-analytic bytes exactly, or the command exits 1. See docs/kv_bytes.md.
+analytic bytes exactly, and so must the serving engine's paged pool for the blocks its block
+manager gives the same sequence (whole blocks: the last one's empty slots are counted), or the
+command exits 1. See docs/kv_bytes.md.
 """
 
 from __future__ import annotations
@@ -171,9 +173,38 @@ def measure(spec: CacheSpec, dtype: torch.dtype, tokens: int) -> dict[str, Any]:
             "match": nbytes == analytic}
 
 
+def measure_paged(spec: CacheSpec, dtype: torch.dtype, tokens: int, block_size: int
+                  ) -> dict[str, Any]:
+    """What one `tokens`-long sequence costs in the serving engine's paged cache.
+
+    The engine's block manager hands out the sequence's blocks; a `PagedKVCache` of exactly that
+    many blocks is allocated and its nbytes() compared with blocks x block_size x bytes/token.
+    The difference from the contiguous figure is the last block's unused slots (`slack_bytes`):
+    1,000 tokens in blocks of 16 take 63 blocks = 1,008 slots, 8 of them empty.
+    """
+    from serve.block_manager import BlockManager
+    from serve.paged_cache import PagedKVCache
+
+    manager = BlockManager(-(-tokens // block_size), block_size, enable_prefix_caching=False)
+    manager.allocate_prompt(0, list(range(tokens)))
+    if manager.append_slots(0, list(range(tokens)), tokens) is None:
+        raise AssertionError(f"the block manager could not place {tokens} tokens")
+    blocks = len(manager.block_table(0))
+    analytic = blocks * block_size * spec.bytes_per_token(dtype)
+    out = {"tokens": tokens, "block_size": block_size, "blocks": blocks, "analytic_nbytes": analytic}
+    try:
+        cache = PagedKVCache(spec, blocks, block_size, dtype=dtype, device="cpu")
+    except (RuntimeError, TypeError) as e:
+        return {**out, "nbytes": None, "match": False, "error": f"{type(e).__name__}: {e}"}
+    nbytes = cache.nbytes()
+    del cache
+    return {**out, "nbytes": nbytes, "slack_bytes": nbytes - spec.bytes_per_token(dtype) * tokens,
+            "match": nbytes == analytic}
+
+
 def build_report(configs: list[tuple[str, ModelConfig]], contexts: list[int],
-                 dtypes: list[torch.dtype], measure_len: int = 1024, measure_max: int = 4096
-                 ) -> dict[str, Any]:
+                 dtypes: list[torch.dtype], measure_len: int = 1024, measure_max: int = 4096,
+                 block_size: int = 16) -> dict[str, Any]:
     """Analytic and measured KV bytes for each (name, config); plain JSON-ready data."""
     lengths = sorted({measure_len, *(c for c in contexts if c <= measure_max)})
     specs: dict[str, CacheSpec] = {}  # by config, not name: a --config file may reuse a name
@@ -209,9 +240,12 @@ def build_report(configs: list[tuple[str, ModelConfig]], contexts: list[int],
         for dtype in dtypes:
             bpt = spec.bytes_per_token(dtype)
             measurements = [measure(spec, dtype, n) for n in lengths]
+            paged = [measure_paged(spec, dtype, n, block_size) for n in lengths]
             bad = [m for m in measurements if not m["match"]]
+            bad += [{"cache": "paged", **m} for m in paged if not m["match"]]
             mismatches += [{"name": name, "dtype": SHORT_NAME[dtype], **m} for m in bad]
             measured = {m["tokens"]: m["nbytes"] for m in measurements}
+            measured_paged = {m["tokens"]: m["nbytes"] for m in paged}
             row["dtypes"][SHORT_NAME[dtype]] = {
                 "torch_dtype": str(dtype),
                 "layer_bytes_per_token": spec.layer_bytes_per_token(dtype),
@@ -220,9 +254,11 @@ def build_report(configs: list[tuple[str, ModelConfig]], contexts: list[int],
                 "bytes_change_pct": {
                     k: reduction_pct(bpt, s.bytes_per_token(dtype) if s else None)
                     for k, s in ref_specs.items()},
-                "totals": [{"context": c, "bytes": bpt * c, "measured_bytes": measured.get(c)}
-                           for c in contexts],
+                "totals": [{"context": c, "bytes": bpt * c, "measured_bytes": measured.get(c),
+                            "paged_bytes": -(-c // block_size) * block_size * bpt,
+                            "measured_paged_bytes": measured_paged.get(c)} for c in contexts],
                 "measurements": measurements,
+                "paged_measurements": paged,
                 "match": not bad,
             }
         rows.append(row)
@@ -230,7 +266,8 @@ def build_report(configs: list[tuple[str, ModelConfig]], contexts: list[int],
         "schema": "egmla.kv_bytes/1",
         "settings": {"contexts": contexts, "dtypes": [SHORT_NAME[d] for d in dtypes],
                      "batch_size": 1, "measured_lengths": lengths,
-                     "measure_len": measure_len, "measure_max": measure_max},
+                     "measure_len": measure_len, "measure_max": measure_max,
+                     "block_size": block_size},
         "configs": rows,
         "all_match": not mismatches,
         "mismatches": mismatches,
@@ -298,17 +335,34 @@ def render(report: dict[str, Any], markdown: bool = False) -> str:
                          "yes" if d["match"] else "NO"])
         out.append(_table(["config", "B/tok layers", "+ per-seq", "= B/tok", "vs MHA", "vs MLA",
                            *ctx_heads, "measured=analytic"], body, markdown))
+        out.append("")
+        out.append(f"{h}Paged, {dt}: the serving engine's blocks of {s['block_size']} tokens, "
+                   "one sequence (whole blocks; slack = the last block's empty slots)")
+        body = []
+        for r in rows:
+            d = r["dtypes"][dt]
+            body.append([r["name"], f"{d['bytes_per_token'] * s['block_size']:,}",
+                         *[human_bytes(t["paged_bytes"])
+                           + ("" if t["measured_paged_bytes"] is None else "*")
+                           + (f" (+{human_bytes(t['paged_bytes'] - t['bytes'])})"
+                              if t["paged_bytes"] > t["bytes"] else "")
+                           for t in d["totals"]],
+                         "yes" if all(m["match"] for m in d["paged_measurements"]) else "NO"])
+        out.append(_table(["config", "B/block", *ctx_heads, "measured=analytic"], body, markdown))
     n_alloc = sum(len(d["measurements"]) for r in rows for d in r["dtypes"].values())
     lengths = [f"{n:,}" for n in s["measured_lengths"]]
     lengths = ", ".join(lengths[:-1]) + " and " * (len(lengths) > 1) + lengths[-1]
     unallocated = [f"{c:,}" for c in s["contexts"] if c not in s["measured_lengths"]]
     if report["all_match"]:
         notes = [f"Measured == analytic for every row: {n_alloc} ContiguousCache allocations "
-                 f"(batch 1; {lengths} tokens), nbytes() equal to bytes/token x tokens exactly."]
+                 f"(batch 1; {lengths} tokens), nbytes() equal to bytes/token x tokens exactly.",
+                 f"Paged == analytic too: {n_alloc} PagedKVCache pools of the blocks the engine's "
+                 "block manager gives those sequences, nbytes() = blocks x block size x bytes/token."]
     else:
-        notes = [f"MISMATCH: measured != analytic in {len(report['mismatches'])} of {n_alloc} "
+        notes = [f"MISMATCH: measured != analytic in {len(report['mismatches'])} of {2 * n_alloc} "
                  "allocations:\n" + "\n".join(
-                     f"- {m['name']} {m['dtype']} @{m['tokens']}: measured {m['nbytes']}, analytic "
+                     f"- {m['name']} {m['dtype']} {m.get('cache', 'contiguous')} @{m['tokens']}: "
+                     f"measured {m['nbytes']}, analytic "
                      f"{m['analytic_nbytes']} {m.get('error', '')}".rstrip()
                      for m in report["mismatches"])]
     notes.append("Sizes marked * were allocated and measured at that length." + (
@@ -372,6 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="always allocate a cache of this many tokens (default 1024)")
     p.add_argument("--measure-max", default="4096", metavar="N",
                    help="also allocate at each context length up to N tokens (default 4096)")
+    p.add_argument("--block-size", type=int, default=16, metavar="N",
+                   help="tokens per block of the paged (serving) cache; default: 16, the engine's")
     p.add_argument("--json", action="store_true", help="print JSON to stdout instead of tables")
     p.add_argument("--output-dir", metavar="DIR",
                    help="also write DIR/kv_bytes.json and DIR/kv_bytes.md (with metadata)")
@@ -392,11 +448,13 @@ def main(argv: list[str] | None = None) -> int:
         contexts = list(dict.fromkeys(parse_length(c) for c in args.context))
         dtypes = list(dict.fromkeys(parse_dtype(d) for d in args.dtype))
         measure_len, measure_max = parse_length(args.measure_len), parse_length(args.measure_max)
+        if args.block_size < 1:
+            raise UsageError(f"--block-size {args.block_size}: must be >= 1")
     except UsageError as e:
         print(f"kv_bytes: error: {e}", file=sys.stderr)
         return 2
 
-    report = build_report(configs, contexts, dtypes, measure_len, measure_max)
+    report = build_report(configs, contexts, dtypes, measure_len, measure_max, args.block_size)
     report["metadata"] = {**metadata(argv), "elapsed_s": round(time.perf_counter() - start, 3)}
     text = json.dumps(report, indent=2)
     print(text if args.json else render(report), end="\n" if args.json else "")

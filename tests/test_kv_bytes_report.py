@@ -239,8 +239,19 @@ def test_a_mismatch_is_reported_and_exits_1(monkeypatch, capsys):
     code = kv.main(["--presets", "tiny-mha", "--context", "8", "--measure-len", "8"])
     out, err = capsys.readouterr()
     assert code == 1
-    assert "MISMATCH" in out and "tiny-mha bf16 @8: measured 4097, analytic 4096" in out
+    assert "MISMATCH" in out and "tiny-mha bf16 contiguous @8: measured 4097, analytic 4096" in out
     assert "measured != analytic" in err
+
+
+def test_a_paged_mismatch_is_reported_and_exits_1(monkeypatch, capsys):
+    from egmla.cache import CacheTensors
+    from serve.paged_cache import PagedKVCache
+
+    monkeypatch.setattr(PagedKVCache, "nbytes", lambda self: CacheTensors.nbytes(self) + 1)
+    code = kv.main(["--presets", "tiny-mha", "--context", "8", "--measure-len", "8"])
+    out, _ = capsys.readouterr()
+    assert code == 1
+    assert "tiny-mha bf16 paged @8: measured 8193, analytic 8192" in out  # one block of 16
 
 
 def test_an_allocation_failure_is_not_counted_as_measured(monkeypatch):
@@ -285,3 +296,32 @@ def test_reduction_and_human_bytes():
     assert kv.human_bytes(512) == "512 B" and kv.human_bytes(1536) == "1.50 KiB"
     assert kv.human_bytes(36864 * 1024) == "36.00 MiB"
     assert kv.human_bytes(3 * 1024**4) == "3072.00 GiB"
+
+
+@pytest.mark.parametrize("name", ["tiny-mha", "tiny-mla", "tiny-egmla", "tiny-egmla-latent"])
+@pytest.mark.parametrize("tokens", [16, 37])
+def test_paged_measurement_is_what_the_serving_engine_holds(name, tokens):
+    """The report's paged figure for one sequence == blocks the running engine holds for it x
+    the bytes of one block of its pool (whole blocks, so 37 tokens cost 48 slots)."""
+    from serve.engine import EngineConfig, LLMEngine, SamplingParams
+    from test_models import build
+
+    model = build(preset(name), dtype=torch.float32)
+    engine = LLMEngine(model, EngineConfig(block_size=16, num_blocks=8))
+    engine.add_request(list(range(1, tokens + 1)), SamplingParams(max_tokens=4))
+    engine.step()  # the prompt's K/V (or latent) is written; the sequence is running
+    held = engine.blocks.num_used() * engine.cache.block_bytes()
+    m = kv.measure_paged(model.cache_spec(), torch.float32, tokens, block_size=16)
+    assert m["match"] and m["nbytes"] == held
+    bpt = model.cache_spec().bytes_per_token(torch.float32)
+    assert m["blocks"] == -(-tokens // 16) and m["slack_bytes"] == (m["blocks"] * 16 - tokens) * bpt
+
+
+def test_report_has_paged_totals_with_last_block_slack():
+    report = kv.build_report([("paper-mla", preset("paper-mla"))], [1000, 4096], [torch.bfloat16])
+    d = report["configs"][0]["dtypes"]["bf16"]
+    bpt = 2 * 12 * (256 + 64)
+    assert [t["paged_bytes"] for t in d["totals"]] == [1008 * bpt, 4096 * bpt]
+    assert [t["measured_paged_bytes"] for t in d["totals"]] == [1008 * bpt, 4096 * bpt]
+    assert all(m["match"] for m in d["paged_measurements"]) and report["all_match"]
+    assert "Paged, bf16" in kv.render(report)
