@@ -8,6 +8,8 @@ Every run is a real `train.py` process; the numbers come from its summary.json a
 
     python benchmarks/train_variants.py                  # 5 variants x 2 seeds x 300 steps
     python benchmarks/train_variants.py --steps 50 --seeds 0
+    python benchmarks/train_variants.py --runs-dir runs/variants   # keep the runs, then:
+    python -m eval.compare runs/variants --out runs/variants-comparison
 
 Writes benchmarks/results/train_variants.{json,md} with the machine, versions and git SHA.
 """
@@ -15,6 +17,7 @@ Writes benchmarks/results/train_variants.{json,md} with the machine, versions an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import statistics
@@ -81,6 +84,10 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--runs-dir", type=Path, metavar="DIR",
+                        help="keep the run directories in DIR/<variant>-s<seed> (a run already "
+                             "there is resumed, as train.py does); default: a temporary "
+                             "directory, deleted at the end")
     args = parser.parse_args()
 
     from egmla.config import ModelConfig
@@ -88,7 +95,11 @@ def main() -> None:
     target = ModelConfig.from_dict(composed_model("small_mha")).num_params()
     budget = {v: matched_d_ff(v, target) for v in args.variants}
     rows = []
-    with tempfile.TemporaryDirectory(prefix="egmla-bench-") as tmp:
+    if args.runs_dir:
+        args.runs_dir.mkdir(parents=True, exist_ok=True)
+    workdir = (contextlib.nullcontext(str(args.runs_dir.resolve())) if args.runs_dir
+               else tempfile.TemporaryDirectory(prefix="egmla-bench-"))
+    with workdir as tmp:
         for seed in args.seeds:
             for v in args.variants:
                 row = run(v, seed, budget[v][0], args.steps, Path(tmp))

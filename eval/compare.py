@@ -1,0 +1,398 @@
+"""Compare training runs: a quality metric against KV-cache bytes per token, one row per run.
+
+    python -m eval.compare runs/                       # every run directory under runs/
+    python -m eval.compare runs/mha-s0 runs/mla-s0 --metric corpus_perplexity/word_perplexity
+
+A row holds the run's attention variant, seed, parameters, KV-cache elements and bytes per token,
+validation loss, tokens trained and every metric found in the run: MQAR accuracy by slice
+(`mqar_acc/kv16`) and lm-eval results (`task/metric`). KV sizes are analytic, computed from the
+run's model config with `egmla.cache.cache_spec_for`, as `python -m eval.kv_bytes` does. Writes
+comparison.{md,csv,png,json} into --out, all or none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from egmla.cache import cache_spec_for
+from egmla.config import ConfigError, ModelConfig
+from egmla.provenance import provenance
+from eval.kv_bytes import SHORT_NAME, UsageError, parse_dtype
+
+RUN_FILES = ("config.json", "run_info.json", "summary.json")
+COLUMNS = ["run", "variant", "seed", "params", "params_without_gate_tables", "kv_dtype",
+           "kv_elements_per_token", "kv_bytes_per_token", "steps", "tokens", "val_loss"]
+VARIANTS = ["mha", "gqa", "mqa", "mla", "egmla-kv", "egmla-latent"]  # fixes each one's colour
+
+
+class CompareError(ValueError):
+    """Bad input; `main` prints it as one `error:` line and exits 2 without writing anything."""
+
+
+# ---- reading runs ----------------------------------------------------------------------------
+
+
+def find_runs(paths: list[str | Path]) -> list[Path]:
+    """Run directories from paths that are runs or hold runs as immediate subdirectories.
+
+    A directory holding any of config.json, run_info.json and summary.json is a run and must
+    hold all three; any other directory is searched one level down, subdirectories sorted.
+    """
+    found: list[Path] = []
+    for path in map(Path, paths):
+        if not path.is_dir():
+            raise CompareError(f"{path}: {'not a directory' if path.exists() else 'no such path'}")
+        if any((path / f).exists() for f in RUN_FILES):
+            candidates = [path]
+        else:
+            candidates = [p for p in sorted(path.iterdir())
+                          if p.is_dir() and any((p / f).exists() for f in RUN_FILES)]
+            if not candidates:
+                raise CompareError(f"{path}: no run directory in it (a run holds {', '.join(RUN_FILES)})")
+        for run in candidates:
+            missing = [f for f in RUN_FILES if not (run / f).is_file()]
+            if missing:
+                raise CompareError(f"{run}: not a finished run, missing {', '.join(missing)}")
+        found += [c.resolve() for c in candidates]
+    return list(dict.fromkeys(found))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CompareError(f"{path}: cannot read: {e}") from None
+
+
+def _number(value: Any) -> float | None:
+    """A finite number as float; None for NaN, strings ("N/A"), booleans and missing values."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def variant(config: ModelConfig) -> str:
+    """mha, gqa, mqa, mla, egmla-kv or egmla-latent, from the attention config."""
+    attention = config.attention
+    if attention.type == "mha":
+        kv_heads = attention.kv_heads(config)
+        return "mha" if kv_heads == config.n_heads else "mqa" if kv_heads == 1 else "gqa"
+    if attention.type == "egmla":
+        return f"egmla-{attention.gate_position}"
+    return attention.type
+
+
+def lm_eval_metrics(run_dir: Path) -> dict[str, float]:
+    """{'task/metric': value} from lm-eval results saved under RUN_DIR/eval.
+
+    `lm_eval --output_path RUN_DIR/eval` writes RUN_DIR/eval/<model>/results_<ISO time>.json
+    holding results[task]["metric,filter"]. Per task the newest file wins (the names sort by
+    time). The filter `none` is dropped from the name, any other kept: `acc,none` -> `task/acc`,
+    `exact_match,strict-match` -> `task/exact_match,strict-match`.
+    """
+    latest: dict[str, dict[str, Any]] = {}
+    for path in sorted((run_dir / "eval").glob("**/results_*.json"), key=lambda p: (p.name, str(p))):
+        for task, values in (_read_json(path).get("results") or {}).items():
+            latest[task] = values
+    metrics = {}
+    for task, values in latest.items():
+        for key, value in values.items():
+            name, _, filt = key.partition(",")
+            if filt and _number(value) is not None:
+                metrics[f"{task}/{name}" + ("" if filt == "none" else f",{filt}")] = _number(value)
+    return metrics
+
+
+def tokens_trained(config: dict[str, Any], steps: int | None) -> int | None:
+    """Optimizer steps x micro-batch x sequence x accumulation x processes; None if unknown."""
+    data, trainer = config.get("data") or {}, config.get("trainer") or {}
+    devices = trainer.get("devices", 1)
+    world = len(devices) if isinstance(devices, list) else devices  # "auto", -1: unknown
+    factors = [steps, data.get("batch_size"), data.get("seq_len"), world,
+               trainer.get("accumulate_grad_batches", 1), trainer.get("num_nodes", 1)]
+    if not all(isinstance(f, int) and not isinstance(f, bool) and f >= 1 for f in factors):
+        return None
+    return math.prod(factors)
+
+
+def load_row(run_dir: Path, dtype_name: str = "bf16") -> dict[str, Any]:
+    """One run's row: description, sizes, validation loss and every metric found."""
+    config, info, summary = (_read_json(run_dir / f) for f in RUN_FILES)
+    try:
+        model = ModelConfig.from_dict(config.get("model"))
+    except (ConfigError, TypeError) as e:
+        raise CompareError(f"{run_dir / 'config.json'}: {e}") from None
+    spec = cache_spec_for(model)
+    dtype = parse_dtype(dtype_name)
+    row = {
+        "run": summary.get("name") or config.get("name") or run_dir.name,
+        "variant": variant(model),
+        "seed": config.get("seed"),
+        "params": info.get("params"),
+        "params_without_gate_tables": info.get("params_without_gate_tables"),
+        "kv_dtype": SHORT_NAME[dtype],
+        "kv_elements_per_token": spec.elements_per_token(),
+        "kv_bytes_per_token": spec.bytes_per_token(dtype),
+        "steps": summary.get("global_step"),
+        "tokens": tokens_trained(config, summary.get("global_step")),
+        "val_loss": _number(summary.get("val_loss")),
+    }
+    for slice_name, acc in (summary.get("mqar_accuracy") or {}).items():
+        row[f"mqar_acc/{slice_name}"] = _number(acc)
+    return {**row, **lm_eval_metrics(run_dir), "run_dir": str(run_dir)}
+
+
+def load_rows(paths: list[str | Path], dtype_name: str = "bf16") -> list[dict[str, Any]]:
+    """Rows of every run found under `paths`; a name shared by runs gains its directory name."""
+    rows = [load_row(run, dtype_name) for run in find_runs(paths)]
+    names = [r["run"] for r in rows]
+    for row in rows:
+        if names.count(row["run"]) > 1:
+            row["run"] = f"{row['run']}/{Path(row['run_dir']).name}"
+    return rows
+
+
+def metric_names(rows: list[dict[str, Any]]) -> list[str]:
+    """val_loss, then every `prefix/name` metric of any row, sorted."""
+    return ["val_loss", *sorted({k for r in rows for k in r if "/" in k and k != "run_dir"})]
+
+
+def select_metric(rows: list[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
+    """The rows with `metric` and `metric_value` columns (`,none` dropped from the name);
+    CompareError, listing the metrics there are, if no run has a value for it."""
+    name = metric.removesuffix(",none")
+    if not any(r.get(name) is not None for r in rows):
+        raise CompareError(f"metric {metric!r} is in no run; available: "
+                           + ", ".join(m for m in metric_names(rows)
+                                       if any(r.get(m) is not None for r in rows)))
+    return [{**r, "metric": name, "metric_value": r.get(name)} for r in rows]
+
+
+# ---- rendering -------------------------------------------------------------------------------
+
+
+def columns(rows: list[dict[str, Any]]) -> list[str]:
+    return [*COLUMNS, *metric_names(rows)[1:], "metric", "metric_value", "run_dir"]
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 100 else f"{value:,.1f}"
+    return "-" if value is None else f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def render_table(rows: list[dict[str, Any]]) -> str:
+    """One markdown row per run; a metric with a standard error is shown as `value ± stderr`."""
+    shown = [m for m in metric_names(rows) if not m.partition(",")[0].endswith("_stderr")]
+    headers = ["run", "variant", "seed", "params (w/o gate tables)", "KV elements/token",
+               f"KV bytes/token ({rows[0]['kv_dtype']})", "tokens", *shown]
+    body = []
+    for r in rows:
+        cells = [r["run"], r["variant"], _fmt(r["seed"]),
+                 f"{_fmt(r['params'])} ({_fmt(r['params_without_gate_tables'])})",
+                 _fmt(r["kv_elements_per_token"]), _fmt(r["kv_bytes_per_token"]), _fmt(r["tokens"])]
+        for m in shown:  # task/acc -> task/acc_stderr; task/em,flex -> task/em_stderr,flex
+            err = r.get(m.replace(",", "_stderr,", 1) if "," in m else f"{m}_stderr")
+            cells.append(_fmt(r.get(m)) + (f" ± {_fmt(err)}" if err is not None else ""))
+        body.append([c.replace("|", "\\|") for c in cells])
+    rule = ["---"] * 2 + ["---:"] * (len(headers) - 2)
+    return "\n".join("| " + " | ".join(c) + " |" for c in [headers, rule, *body])
+
+
+def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """A header line (date, git SHA, command), what the numbers are, then the table."""
+    dtype, metric, git = rows[0]["kv_dtype"], rows[0]["metric"], meta["git"]
+    missing = [r["run"] for r in rows if r.get(metric) is None]
+    sha = f"{git['sha'] or 'unknown'}{' (dirty)' if git['dirty'] else ''}"
+    not_plotted = f"\nNo value for {metric}, not plotted: {', '.join(missing)}.\n" if missing else ""
+    return f"""# Run comparison
+
+{meta['time_utc']} · git {sha} · `{shlex.join(meta['command'])}`
+
+Plotted: **{metric}** against KV-cache bytes per token ({dtype}, analytic from each run's model
+config: every cached tensor of every layer, plus per-sequence token ids where cached). Params: all
+parameters (without the gate tables in parentheses). Tokens: optimizer steps x batch x sequence
+length x accumulation x processes. lm-eval metrics: the newest results file per task, ± stderr.
+{not_plotted}
+{render_table(rows)}
+"""
+
+
+def plot(rows: list[dict[str, Any]]):
+    """The chosen metric against KV bytes per token, a point per run: colour = variant (the same
+    colour for a variant in every plot), area ∝ parameters (gate tables included)."""
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    metric = rows[0]["metric"]
+    points = [r for r in rows if r.get(metric) is not None]
+    fig = Figure(figsize=(8, 5), layout="constrained")
+    FigureCanvasAgg(fig)  # Agg, without touching pyplot's global backend
+    ax = fig.add_subplot()
+    colours = matplotlib.colormaps["tab10"]
+    biggest = max(r["params"] or 0 for r in points) or 1
+    names = list(dict.fromkeys([*VARIANTS, *(r["variant"] for r in points)]))
+    for name in [n for n in names if any(r["variant"] == n for r in points)]:
+        group = [r for r in points if r["variant"] == name]
+        ax.scatter([r["kv_bytes_per_token"] for r in group], [r[metric] for r in group],
+                   s=[max(10.0, 300 * (r["params"] or 0) / biggest) for r in group],
+                   color=colours(names.index(name) % 10), alpha=0.8, edgecolors="black",
+                   linewidths=0.5, label=name)
+    for r in points:
+        ax.annotate(r["run"], (r["kv_bytes_per_token"], r[metric]), xytext=(6, 4),
+                    textcoords="offset points", fontsize=8)
+    xs = [r["kv_bytes_per_token"] for r in points]
+    if max(xs) > 10 * min(xs):
+        ax.set_xscale("log")
+    ax.set_xlabel(f"KV-cache bytes per token ({points[0]['kv_dtype']})")
+    ax.set_ylabel("validation loss (nats/token)" if metric == "val_loss" else metric)
+    ax.set_title(f"{metric} against KV-cache size; marker area ∝ parameters", fontsize=10)
+    ax.grid(alpha=0.3)
+    legend = ax.legend(title="attention", fontsize=8)
+    for handle in legend.legend_handles:
+        handle.set_sizes([50])
+    return fig
+
+
+def png_bytes(fig) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=120)
+    return buffer.getvalue()
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+
+def build_outputs(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, bytes]:
+    """Every output file's bytes, built in memory before anything is written."""
+    report = {"schema": "egmla.compare/1", "metric": rows[0]["metric"],
+              "kv_dtype": rows[0]["kv_dtype"], "columns": columns(rows), "rows": rows,
+              "provenance": meta}
+    table = io.StringIO()
+    writer = csv.DictWriter(table, fieldnames=columns(rows), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return {
+        "comparison.md": render_markdown(rows, meta).encode(),
+        "comparison.csv": table.getvalue().encode(),
+        "comparison.png": png_bytes(plot(rows)),
+        "comparison.json": (json.dumps(report, indent=2) + "\n").encode(),
+    }
+
+
+def write_all(out: Path, files: dict[str, bytes]) -> None:
+    """Write the files into a temporary folder beside `out`, then rename each into place, so an
+    interrupted write leaves no half-written file."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        for name, data in files.items():
+            (staging / name).write_bytes(data)
+        out.mkdir(exist_ok=True)
+        for name in files:
+            os.replace(staging / name, out / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def log_to_wandb(project: str, rows: list[dict[str, Any]], png: Path, meta: dict[str, Any]) -> str:
+    """A new wandb run (mode from the environment, as wandb decides) with the table and the plot."""
+    import wandb
+
+    cols = columns(rows)
+    run = wandb.init(project=project, job_type="compare", name=f"compare-{len(rows)}-runs",
+                     config={"metric": meta["metric"], "kv_dtype": meta["kv_dtype"],
+                             "runs": [r["run"] for r in rows], "git_sha": meta["git"]["sha"]})
+    try:
+        table = wandb.Table(columns=cols, data=[[r.get(c) for c in cols] for r in rows])
+        run.log({"comparison": table, "comparison_plot": wandb.Image(str(png))})
+        return run.dir if run.offline else run.url
+    finally:
+        run.finish()
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+
+EPILOG = """\
+examples:
+  python -m eval.compare runs/                              # every run in runs/, val_loss
+  python -m eval.compare runs/a runs/b --out cmp/ --dtype fp8
+  python -m eval.compare runs/ --metric corpus_perplexity/word_perplexity
+  python -m eval.compare runs/ --wandb-project egmla        # also log table + plot to wandb
+
+metrics: val_loss (summary.json), mqar_acc/SLICE (summary.json of MQAR runs), TASK/METRIC from
+lm-eval results in RUN_DIR/eval (python -m eval.lm_eval ... --output_path RUN_DIR/eval);
+the filter suffix ,none may be given or left out. An unknown metric lists the available ones.
+outputs: comparison.md (header: date, git SHA, command; then the table), comparison.csv,
+comparison.png (metric against KV bytes/token; colour = variant, marker area = parameters) and
+comparison.json (rows and provenance: command, git SHA, versions, hardware, time).
+exit status: 0 ok, 1 wandb logging failed (files written), 2 bad input (nothing written)
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not usage + message
+        raise CompareError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    title, _, row = __doc__.split("\n\n")[:3]
+    p = _Parser(prog="python -m eval.compare", description=f"{title}\n\n{row}", epilog=EPILOG,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("paths", nargs="+", metavar="RUN_DIR",
+                   help="a run directory (summary.json, config.json, run_info.json) or a "
+                        "directory whose immediate subdirectories are runs")
+    p.add_argument("--out", default="comparison", metavar="DIR",
+                   help="where comparison.{md,csv,png,json} go (default: comparison/)")
+    p.add_argument("--metric", default="val_loss",
+                   help="the y axis: val_loss (default), mqar_acc/SLICE or TASK/METRIC from lm-eval")
+    p.add_argument("--dtype", default="bf16", help="KV-cache dtype: bf16 (default), fp32, fp16, fp8")
+    p.add_argument("--wandb-project", metavar="NAME",
+                   help="also log the table and the plot to a new wandb run in this project "
+                        "(online or offline as WANDB_MODE and your login say)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = build_parser().parse_args(argv)
+        dtype = SHORT_NAME[parse_dtype(args.dtype)]
+        rows = select_metric(load_rows(args.paths, dtype), args.metric)
+        out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            raise CompareError(f"--out {out}: exists and is not a directory")
+    except (CompareError, UsageError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    meta = {**provenance(["python", "-m", "eval.compare", *argv]), "metric": rows[0]["metric"],
+            "kv_dtype": dtype}
+    files = build_outputs(rows, meta)
+    write_all(out, files)
+    print(files["comparison.md"].decode())
+    print(f"wrote {', '.join(str(out / name) for name in files)}")
+    if args.wandb_project:
+        try:
+            where = log_to_wandb(args.wandb_project, rows, out / "comparison.png", meta)
+        except Exception as e:  # noqa: BLE001 - any wandb failure: one line; the files stand
+            print(f"error: wandb: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+        print(f"wandb: {where}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""python -m eval.compare on real runs: three tiny train.py runs (MHA, MLA, EG-MLA kv), one of
+them scored for real by `python -m eval.lm_eval` on a local task; outputs checked against the
+runs' own files, wandb offline, bad input, and the notebook executed."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import matplotlib.image
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from training_utils import ROOT, TINY, run_train
+
+from egmla.config import ModelConfig
+from eval import compare
+
+# run name -> (model/attention option, seed, the variant eval.compare must name it)
+RUNS = {"mha": ("small_mha", 0, "mha"), "mla": ("small_mla", 1, "mla"),
+        "egmla": ("small_egmla", 0, "egmla-kv")}
+# Cheap runs: the final validation covers the whole held-out split, so keep it small (0.5% of the
+# corpus) and take it in large batches.
+STEPS, BATCH, HELD_OUT = 2, 128, 0.005
+TASK_YAML = """\
+task: capitals
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: capitals.jsonl
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+"""
+CAPITALS = [("The capital of France is", [" Paris", " Berlin"], 0),
+            ("The capital of Spain is", [" Rome", " Madrid"], 1)]
+
+
+def train_args(parent: Path, name: str) -> list[str]:
+    attention, seed, _ = RUNS[name]
+    return [*TINY, f"data.batch_size={BATCH}", f"data.val_fraction={HELD_OUT}",
+            f"trainer.max_steps={STEPS}", f"model/attention={attention}", f"seed={seed}",
+            f"name={name}", f"hydra.run.dir={parent / name}"]
+
+
+def lm_eval_capitals(run_dir: Path, tasks: Path) -> subprocess.CompletedProcess:
+    """The real lm-eval command on the run's export, results saved in the run's eval/."""
+    return subprocess.run(
+        [sys.executable, "-m", "eval.lm_eval", "--model", "egmla", "--model_args",
+         f"pretrained={run_dir / 'export'}", "--tasks", "capitals", "--include_path", str(tasks),
+         "--output_path", str(run_dir / "eval")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """A parent directory holding three finished runs; mha also has real lm-eval results."""
+    parent = tmp_path_factory.mktemp("runs")
+    tasks = tmp_path_factory.mktemp("tasks")
+    (tasks / "capitals.yaml").write_text(TASK_YAML)
+    (tasks / "capitals.jsonl").write_text("".join(
+        json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in CAPITALS))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EGMLA_CACHE", str(tmp_path_factory.mktemp("egmla-cache")))
+        first = run_train(train_args(parent, "mha"))  # trains the tokenizer the others reuse
+        assert first.returncode == 0, first.stderr[-3000:]
+        with ThreadPoolExecutor(3) as pool:
+            jobs = [pool.submit(run_train, train_args(parent, n)) for n in ("mla", "egmla")]
+            jobs.append(pool.submit(lm_eval_capitals, parent / "mha", tasks))
+            for job in jobs:
+                result = job.result()
+                assert result.returncode == 0, result.stderr[-3000:]
+    return parent
+
+
+def run_compare(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """`python -m eval.compare ARGS` in a fresh process, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "eval.compare", *args], cwd=cwd,
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=180,
+                          check=False)
+
+
+def read_csv(path: Path) -> dict[str, dict[str, str]]:
+    with path.open() as f:
+        return {row["run"]: row for row in csv.DictReader(f)}
+
+
+def run_json(run_dir: Path, name: str) -> dict:
+    return json.loads((run_dir / name).read_text())
+
+
+@pytest.mark.slow
+def test_command_writes_table_csv_plot_and_json(runs, tmp_path):
+    out, wandb_dir = tmp_path / "cmp", tmp_path / "wandb"
+    done = run_compare(str(runs), "--out", str(out), cwd=tmp_path, WANDB_DIR=str(wandb_dir))
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == [
+        "comparison.csv", "comparison.json", "comparison.md", "comparison.png"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left
+    assert not wandb_dir.exists()  # no wandb without --wandb-project
+
+    rows = read_csv(out / "comparison.csv")
+    assert sorted(rows) == sorted(RUNS)
+    for name, (_, seed, variant) in RUNS.items():
+        row, run_dir = rows[name], runs / name
+        summary, info = run_json(run_dir, "summary.json"), run_json(run_dir, "run_info.json")
+        assert row["variant"] == variant and int(row["seed"]) == seed
+        assert float(row["val_loss"]) == summary["val_loss"]
+        assert row["metric"] == "val_loss" and float(row["metric_value"]) == summary["val_loss"]
+        assert int(row["kv_bytes_per_token"]) == info["kv_bytes_per_token_bf16"]
+        assert int(row["kv_elements_per_token"]) == info["kv_elements_per_token"]
+        assert int(row["params"]) == info["params"]
+        assert int(row["params_without_gate_tables"]) == info["params_without_gate_tables"]
+        assert int(row["steps"]) == STEPS and int(row["tokens"]) == STEPS * BATCH * 32
+    # The real lm-eval results of the mha run, read from the file lm-eval wrote.
+    (results,) = (runs / "mha" / "eval").rglob("results_*.json")
+    capitals = json.loads(results.read_text())["results"]["capitals"]
+    assert float(rows["mha"]["capitals/acc"]) == capitals["acc,none"]
+    assert float(rows["mha"]["capitals/acc_stderr"]) == capitals["acc_stderr,none"]
+    assert rows["mla"]["capitals/acc"] == rows["egmla"]["capitals/acc"] == ""
+
+    report = json.loads((out / "comparison.json").read_text())
+    assert [r["run"] for r in report["rows"]] == sorted(RUNS)  # subdirectories, sorted
+    assert report["provenance"]["command"][3:] == [str(runs), "--out", str(out)]
+    assert report["provenance"]["git"]["sha"] and report["kv_dtype"] == "bf16"
+    md = (out / "comparison.md").read_text()
+    assert report["provenance"]["git"]["sha"] in md and f"`python -m eval.compare {runs}" in md
+    assert sum(line.startswith("| ") for line in md.splitlines()) == 2 + len(RUNS)
+    image = matplotlib.image.imread(out / "comparison.png")
+    assert image.shape == (600, 960, 4) and image[..., :3].std() > 0.05  # 8x5 in at 120 dpi
+
+
+def test_kv_bytes_follow_the_dtype(runs):
+    """fp32 doubles and fp8 halves the float fields; EG-MLA kv's int32 token ids do not change."""
+    by = {d: {r["run"]: r["kv_bytes_per_token"] for r in compare.load_rows([runs], d)}
+          for d in ("bf16", "fp32", "fp8")}
+    ids = 4  # one int32 per token, stored once per sequence
+    for name in ("mha", "mla"):
+        assert by["fp32"][name] == 2 * by["bf16"][name] == 4 * by["fp8"][name]
+    assert by["fp32"]["egmla"] - ids == 2 * (by["bf16"]["egmla"] - ids) == 4 * (by["fp8"]["egmla"] - ids)
+    # A run given on its own and inside its parent is one row.
+    assert len(compare.load_rows([runs, runs / "mha"])) == len(RUNS)
+
+
+def write_results(run_dir: Path, stamp: str, results: dict) -> None:
+    """A results file where `lm_eval --output_path RUN_DIR/eval` puts it."""
+    path = run_dir / "eval" / "runs__egmla__export" / f"results_{stamp}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"results": results, "config": {"model": "egmla"}}))
+
+
+def test_metric_from_lm_eval_results(runs, tmp_path, capsys):
+    copy = tmp_path / "runs"
+    shutil.copytree(runs, copy, ignore=shutil.ignore_patterns("export", "checkpoints", "eval"))
+    ppl = {"alias": "corpus_perplexity", "word_perplexity,none": 812.5,
+           "word_perplexity_stderr,none": "N/A", "bits_per_byte,none": 2.25}
+    write_results(copy / "egmla", "2026-01-01T10-00-00.000001", {"corpus_perplexity": ppl})
+    write_results(copy / "egmla", "2026-01-02T09-00-00.000001", {  # newer: wins for its task
+        "corpus_perplexity": {**ppl, "word_perplexity,none": 640.25},
+        "gsm8k_offline": {"exact_match,strict-match": 0.125, "exact_match_stderr,strict-match": 0.05}})
+    write_results(copy / "mla", "2026-01-01T10-00-00.000001", {"corpus_perplexity": ppl})
+
+    out = tmp_path / "out"
+    assert compare.main([str(copy), "--out", str(out),
+                         "--metric", "corpus_perplexity/word_perplexity,none"]) == 0
+    rows = read_csv(out / "comparison.csv")
+    assert {n: rows[n]["metric_value"] for n in rows} == {"egmla": "640.25", "mla": "812.5", "mha": ""}
+    assert rows["egmla"]["corpus_perplexity/bits_per_byte"] == "2.25"
+    assert rows["egmla"]["gsm8k_offline/exact_match,strict-match"] == "0.125"
+    assert "corpus_perplexity/word_perplexity_stderr" not in rows["egmla"]  # "N/A" is no number
+    md = (out / "comparison.md").read_text()
+    assert "No value for corpus_perplexity/word_perplexity, not plotted: mha." in md
+    assert "| 0.1250 ± 0.0500 |" in md
+
+    plain = compare.select_metric(compare.load_rows([copy]), "corpus_perplexity/word_perplexity")
+    assert [r["metric_value"] for r in plain] == [640.25, None, 812.5]  # ",none" is optional
+
+    assert compare.main([str(copy), "--out", str(out), "--metric",
+                         "gsm8k_offline/exact_match,strict-match"]) == 0
+    assert read_csv(out / "comparison.csv")["egmla"]["metric_value"] == "0.125"
+    capsys.readouterr()
+
+
+@pytest.mark.slow
+def test_wandb_offline_run_holds_the_table(runs, tmp_path):
+    done = run_compare(str(runs), "--out", str(tmp_path / "out"), "--wandb-project", "egmla-test",
+                       cwd=tmp_path, WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "wandb"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = (tmp_path / "wandb" / "wandb").glob("offline-run-*")
+    assert list(run_dir.glob("run-*.wandb"))
+    (table_file,) = (run_dir / "files" / "media" / "table").glob("comparison_*.table.json")
+    table = json.loads(table_file.read_text())
+    with (tmp_path / "out" / "comparison.csv").open() as f:
+        assert table["columns"] == next(csv.reader(f))
+    names = [row[table["columns"].index("run")] for row in table["data"]]
+    assert names == sorted(RUNS)
+    assert list((run_dir / "files" / "media" / "images").glob("comparison_plot_*.png"))
+
+
+def bad_inputs(runs: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
+    """case -> (arguments, a piece of the one error line)."""
+    (tmp / "empty" / "notes").mkdir(parents=True)
+    for case, missing in (("no_summary", "summary.json"), ("no_config", "config.json")):
+        shutil.copytree(runs / "mha", tmp / case, ignore=shutil.ignore_patterns(
+            missing, "export", "checkpoints", "eval"))
+    return {
+        "missing path": ([str(tmp / "nowhere")], "no such path"),
+        "no run inside": ([str(tmp / "empty")], "no run directory in it"),
+        "no summary.json": ([str(tmp / "no_summary")], "missing summary.json"),
+        "no config.json": ([str(runs), str(tmp / "no_config")], "missing config.json"),
+        "unknown metric": ([str(runs), "--metric", "capitals/f1"],
+                           "'capitals/f1' is in no run; available: val_loss, capitals/acc"),
+        "unknown dtype": ([str(runs), "--dtype", "int4"], "unknown dtype 'int4'"),
+        "no path at all": ([], "required: RUN_DIR"),
+    }
+
+
+CASES = ["missing path", "no run inside", "no summary.json", "no config.json", "unknown metric",
+         "unknown dtype", "no path at all"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_one_line_and_writes_nothing(runs, tmp_path, capsys, case):
+    args, named = bad_inputs(runs, tmp_path)[case]
+    out = tmp_path / "out"
+    assert compare.main([*args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and named in err, err
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_variant_names():
+    def named(**attention) -> str:
+        return compare.variant(ModelConfig.from_dict(
+            {"vocab_size": 64, "d_model": 64, "n_layers": 2, "n_heads": 4, "attention": attention}))
+
+    assert named(type="mha") == "mha" and named(type="mha", n_kv_heads=4) == "mha"
+    assert named(type="mha", n_kv_heads=2) == "gqa" and named(type="mha", n_kv_heads=1) == "mqa"
+    assert named(type="mla", d_c=16) == "mla"
+    assert named(type="egmla", d_c=16, gate_position="kv") == "egmla-kv"
+    assert named(type="egmla", d_c=16, gate_position="latent") == "egmla-latent"
+
+
+@pytest.mark.slow
+def test_notebook_runs_clean_from_notebooks_dir(runs, monkeypatch):
+    path = ROOT / "notebooks" / "compare.ipynb"
+    committed = nbformat.read(path, as_version=4)
+    code = [c for c in committed.cells if c.cell_type == "code"]
+    assert all(c.outputs == [] and c.execution_count is None for c in code)  # stored clean
+    monkeypatch.setenv("EGMLA_RUNS", str(runs))
+    NotebookClient(committed, timeout=120, kernel_name="python3",
+                   resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    outputs = [o for c in committed.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs)
+    table = next(o.data["text/markdown"] for o in outputs if "text/markdown" in o.get("data", {}))
+    assert all(f"| {name} |" in table for name in RUNS)
