@@ -1,0 +1,164 @@
+"""SmolLM2-135M-Instruct on the offline suite, and the adapter's wall time against lm-eval's `hf`.
+
+(a) accuracy: `--model egmla` on every task of `egmla_offline` (eval/tasks). Every task runs in
+    full except GSM8K, which generates up to 256 tokens per problem and is capped at
+    `--gsm8k-limit` problems (the first ones, lm-eval's `--limit`).
+(b) wall time: the same weights through `--model egmla` and through lm-eval's own `hf` model
+    (transformers loading the GGUF file, float32, batch size 8, CPU) on the same tasks with
+    `--limit` documents each: loglikelihood tasks (MQAR recall, cloze, held-out perplexity) and
+    a generative one (rg_chain_sum). Reported per task: seconds for each, the ratio, whether the
+    metrics are identical, and the largest loglikelihood difference.
+
+    python benchmarks/eval_suite.py                    # both parts (~30 min on 2 CPU cores)
+    python benchmarks/eval_suite.py --quick            # smoke test: a few documents per task
+
+Writes benchmarks/results/eval_suite.{json,md} (eval_suite_quick.* with --quick) with the
+command, git SHA, versions and machine. Single runs on a shared CPU: compare the two models
+within one run, not across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+TASKS = ROOT / "eval" / "tasks"
+TIMED = ["mqar_recall", "corpus_cloze", "corpus_perplexity", "rg_chain_sum"]
+
+
+def headline(task: str, results: dict[str, Any]) -> dict[str, float]:
+    """Every numeric metric of a task, stderr left out: {'acc,none': 0.9, ...}."""
+    return {k: v for k, v in results[task].items()
+            if "," in k and "_stderr" not in k and isinstance(v, (int, float))}
+
+
+def loglikelihoods(samples: list[dict]) -> dict[tuple[int, int], float]:
+    out = {}
+    for sample in samples:
+        for r, resp in enumerate(sample["resps"]):
+            value = resp[0]
+            if isinstance(value, (list, tuple)):
+                value = value[0]
+            if isinstance(value, (int, float)):
+                out[sample["doc_id"], r] = float(value)
+    return out
+
+
+def evaluate(model, task: str, manager, limit: int | None) -> tuple[dict, float]:
+    import lm_eval
+
+    start = time.perf_counter()
+    out = lm_eval.simple_evaluate(model=model, tasks=[task], task_manager=manager, limit=limit,
+                                  log_samples=True)
+    return out, time.perf_counter() - start
+
+
+def accuracy(model, manager, tasks: list[str], gsm8k_limit: int | None, quick: bool) -> list[dict]:
+    rows = []
+    for task in tasks:
+        limit = 3 if quick else gsm8k_limit if task == "gsm8k_offline" else None
+        out, seconds = evaluate(model, task, manager, limit)
+        rows.append({"task": task, "documents": out["results"][task]["sample_len"],
+                     "limit": limit, "metrics": headline(task, out["results"]),
+                     "seconds": round(seconds, 1)})
+        print(f"{task}: {rows[-1]['metrics']} ({rows[-1]['documents']} docs, {seconds:.0f} s)",
+              flush=True)
+    return rows
+
+
+def timing(ours, hf, manager, limit: int) -> list[dict]:
+    rows = []
+    for task in TIMED:
+        (a, ta), (b, tb) = evaluate(ours, task, manager, limit), evaluate(hf, task, manager, limit)
+        la, lb = loglikelihoods(a["samples"][task]), loglikelihoods(b["samples"][task])
+        worst = max((abs(la[k] - lb[k]) for k in la.keys() & lb.keys()), default=None)
+        rows.append({"task": task, "documents": a["results"][task]["sample_len"],
+                     "egmla_s": round(ta, 1), "hf_s": round(tb, 1), "speedup": round(tb / ta, 2),
+                     "egmla": headline(task, a["results"]), "hf": headline(task, b["results"]),
+                     "identical": headline(task, a["results"]) == headline(task, b["results"]),
+                     "max_abs_loglikelihood_diff": worst})
+        print(f"{task}: egmla {ta:.1f} s, hf {tb:.1f} s, identical={rows[-1]['identical']}, "
+              f"max |dLL|={worst}", flush=True)
+    return rows
+
+
+def render(report: dict[str, Any]) -> str:
+    p = report["provenance"]
+    lines = ["# SmolLM2-135M-Instruct on the offline suite; adapter vs lm-eval's hf model", "",
+             f"{p['time_utc']}; {p['hardware'].get('cpu')} ({p['hardware'].get('cpu_count')} "
+             f"cores); git {p['git']['sha']}{' (dirty)' if p['git']['dirty'] else ''}; "
+             f"lm-eval {p['versions'].get('lm-eval')}; torch {p['versions'].get('torch')}; "
+             "float32.", "", f"Command: `{' '.join(report['command'])}`", "",
+             "## Accuracy (`--model egmla`, zero-shot)", "",
+             "| task | documents | metric | value | seconds |", "|---|---:|---|---:|---:|"]
+    for r in report["accuracy"]:
+        for i, (name, value) in enumerate(r["metrics"].items()):
+            docs = f"{r['documents']}" + (f" (limit {r['limit']})" if r["limit"] else "")
+            lines.append(f"| {r['task'] if i == 0 else ''} | {docs if i == 0 else ''} | {name} | "
+                         f"{value:.4f} | {r['seconds'] if i == 0 else ''} |")
+    lines += ["", f"## Wall time, same tasks, {report['timing_limit']} documents each", "",
+              "| task | egmla s | hf s | hf / egmla | metrics identical | max abs LL diff |",
+              "|---|---:|---:|---:|---|---:|"]
+    for r in report["timing"]:
+        diff = "-" if r["max_abs_loglikelihood_diff"] is None else \
+            f"{r['max_abs_loglikelihood_diff']:.1e}"
+        lines.append(f"| {r['task']} | {r['egmla_s']} | {r['hf_s']} | {r['speedup']}x | "
+                     f"{'yes' if r['identical'] else 'no'} | {diff} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gsm8k-limit", type=int, default=200,
+                        help="GSM8K problems to generate for (default 200 of 1,319)")
+    parser.add_argument("--limit", type=int, default=50,
+                        help="documents per task in the wall-time comparison (default 50)")
+    parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="a few documents per task")
+    args = parser.parse_args()
+
+    import torch
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from egmla.imports import KNOWN_MODELS
+    from egmla.provenance import provenance
+    from eval.adapter import EgmlaLM
+    from eval.local_tasks import install
+
+    torch.manual_seed(0)
+    install()
+    manager = TaskManager(include_path=str(TASKS), include_defaults=False)
+    suite = sorted(manager.load("egmla_offline")["tasks"])
+    ours = EgmlaLM("SmolLM2-135M-Instruct", dtype="float32", batch_size=8)
+    report: dict[str, Any] = {"command": ["python", "benchmarks/eval_suite.py", *sys.argv[1:]],
+                              "provenance": provenance(), "timing_limit": 3 if args.quick
+                              else args.limit, "accuracy": [], "timing": []}
+    if not args.skip_accuracy:
+        report["accuracy"] = accuracy(ours, manager, suite, args.gsm8k_limit, args.quick)
+    if not args.skip_timing:
+        gguf = KNOWN_MODELS["SmolLM2-135M-Instruct"].path()
+        hf = HFLM(pretrained=str(gguf.parent), gguf_file=gguf.name, dtype="float32",
+                  device="cpu", batch_size=8)
+        report["timing"] = timing(ours, hf, manager, report["timing_limit"])
+    name = "eval_suite_quick" if args.quick else "eval_suite"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text(render(report))
+    print(render(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
