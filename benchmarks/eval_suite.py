@@ -92,28 +92,35 @@ def timing(ours, hf, manager, limit: int) -> list[dict]:
     return rows
 
 
+def _made_by(part: dict[str, Any]) -> list[str]:
+    p = part["provenance"]
+    return [f"{p['time_utc']}; {p['hardware'].get('cpu')} ({p['hardware'].get('cpu_count')} "
+            f"cores); git {p['git']['sha']}{' (dirty)' if p['git']['dirty'] else ''}; "
+            f"lm-eval {p['versions'].get('lm-eval')}; torch {p['versions'].get('torch')}; "
+            f"float32. Command: `{' '.join(part['command'])}`", ""]
+
+
 def render(report: dict[str, Any]) -> str:
-    p = report["provenance"]
-    lines = ["# SmolLM2-135M-Instruct on the offline suite; adapter vs lm-eval's hf model", "",
-             f"{p['time_utc']}; {p['hardware'].get('cpu')} ({p['hardware'].get('cpu_count')} "
-             f"cores); git {p['git']['sha']}{' (dirty)' if p['git']['dirty'] else ''}; "
-             f"lm-eval {p['versions'].get('lm-eval')}; torch {p['versions'].get('torch')}; "
-             "float32.", "", f"Command: `{' '.join(report['command'])}`", "",
-             "## Accuracy (`--model egmla`, zero-shot)", "",
-             "| task | documents | metric | value | seconds |", "|---|---:|---|---:|---:|"]
-    for r in report["accuracy"]:
-        for i, (name, value) in enumerate(r["metrics"].items()):
+    lines = ["# SmolLM2-135M-Instruct on the offline suite; adapter vs lm-eval's hf model", ""]
+    if report["accuracy"]:
+        lines += ["## Accuracy (`--model egmla`, zero-shot)", "", *_made_by(report["accuracy"]),
+                  "| task | documents | metric | value | seconds |", "|---|---:|---|---:|---:|"]
+        for r in report["accuracy"]["rows"]:
             docs = f"{r['documents']}" + (f" (limit {r['limit']})" if r["limit"] else "")
-            lines.append(f"| {r['task'] if i == 0 else ''} | {docs if i == 0 else ''} | {name} | "
-                         f"{value:.4f} | {r['seconds'] if i == 0 else ''} |")
-    lines += ["", f"## Wall time, same tasks, {report['timing_limit']} documents each", "",
-              "| task | egmla s | hf s | hf / egmla | metrics identical | max abs LL diff |",
-              "|---|---:|---:|---:|---|---:|"]
-    for r in report["timing"]:
-        diff = "-" if r["max_abs_loglikelihood_diff"] is None else \
-            f"{r['max_abs_loglikelihood_diff']:.1e}"
-        lines.append(f"| {r['task']} | {r['egmla_s']} | {r['hf_s']} | {r['speedup']}x | "
-                     f"{'yes' if r['identical'] else 'no'} | {diff} |")
+            for i, (name, value) in enumerate(r["metrics"].items()):
+                lines.append(f"| {r['task'] if i == 0 else ''} | {docs if i == 0 else ''} | "
+                             f"{name} | {value:.4f} | {r['seconds'] if i == 0 else ''} |")
+        lines.append("")
+    if report["timing"]:
+        lines += [f"## Wall time, same tasks, {report['timing']['limit']} documents each", "",
+                  *_made_by(report["timing"]),
+                  "| task | egmla s | hf s | hf / egmla | metrics identical | max abs LL diff |",
+                  "|---|---:|---:|---:|---|---:|"]
+        for r in report["timing"]["rows"]:
+            diff = r["max_abs_loglikelihood_diff"]
+            lines.append(f"| {r['task']} | {r['egmla_s']} | {r['hf_s']} | {r['speedup']}x | "
+                         f"{'yes' if r['identical'] else 'no'} | "
+                         f"{'-' if diff is None else f'{diff:.1e}'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -123,8 +130,10 @@ def main() -> int:
                         help="GSM8K problems to generate for (default 200 of 1,319)")
     parser.add_argument("--limit", type=int, default=50,
                         help="documents per task in the wall-time comparison (default 50)")
-    parser.add_argument("--skip-accuracy", action="store_true")
-    parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--skip-accuracy", action="store_true",
+                        help="run only the wall-time part; keep the recorded accuracy part")
+    parser.add_argument("--skip-timing", action="store_true",
+                        help="run only the accuracy part; keep the recorded wall-time part")
     parser.add_argument("--quick", action="store_true", help="a few documents per task")
     args = parser.parse_args()
 
@@ -142,17 +151,23 @@ def main() -> int:
     manager = TaskManager(include_path=str(TASKS), include_defaults=False)
     suite = sorted(manager.load("egmla_offline")["tasks"])
     ours = EgmlaLM("SmolLM2-135M-Instruct", dtype="float32", batch_size=8)
-    report: dict[str, Any] = {"command": ["python", "benchmarks/eval_suite.py", *sys.argv[1:]],
-                              "provenance": provenance(), "timing_limit": 3 if args.quick
-                              else args.limit, "accuracy": [], "timing": []}
+    name = "eval_suite_quick" if args.quick else "eval_suite"
+    # A skipped part keeps what the results file already holds (each part says what made it).
+    previous = RESULTS / f"{name}.json"
+    report: dict[str, Any] = json.loads(previous.read_text()) if previous.exists() else {}
+    report.setdefault("accuracy", None)
+    report.setdefault("timing", None)
+    made_by = {"command": ["python", "benchmarks/eval_suite.py", *sys.argv[1:]],
+               "provenance": provenance()}
     if not args.skip_accuracy:
-        report["accuracy"] = accuracy(ours, manager, suite, args.gsm8k_limit, args.quick)
+        report["accuracy"] = {**made_by, "rows": accuracy(ours, manager, suite, args.gsm8k_limit,
+                                                         args.quick)}
     if not args.skip_timing:
         gguf = KNOWN_MODELS["SmolLM2-135M-Instruct"].path()
         hf = HFLM(pretrained=str(gguf.parent), gguf_file=gguf.name, dtype="float32",
                   device="cpu", batch_size=8)
-        report["timing"] = timing(ours, hf, manager, report["timing_limit"])
-    name = "eval_suite_quick" if args.quick else "eval_suite"
+        limit = 3 if args.quick else args.limit
+        report["timing"] = {**made_by, "limit": limit, "rows": timing(ours, hf, manager, limit)}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / f"{name}.md").write_text(render(report))
