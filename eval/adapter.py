@@ -122,7 +122,10 @@ class EgmlaLM(TemplateLM):
             if len(continuation) > self.max_length:
                 raise ValueError(f"a continuation of {len(continuation)} tokens does not fit "
                                  f"max_length={self.max_length}")
-            if context and len(context) + len(continuation) <= self.max_length + 1:  # untruncated
+            # Sharing pays where the context is the bulk of the work (the choices of a question),
+            # not for a rolling window, whose one-token context precedes a whole text.
+            fits = len(context) + len(continuation) <= self.max_length + 1  # untruncated
+            if fits and len(context) >= len(continuation):
                 shared[tuple(context)].append(i)
         groups = [g for g in shared.values() if len(g) > 1]
         grouped = {i for g in groups for i in g}
@@ -151,19 +154,23 @@ class EgmlaLM(TemplateLM):
         padded (padding comes after every real token, so causal attention never sees it).
         """
         device = self.model.tok_emb.weight.device
-        k, longest = len(continuations), max(map(len, continuations))
-        cache = self.model.new_cache(1, len(context) + longest - 1)
+        cache = self.model.new_cache(1, len(context) + max(map(len, continuations)) - 1)
         ids = torch.tensor([context], device=device)
         last = torch.tensor([len(context) - 1], device=device)
         first = F.log_softmax(self.model(ids, cache=cache, logits_at=last).float(), dim=-1)  # (1, V)
-        logprobs = first.expand(k, 1, -1)  # (k, 1, vocab)
-        if longest > 1:
-            ids = torch.zeros(k, longest - 1, dtype=torch.long)
-            for b, continuation in enumerate(continuations):
-                ids[b, : len(continuation) - 1] = torch.tensor(continuation[:-1])
-            later = self.model(ids.to(device), cache=cache.repeat(k))  # (k, longest - 1, vocab)
-            logprobs = torch.cat([logprobs, F.log_softmax(later.float(), dim=-1)], dim=1)
-        return [self._pick(logprobs[b, : len(c)], c) for b, c in enumerate(continuations)]
+        scores = []
+        for start in range(0, len(continuations), self.batch_size):  # bounded memory per forward
+            chunk = continuations[start : start + self.batch_size]
+            k, longest = len(chunk), max(map(len, chunk))
+            logprobs = first.expand(k, 1, -1)  # (k, 1, vocab)
+            if longest > 1:
+                ids = torch.zeros(k, longest - 1, dtype=torch.long)
+                for b, continuation in enumerate(chunk):
+                    ids[b, : len(continuation) - 1] = torch.tensor(continuation[:-1])
+                later = self.model(ids.to(device), cache=cache.repeat(k))  # (k, longest - 1, V)
+                logprobs = torch.cat([logprobs, F.log_softmax(later.float(), dim=-1)], dim=1)
+            scores += [self._pick(logprobs[b, : len(c)], c) for b, c in enumerate(chunk)]
+        return scores
 
     @staticmethod
     def _pick(logprobs: torch.Tensor, continuation: list[int]) -> tuple[float, bool]:

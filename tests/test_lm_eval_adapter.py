@@ -70,6 +70,20 @@ def test_loglikelihood_equals_a_direct_log_softmax_sum(lm):
 
 
 @pytest.mark.slow
+def test_choices_sharing_a_context_equal_direct_sums_beyond_one_batch(lm):
+    """Six choices of one question (more than the batch of 4): the context runs once, the
+    choices in two cached batches, and each score equals its own full forward."""
+    context = "Question: which of these is a colour? Think carefully before you answer.\nAnswer:"
+    choices = [" red", " a table", " blue sky", " seven", " green", " the colour purple"]
+    results = lm.loglikelihood(instances("loglikelihood", [(context, c) for c in choices]), True)
+    for choice, (logprob, greedy) in zip(choices, results):
+        ctx, cont = encode_pair(lm.tokenizer, context, choice, lm.prefix_token_id)
+        assert len(ctx) >= len(cont)  # the shared-context path, not the batched one
+        expected, expected_greedy = direct_logprob(lm.model, ctx + cont, len(cont))
+        assert logprob == pytest.approx(expected, abs=1e-4) and greedy == expected_greedy
+
+
+@pytest.mark.slow
 def test_batching_does_not_change_scores(lm, smollm2_llm):
     one = EgmlaLM(smollm2_llm, batch_size=1).loglikelihood(instances("loglikelihood", PAIRS), True)
     many = lm.loglikelihood(instances("loglikelihood", PAIRS), True)
