@@ -54,13 +54,13 @@ def matched_d_ff(attention: str, target: int) -> tuple[int, int]:
     return d_ff, cfg.num_params(include_gate_tables=False)
 
 
-def run(attention: str, seed: int, d_ff: int, steps: int, workdir: Path) -> dict:
+def run(attention: str, seed: int, d_ff: int, steps: int, workdir: Path, export: bool) -> dict:
     run_dir = workdir / f"{attention}-s{seed}"
     cmd = [sys.executable, str(ROOT / "train.py"), "experiment=quickstart",
            f"model/attention={attention}", f"model.d_ff={d_ff}", f"seed={seed}",
            f"trainer.max_steps={steps}", f"trainer.val_every_n_steps={steps}",
            f"trainer.checkpoint_every_n_steps={steps}", "trainer.limit_val_batches=1.0",
-           "wandb.mode=disabled", "export=false", "sample_prompt=null",
+           "wandb.mode=disabled", f"export={str(export).lower()}", "sample_prompt=null",
            f"name={attention}-s{seed}", f"hydra.run.dir={run_dir}"]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
@@ -85,9 +85,10 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--runs-dir", type=Path, metavar="DIR",
-                        help="keep the run directories in DIR/<variant>-s<seed> (a run already "
-                             "there is resumed, as train.py does); default: a temporary "
-                             "directory, deleted at the end")
+                        help="keep the run directories, each with its export, in "
+                             "DIR/<variant>-s<seed> (a run already there is resumed, as "
+                             "train.py does); default: a temporary directory, deleted at the "
+                             "end, and no exports")
     args = parser.parse_args()
 
     from egmla.config import ModelConfig
@@ -102,7 +103,7 @@ def main() -> None:
     with workdir as tmp:
         for seed in args.seeds:
             for v in args.variants:
-                row = run(v, seed, budget[v][0], args.steps, Path(tmp))
+                row = run(v, seed, budget[v][0], args.steps, Path(tmp), export=bool(args.runs_dir))
                 rows.append(row)
                 print(f"{v:<20} seed {seed}: val loss {row['val_loss']:.4f}  "
                       f"{row['tokens_per_s']:7.0f} tok/s  d_ff {row['d_ff']}", flush=True)

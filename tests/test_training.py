@@ -197,6 +197,21 @@ def test_run_directory_contents(tmp_path):
 
 
 @pytest.mark.slow
+def test_rerunning_a_finished_run_with_export_writes_the_export(tmp_path):
+    """Resumed after its last step, a run trains nothing; it must still write its export."""
+    run_dir = tmp_path / "run"
+    args = [*TINY, "trainer.max_steps=2", f"hydra.run.dir={run_dir}"]
+    first = run_train([*args, "export=false"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert not (run_dir / "export").exists()
+    again = run_train([*args, "export=true"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (run_dir / "export" / "model.safetensors").is_file()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["global_step"] == 2 and summary["export"] == str(run_dir / "export")
+
+
+@pytest.mark.slow
 def test_two_processes_match_one_process_at_twice_the_batch(tmp_path):
     common = [*TINY, "trainer.max_steps=6", "trainer.val_every_n_steps=6",
               "trainer.checkpoint_every_n_steps=6", "optim.lr=3e-3"]

@@ -61,13 +61,17 @@ class Throughput(L.Callback):
 
 
 class Export(L.Callback):
-    """After training, write the plain export (config.json, model.safetensors, tokenizer)."""
+    """After fitting, write the plain export (config.json, model.safetensors, tokenizer).
+
+    On `fit` end, not train end: a run resumed after its last step trains nothing, and Lightning
+    then skips `on_train_end`, but its export must still be written.
+    """
 
     def __init__(self, directory: Path, tokenizer: Any = None, extra: dict | None = None) -> None:
         self.directory, self.tokenizer, self.extra = directory, tokenizer, extra
 
     @rank_zero_only
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         model = pl_module.model
         model = getattr(model, "_orig_mod", model)
         save_export(model, self.directory, tokenizer=self.tokenizer,
