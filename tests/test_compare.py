@@ -17,6 +17,7 @@ import matplotlib.image
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from test_lm_eval_adapter import write_local_task
 from training_utils import ROOT, TINY, run_train
 
 from egmla.config import ModelConfig
@@ -28,22 +29,6 @@ RUNS = {"mha": ("small_mha", 0, "mha"), "mla": ("small_mla", 1, "mla"),
 # Cheap runs: the final validation covers the whole held-out split, so keep it small (0.5% of the
 # corpus) and take it in large batches.
 STEPS, BATCH, HELD_OUT = 2, 128, 0.005
-TASK_YAML = """\
-task: capitals
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: capitals.jsonl
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{question}}"
-doc_to_choice: "{{choices}}"
-doc_to_target: answer
-metric_list:
-  - metric: acc
-"""
-CAPITALS = [("The capital of France is", [" Paris", " Berlin"], 0),
-            ("The capital of Spain is", [" Rome", " Madrid"], 1)]
 
 
 def train_args(parent: Path, name: str) -> list[str]:
@@ -66,10 +51,8 @@ def lm_eval_capitals(run_dir: Path, tasks: Path) -> subprocess.CompletedProcess:
 def runs(tmp_path_factory) -> Path:
     """A parent directory holding three finished runs; mha also has real lm-eval results."""
     parent = tmp_path_factory.mktemp("runs")
-    tasks = tmp_path_factory.mktemp("tasks")
-    (tasks / "capitals.yaml").write_text(TASK_YAML)
-    (tasks / "capitals.jsonl").write_text("".join(
-        json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in CAPITALS))
+    tasks = tmp_path_factory.mktemp("tasks") / "local"
+    write_local_task(tasks)  # a plain multiple-choice YAML + JSONL, the adapter tests' own
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("EGMLA_CACHE", str(tmp_path_factory.mktemp("egmla-cache")))
         first = run_train(train_args(parent, "mha"))  # trains the tokenizer the others reuse
