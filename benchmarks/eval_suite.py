@@ -138,7 +138,6 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a few documents per task")
     args = parser.parse_args()
 
-    import torch
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
@@ -147,7 +146,6 @@ def main() -> int:
     from eval.adapter import EgmlaLM
     from eval.local_tasks import install
 
-    torch.manual_seed(0)
     install()
     manager = TaskManager(include_path=str(TASKS), include_defaults=False)
     suite = sorted(manager.load("egmla_offline")["tasks"])
