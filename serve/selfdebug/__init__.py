@@ -1,2 +1,2 @@
-"""Self-debugging code evaluation (issue 6, in progress): datasets so far; the sandbox, the
-generate -> test -> feedback -> repair loop and the reports are still to come."""
+"""Self-debugging code evaluation (issue 6): datasets (HumanEval, MBPP), the generate -> test ->
+feedback -> repair loop and its reports; untrusted code runs in `serve.sandbox`."""

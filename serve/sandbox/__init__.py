@@ -1,0 +1,290 @@
+"""Run untrusted Python against tests and get a verdict the program cannot forge.
+
+    >>> v = run("def add(a, b):\\n    return a + b\\n", ["assert add(1, 2) == 3"])  # doctest: +SKIP
+    >>> v.status                                                                    # doctest: +SKIP
+    'passed'
+
+Each run is a fresh interpreter in its own session (`python -I -B -S`), started through
+`unshare` in new network, pid and mount namespaces where the machine allows it. Inside, the
+trusted judge (`runner.py`) forks a worker that drops to an unprivileged uid, gets CPU, memory,
+file-size, open-file and process limits, a scratch directory and a four-variable environment,
+and runs the program; the judge runs the tests itself, calling the program's functions through
+proxies that carry plain data across (see runner.py). The wall-clock limit is enforced by the
+judge and again here, and the whole process tree is killed at the end of every run, normal or
+not. `protections()` says what this machine allows; each missing layer is a warning, never
+silent. docs/sandbox.md has the threat model.
+
+Statuses: passed; failed (a test's assertion, with expected and actual where the assert is
+`==`); error (the program raised: type, message, line; or it exited or crashed early);
+timeout (wall clock or CPU); memory (MemoryError under the memory limit); killed (output limit,
+or the program died of a signal).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+RUNNER = Path(__file__).resolve().parent / "runner.py"
+STATUSES = ("passed", "failed", "error", "timeout", "memory", "killed")
+SANDBOX_UID = 65534  # nobody
+STARTUP_GRACE_S = 5.0  # for the interpreter to start, on top of the program's own timeout
+ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself could not run (bad limits, no usable interpreter)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-run limits. `cpu_s` defaults to the timeout rounded up plus one second."""
+
+    timeout_s: float = 10.0
+    memory_bytes: int = 1 << 30
+    file_size_bytes: int = 16 << 20
+    open_files: int = 64
+    processes: int = 64
+    output_bytes: int = 64 << 10  # kept of each of stdout and stderr; 64x this in all kills
+    cpu_s: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "memory_bytes", "file_size_bytes", "open_files", "processes",
+                     "output_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+                raise SandboxError(f"Limits.{name} must be a positive number, got {value!r}")
+        if self.cpu_s is not None and not self.cpu_s >= 1:
+            raise SandboxError(f"Limits.cpu_s must be >= 1, got {self.cpu_s!r}")
+
+    def rlimits(self) -> dict[str, int]:
+        return {"cpu": self.cpu_s or math.ceil(self.timeout_s) + 1, "as": self.memory_bytes,
+                "fsize": self.file_size_bytes, "nofile": self.open_files,
+                "nproc": self.processes, "core": 0}
+
+
+@dataclass(frozen=True)
+class Protections:
+    """What isolation this machine gives the sandbox; `warnings` names each missing layer."""
+
+    python: str
+    uid: int | None  # the worker's uid, None when it keeps ours
+    namespaces: tuple[str, ...]  # of "net", "pid", "mount"
+    user_namespace: bool  # the namespaces come from an unprivileged user namespace
+    read_only_filesystem: bool
+    warnings: tuple[str, ...] = ()
+
+    def active(self) -> list[str]:
+        layers = ["separate process per run (fresh interpreter, -I -B -S)",
+                  "resource limits (CPU, address space, file size, open files, processes, core)",
+                  "wall-clock timeout and whole-tree kill", "scratch directory",
+                  "minimal environment", "verdict computed outside the program's process"]
+        if self.uid is not None:
+            layers.append(f"unprivileged uid {self.uid}")
+        if "net" in self.namespaces:
+            layers.append("no network (network namespace)")
+        if "pid" in self.namespaces:
+            layers.append("own pid namespace")
+        if self.read_only_filesystem:
+            layers.append("read-only filesystem with private /tmp")
+        return layers
+
+
+@dataclass
+class Verdict:
+    status: str
+    reason: str
+    tests: list[dict] = field(default_factory=list)
+    program_error: dict | None = None
+    stdout: str = ""
+    stderr: str = ""
+    output_truncated: bool = False
+    wall_s: float = 0.0
+    protections: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    @property
+    def first_failure(self) -> dict | None:
+        """The first test that did not pass, or the program's own error as a pseudo-test."""
+        failing = next((t for t in self.tests if t["status"] != "passed"), None)
+        if failing is None and self.program_error:
+            return {"status": self.status, **self.program_error}
+        return failing
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _output(cmd: list[str]) -> str | None:
+    """What `cmd` prints, or None when it fails."""
+    try:
+        done = subprocess.run(cmd, env=ENV, stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.decode(errors="replace") if done.returncode == 0 else None
+
+
+def _runs(cmd: list[str]) -> bool:
+    return _output(cmd) is not None
+
+
+@functools.cache
+def protections(python: str | None = None) -> Protections:
+    """Probe (once per process and interpreter) which isolation layers this machine allows."""
+    notes: list[str] = []
+    root = os.geteuid() == 0
+    probe = ["-I", "-S", "-c", "import ctypes, json, resource, selectors, math, re, collections, "
+             "sys; print(sys.version, sys.prefix)"]
+    candidates = [python] if python else [sys.executable, shutil.which("python3"),
+                                          "/usr/bin/python3"]
+    candidates = [c for c in dict.fromkeys(candidates) if c]
+    chosen, uid = None, None
+    setpriv = shutil.which("setpriv")
+    if root and setpriv:
+        drop = [setpriv, f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups"]
+        # The judge runs as root and forks the worker, which then imports as the sandbox uid:
+        # the interpreter must be the same one (version and stdlib) for both.
+        chosen = next((c for c in candidates
+                       if _output(drop + [c] + probe) not in (None, "")
+                       and _output(drop + [c] + probe) == _output([c] + probe)), None)
+        uid = SANDBOX_UID if chosen else None
+    if chosen is None:
+        chosen = next((c for c in candidates if _runs([c] + probe)), None)
+        if chosen is None:
+            raise SandboxError(f"no usable Python interpreter for the sandbox among {candidates}")
+        if root:
+            notes.append(f"programs run as root: no interpreter among {candidates} is runnable "
+                         f"by uid {SANDBOX_UID}, so the process limit is not enforced and "
+                         "files outside the scratch directory are writable unless the "
+                         "filesystem is read-only")
+    namespaces: tuple[str, ...] = ()
+    user_ns = False
+    unshare = shutil.which("unshare")
+    if unshare:
+        base = [unshare, "--net", "--pid", "--mount", "--fork", "--kill-child", "--mount-proc"]
+        if root and _runs(base + ["true"]):
+            namespaces = ("net", "pid", "mount")
+        elif _runs([unshare, "--user", "--map-root-user"] + base[1:] + ["true"]):
+            namespaces, user_ns = ("net", "pid", "mount"), True
+    if not namespaces:
+        notes.append("no namespaces (unshare unavailable or not permitted): programs can open "
+                     "network connections and processes that escape the session are only "
+                     "found through the child-subreaper scan")
+    read_only = bool(namespaces) and root and not user_ns
+    if namespaces and not read_only:
+        notes.append("the filesystem is not remounted read-only (needs root): the program can "
+                     "write wherever this user can")
+    return Protections(python=chosen, uid=uid, namespaces=namespaces, user_namespace=user_ns,
+                       read_only_filesystem=read_only, warnings=tuple(notes))
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(f"sandbox: {message}", RuntimeWarning, stacklevel=3)
+
+
+def _command(prot: Protections) -> list[str]:
+    cmd = []
+    if prot.namespaces:
+        cmd = [shutil.which("unshare") or "unshare"]
+        if prot.user_namespace:
+            cmd += ["--user", "--map-root-user"]
+        cmd += ["--net", "--pid", "--mount", "--fork", "--kill-child", "--mount-proc"]
+    return cmd + [prot.python, "-I", "-B", "-S", str(RUNNER)]
+
+
+def _frame(message: dict) -> bytes:
+    data = json.dumps(message).encode()
+    return struct.pack(">I", len(data)) + data
+
+
+def run(program: str, tests: list[str], setup: str = "", limits: Limits | None = None,
+        trace: bool = False, isolation: Protections | None = None) -> Verdict:
+    """Run `program`, then each test (Python source, usually one assert) against it.
+
+    `setup` is trusted test code run before the tests in the tests' namespace (imports,
+    helpers such as HumanEval's `check`). `trace=True` adds a bounded line trace of the first
+    failing call. `isolation` overrides the probed protections (tests use it to check that a
+    weaker configuration warns).
+    """
+    limits = limits or Limits()
+    prot = isolation or protections()
+    for note in prot.warnings:
+        _warn_once(note)
+    started = time.monotonic()
+    workdir = tempfile.mkdtemp(prefix="egmla-sandbox-")
+    if prot.uid is not None:
+        os.chmod(workdir, 0o711)
+    first = {"program": program, "limits": limits.rlimits(), "uid": prot.uid,
+             "isolate_filesystem": prot.read_only_filesystem, "workdir": workdir}
+    second = {"tests": list(tests), "setup": setup, "timeout": limits.timeout_s,
+              "max_output": limits.output_bytes, "trace": trace}
+    proc = subprocess.Popen(_command(prot), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=ENV, cwd=workdir,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(_frame(first) + _frame(second),
+                                    timeout=limits.timeout_s + STARTUP_GRACE_S)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        out, err = proc.communicate()
+        timed_out = True
+    finally:
+        _kill_tree(proc)
+        shutil.rmtree(workdir, ignore_errors=True)
+    wall = time.monotonic() - started
+    base = {"wall_s": round(wall, 4), "protections": prot.active(),
+            "warnings": list(prot.warnings)}
+    if timed_out:
+        return Verdict("timeout", f"no verdict within {limits.timeout_s + STARTUP_GRACE_S:g} s",
+                       **base)
+    try:
+        raw = json.loads(out)
+    except ValueError:
+        tail = err.decode("utf-8", "replace")[-1500:]
+        if proc.returncode and proc.returncode < 0:
+            reason = f"the sandbox was killed by {signal.Signals(-proc.returncode).name}"
+            return Verdict("killed", reason, **base)
+        raise SandboxError(f"the sandbox's judge failed (exit {proc.returncode}): {tail}")
+    if raw.get("notes"):
+        base["warnings"] += raw["notes"]
+        for note in raw["notes"]:
+            _warn_once(note)
+    return Verdict(raw["status"], raw["reason"], tests=raw["tests"],
+                   program_error=raw.get("program_error"), stdout=raw["stdout"]["text"],
+                   stderr=raw["stderr"]["text"],
+                   output_truncated=raw["stdout"]["truncated"] or raw["stderr"]["truncated"],
+                   **base)
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """Kill the sandbox's session (with --kill-child and a pid namespace, that is everything)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+__all__ = ["STATUSES", "Limits", "Protections", "SandboxError", "Verdict", "protections", "run"]

@@ -1,0 +1,705 @@
+"""The trusted half of the sandbox, run inside it: `python -I -B -S runner.py`.
+
+Two processes. This one (the judge) reads the request on stdin, forks a worker that runs the
+untrusted program, and then runs the tests itself. Every name the program defines at top level
+reaches the tests as a proxy: calling it sends the arguments to the worker, which calls the real
+function and sends back the result as plain data (numbers, strings, bytes, lists, tuples, sets,
+dicts) or the exception it raised. So the tests, their asserts and the verdict all live in a
+process where no untrusted code ever ran; the worker gets no descriptor to the judge's stdout
+(the verdict channel), never sees the tests, runs under another uid where one is available, and
+cannot inspect the judge (which is not dumpable). The verdict is the one JSON object the judge
+writes to stdout; the worker's exit code and output are reported, never believed.
+
+Standard library only: this file runs under whichever interpreter the sandbox uid can execute.
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import json
+import math
+import os
+import resource
+import selectors
+import shutil
+import signal
+import struct
+import sys
+import tempfile
+import time
+import traceback
+
+PROGRAM_FILE = "program.py"
+MAX_FRAME = 8 << 20  # bytes of one message between judge and worker
+MAX_ITEMS = 100_000  # elements of one value crossing the boundary
+MAX_DEPTH = 50
+TRACE_EVENTS = 80
+TRACE_CHARS = 4000
+REPR_CHARS = 300
+
+PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
+    1, 2, 4, 8, 32, 4096, 16384, 1 << 18)
+
+
+class Unsupported(TypeError):
+    """A value that cannot cross the boundary as plain data."""
+
+
+# ---- plain-data encoding (both directions; decoding never runs code) ----
+
+def encode(value, depth: int = 0, budget: list | None = None):
+    budget = [MAX_ITEMS] if budget is None else budget
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise Unsupported(f"value has more than {MAX_ITEMS} elements")
+    if depth > MAX_DEPTH:
+        raise Unsupported(f"value nested deeper than {MAX_DEPTH}")
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if value.bit_length() > 4000 * 3.33:
+            raise Unsupported("integer with more than 4000 digits")
+        return {"int": str(int(value))} if abs(value) >= 2**53 else int(value)
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else {"float": repr(float(value))}
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, (bytes, bytearray)):
+        return {"bytes" if isinstance(value, bytes) else "bytearray": bytes(value).hex()}
+    if isinstance(value, complex):
+        return {"complex": [encode(value.real), encode(value.imag)]}
+    sub = lambda items: [encode(v, depth + 1, budget) for v in items]
+    if isinstance(value, list):
+        return sub(value)
+    if isinstance(value, tuple):
+        return {"tuple": sub(value)}
+    if isinstance(value, (set, frozenset)):
+        return {"frozenset" if isinstance(value, frozenset) else "set": sub(value)}
+    if isinstance(value, dict):
+        return {"dict": [[encode(k, depth + 1, budget), encode(v, depth + 1, budget)]
+                         for k, v in value.items()]}
+    if isinstance(value, range):
+        return {"range": [value.start, value.stop, value.step]}
+    if type(value).__name__ in ("generator", "map", "filter", "zip", "enumerate", "reversed",
+                                "list_iterator", "tuple_iterator", "dict_keys", "dict_values",
+                                "dict_items", "itertools.chain", "chain"):
+        items = []
+        for item in value:
+            items.append(item)
+            if len(items) > MAX_ITEMS:
+                raise Unsupported(f"iterator yields more than {MAX_ITEMS} items")
+        return {"iter": sub(items)}
+    if isinstance(value, Opaque):
+        raise Unsupported(f"{value!r} came from the program and cannot be sent back to it")
+    try:  # anything else arrives as an opaque stand-in: its type, repr and truth value only
+        return {"opaque": [type(value).__name__, short_repr(value), bool(value)]}
+    except Exception as e:  # noqa: BLE001 - the object's own __repr__ or __bool__ raised
+        raise Unsupported(f"a value of type {type(value).__name__} ({type(e).__name__} "
+                          "while describing it)") from None
+
+
+class Opaque:
+    """An object that is not plain data: it keeps its type name, repr and truth value, and
+    equals only itself."""
+
+    def __init__(self, type_name: str, text: str, truth: bool) -> None:
+        self.type_name, self.text, self.truth = type_name, text, truth
+
+    def __repr__(self) -> str:
+        return self.text
+
+    def __bool__(self) -> bool:
+        return self.truth
+
+
+def decode(data, depth: int = 0):
+    if depth > MAX_DEPTH + 2:
+        raise ValueError("value nested too deeply")
+    if data is None or isinstance(data, (bool, int, float, str)):
+        return data
+    if isinstance(data, list):
+        return [decode(v, depth + 1) for v in data]
+    if not isinstance(data, dict) or len(data) != 1:
+        raise ValueError("malformed value")
+    (tag, v), = data.items()
+    if tag == "int" and isinstance(v, str) and len(v) <= 4100:
+        return int(v)
+    if tag == "float" and v in ("nan", "inf", "-inf"):
+        return float(v)
+    if tag in ("bytes", "bytearray") and isinstance(v, str):
+        return (bytes if tag == "bytes" else bytearray).fromhex(v)
+    if tag == "complex" and isinstance(v, list) and len(v) == 2:
+        return complex(decode(v[0], depth + 1), decode(v[1], depth + 1))
+    if tag == "opaque" and isinstance(v, list) and len(v) == 3:
+        return Opaque(str(v[0])[:100], str(v[1])[:REPR_CHARS + 3], bool(v[2]))
+    if tag == "range" and isinstance(v, list) and len(v) == 3 and all(type(x) is int for x in v):
+        return range(*v)
+    if isinstance(v, list):
+        if tag == "dict":
+            return {decode(k, depth + 1): decode(x, depth + 1) for k, x in v}
+        items = [decode(x, depth + 1) for x in v]
+        kinds = {"tuple": tuple, "set": set, "frozenset": frozenset, "iter": iter}
+        if tag in kinds:
+            return kinds[tag](items)
+    raise ValueError(f"malformed value tagged {tag!r}")
+
+
+def short_repr(value) -> str:
+    try:
+        text = repr(value)
+    except Exception as e:  # noqa: BLE001 - repr of a test value must not fail the judge
+        text = f"<unrepresentable {type(value).__name__}: {type(e).__name__}>"
+    return text if len(text) <= REPR_CHARS else text[:REPR_CHARS] + "..."
+
+
+# ---- framed messages over pipes ----
+
+def send(fd: int, message) -> None:
+    data = json.dumps(message).encode()
+    if len(data) > MAX_FRAME:
+        raise Unsupported(f"message of {len(data)} bytes exceeds {MAX_FRAME}")
+    data = struct.pack(">I", len(data)) + data
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def recv_exact(fd: int, n: int) -> bytes:
+    chunks = b""
+    while len(chunks) < n:
+        chunk = os.read(fd, n - len(chunks))
+        if not chunk:
+            raise EOFError
+        chunks += chunk
+    return chunks
+
+
+# ---- the worker: runs the untrusted program, never sees the tests ----
+
+def program_error(exc: BaseException) -> dict:
+    tb = traceback.extract_tb(exc.__traceback__)
+    frames = [f for f in tb if f.filename == PROGRAM_FILE]
+    line = frames[-1].lineno if frames else getattr(exc, "lineno", None)
+    if isinstance(exc, SyntaxError) and exc.filename == PROGRAM_FILE:
+        line = exc.lineno
+    text = "".join(traceback.format_list(frames)) + "".join(
+        traceback.format_exception_only(type(exc), exc))
+    return {"type": type(exc).__name__, "message": str(exc)[:2000], "line": line,
+            "traceback": text[-TRACE_CHARS:]}
+
+
+def trace_call(fn, args, kwargs) -> str:
+    """A bounded line-by-line trace of one call, the program's own frames only."""
+    events: list[str] = []
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_filename != PROGRAM_FILE:
+            return None
+        if len(events) >= TRACE_EVENTS:
+            sys.settrace(None)
+            events.append("... (trace truncated)")
+            return None
+        where = f"{frame.f_code.co_name}:{frame.f_lineno}"
+        if event == "call":
+            shown = ", ".join(f"{k}={short_repr(v)[:60]}" for k, v in frame.f_locals.items())
+            events.append(f"call {frame.f_code.co_name}({shown})")
+        elif event == "line":
+            shown = ", ".join(f"{k}={short_repr(v)[:40]}" for k, v in frame.f_locals.items())
+            events.append(f"line {where}  {shown}")
+        elif event == "return":
+            events.append(f"return {where} -> {short_repr(arg)[:80]}")
+        elif event == "exception":
+            events.append(f"exception {where}: {arg[0].__name__}: {str(arg[1])[:80]}")
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        fn(*args, **kwargs)
+    except BaseException:  # noqa: BLE001 - the exception is already in the trace
+        pass
+    finally:
+        sys.settrace(None)
+    text = "\n".join(events)
+    return text if len(text) <= TRACE_CHARS else text[:TRACE_CHARS] + "\n... (trace truncated)"
+
+
+def worker(program: str, req_fd: int, resp_fd: int) -> None:
+    """Run the program, then answer calls until the judge closes the pipe."""
+    scope = {"__name__": "__program__", "__builtins__": __builtins__}
+    try:
+        code = compile(program, PROGRAM_FILE, "exec")
+        exec(code, scope)  # noqa: S102 - the untrusted program, contained by the sandbox
+    except BaseException as e:  # noqa: BLE001 - reported to the judge
+        send(resp_fd, {"ready": False, "error": program_error(e)})
+        return
+    names = sorted(k for k, v in scope.items() if callable(v) and not k.startswith("__"))
+    modules = {k: v.__name__ for k, v in scope.items() if type(v) is type(sys)}
+    send(resp_fd, {"ready": True, "names": names, "modules": modules})
+    while True:
+        try:
+            (size,) = struct.unpack(">I", recv_exact(req_fd, 4))
+            request = json.loads(recv_exact(req_fd, size))
+        except EOFError:
+            return
+        fn = scope.get(request["name"])
+        args = decode(request["args"])
+        kwargs = {k: decode(v) for k, v in request["kwargs"].items()}
+        if request.get("trace"):
+            send(resp_fd, {"trace": trace_call(fn, args, kwargs)})
+            continue
+        try:
+            result = fn(*args, **kwargs)
+            reply = {"value": encode(result)}
+        except Unsupported as e:
+            reply = {"unsupported": str(e)}
+        except BaseException as e:  # noqa: BLE001 - reported to the judge
+            reply = {"error": program_error(e)}
+        send(resp_fd, reply)
+
+
+def start_worker(program: str, limits: dict, scratch: str, uid: int | None):
+    """Fork the worker with its limits and identity; returns (pid, req_w, resp_r, out_r, err_r)."""
+    req_r, req_w = os.pipe()
+    resp_r, resp_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pid = os.fork()
+    if pid:
+        for fd in (req_r, resp_w, out_w, err_w):
+            os.close(fd)
+        return pid, req_w, resp_r, out_r, err_r
+    try:  # the child: from here on nothing is trusted
+        os.setpgid(0, 0)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        # The worker keeps only its two pipe ends, moved to 3 and 4; everything else (the
+        # verdict channel, the request, the other ends) is closed before the program runs.
+        os.dup2(req_r, 3)
+        os.dup2(resp_w, 4)
+        os.closerange(5, 1 << 20)
+        os.chdir(scratch)
+        set_limits(limits)
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+        os.environ.clear()
+        os.environ.update({"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch,
+                           "LANG": "C.UTF-8"})
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        sys.stdin = open(0, "r", closefd=False)
+        sys.setrecursionlimit(1000)
+        worker(program, 3, 4)
+        code = 0
+    except BaseException:  # noqa: BLE001 - the worker's own failure; the judge sees EOF
+        code = 70
+    os._exit(code)
+
+
+def set_limits(limits: dict) -> None:
+    for name, value in limits.items():
+        which = getattr(resource, "RLIMIT_" + name.upper())
+        soft = int(value)
+        hard = soft + 1 if name == "cpu" else soft  # SIGXCPU at the soft limit, SIGKILL after
+        resource.setrlimit(which, (soft, hard))
+
+
+# ---- the judge: runs the tests against proxies ----
+
+class WorkerGone(Exception):
+    """The worker died, hung or broke the protocol; `status` says how."""
+
+    def __init__(self, status: str, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+class ProgramError(Exception):
+    """The program raised inside a call made by a test."""
+
+    def __init__(self, info: dict) -> None:
+        super().__init__(f"{info['type']}: {info['message']}")
+        self.info = info
+
+
+class Judge:
+    def __init__(self, pid: int, req_w: int, resp_r: int, out_r: int, err_r: int,
+                 deadline: float, max_output: int, cpu_limit: float) -> None:
+        self.pid, self.req_w, self.resp_r = pid, req_w, resp_r
+        self.deadline, self.max_output, self.cpu_limit = deadline, max_output, cpu_limit
+        self.output = {out_r: bytearray(), err_r: bytearray()}
+        self.output_total = {out_r: 0, err_r: 0}
+        self.out_r, self.err_r = out_r, err_r
+        self.sel = selectors.DefaultSelector()
+        for fd in (resp_r, out_r, err_r):
+            os.set_blocking(fd, False)
+            self.sel.register(fd, selectors.EVENT_READ)
+        self.buffer = bytearray()
+        self.last_call: tuple | None = None
+        self.calls = 0
+
+    def receive(self) -> dict:
+        """The worker's next message, draining its output meanwhile."""
+        while True:
+            if len(self.buffer) >= 4:
+                (size,) = struct.unpack(">I", self.buffer[:4])
+                if size > MAX_FRAME:
+                    raise WorkerGone("error", f"the worker sent a {size}-byte message")
+                if len(self.buffer) >= 4 + size:
+                    frame = bytes(self.buffer[4:4 + size])
+                    del self.buffer[:4 + size]
+                    try:
+                        message = json.loads(frame)
+                    except ValueError:
+                        raise WorkerGone("error", "the worker sent a malformed message") from None
+                    if not isinstance(message, dict):
+                        raise WorkerGone("error", "the worker sent a malformed message")
+                    return message
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerGone("timeout", "wall-clock timeout")
+            for key, _ in self.sel.select(timeout=min(left, 1.0)):
+                try:
+                    data = os.read(key.fd, 1 << 16)
+                except BlockingIOError:
+                    continue
+                if key.fd == self.resp_r:
+                    if not data:
+                        raise self.worker_died()
+                    self.buffer += data
+                    continue
+                if not data:
+                    self.sel.unregister(key.fd)
+                    continue
+                self.output_total[key.fd] += len(data)
+                keep = self.output[key.fd]
+                keep += data[:max(0, self.max_output - len(keep))]
+                if sum(self.output_total.values()) > 64 * self.max_output:
+                    raise WorkerGone("killed", f"output limit: the program wrote more than "
+                                               f"{64 * self.max_output} bytes")
+
+    def worker_died(self) -> WorkerGone:
+        """The channel from the worker closed: say why, from how the worker ended."""
+        for _ in range(50):
+            pid, status, usage = os.wait4(self.pid, os.WNOHANG)
+            if pid:
+                break
+            time.sleep(0.01)
+        else:
+            os.kill(self.pid, signal.SIGKILL)
+            os.wait4(self.pid, 0)
+            return WorkerGone("error", "the program closed its channel to the sandbox")
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            cpu = usage.ru_utime + usage.ru_stime
+            if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= self.cpu_limit):
+                return WorkerGone("timeout", f"CPU time limit ({self.cpu_limit} s)")
+            name = signal.Signals(sig).name
+            return WorkerGone("killed" if sig == signal.SIGKILL else "error",
+                              f"the program died of {name}")
+        code = os.WEXITSTATUS(status)
+        return WorkerGone("error", f"the program exited (status {code}) before its tests finished")
+
+    def call(self, name: str, args: tuple, kwargs: dict, trace: bool = False):
+        try:
+            request = {"name": name, "args": encode(list(args)),
+                       "kwargs": {str(k): encode(v) for k, v in kwargs.items()}}
+        except Unsupported as e:
+            raise Unsupported(f"the test passes an argument the sandbox cannot send: {e}") from None
+        if trace:
+            request["trace"] = True
+        else:
+            self.last_call = (name, args, kwargs)
+            self.calls += 1
+        try:
+            send(self.req_w, request)
+        except (BrokenPipeError, OSError):
+            raise self.worker_died() from None
+        reply = self.receive()
+        if trace:
+            return str(reply.get("trace", ""))[:TRACE_CHARS + 100]
+        if "unsupported" in reply:
+            raise Unsupported(f"{name} returned {str(reply['unsupported'])[:300]}")
+        if "error" in reply:
+            info = reply["error"]
+            if not isinstance(info, dict) or not isinstance(info.get("type"), str):
+                raise WorkerGone("error", "the worker sent a malformed message")
+            raise ProgramError({k: info.get(k) for k in ("type", "message", "line", "traceback")})
+        try:
+            return decode(reply["value"])
+        except (KeyError, ValueError, TypeError, RecursionError):
+            raise WorkerGone("error", "the worker sent a malformed value") from None
+
+    def proxy(self, name: str):
+        def call(*args, **kwargs):
+            return self.call(name, args, kwargs)
+        call.__name__ = call.__qualname__ = name
+        return call
+
+    def captured(self, fd: int) -> dict:
+        data = bytes(self.output[fd])
+        return {"text": data.decode("utf-8", "replace"), "bytes": self.output_total[fd],
+                "truncated": self.output_total[fd] > len(data)}
+
+
+class AssertEq(ast.NodeTransformer):
+    """`assert A == B` -> `__assert_eq__(A, B, line)`, so a failure reports actual and expected."""
+
+    def visit_Assert(self, node: ast.Assert):
+        t = node.test
+        if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq):
+            call = ast.Call(func=ast.Name("__assert_eq__", ast.Load()),
+                            args=[t.left, t.comparators[0], ast.Constant(node.lineno)],
+                            keywords=[])
+            return ast.copy_location(ast.Expr(call), node)
+        return node
+
+
+class EqFailure(AssertionError):
+    def __init__(self, actual, expected, line: int) -> None:
+        super().__init__(f"expected {short_repr(expected)}, got {short_repr(actual)}")
+        self.actual, self.expected, self.line = actual, expected, line
+
+
+def assert_eq(actual, expected, line: int) -> None:
+    if not actual == expected:
+        raise EqFailure(actual, expected, line)
+
+
+def compile_test(source: str, filename: str):
+    tree = AssertEq().visit(ast.parse(source, filename))
+    return compile(ast.fix_missing_locations(tree), filename, "exec")
+
+
+def test_line(exc: BaseException, filename: str) -> int | None:
+    lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if f.filename == filename]
+    return lines[-1] if lines else None
+
+
+def run_case(judge: Judge, scope: dict, index: int, source: str) -> dict:
+    result = {"index": index, "source": source[:2000], "status": "passed"}
+    filename = f"<test {index}>"
+    judge.last_call = None
+    try:
+        exec(compile_test(source, filename), scope)  # noqa: S102 - trusted test code
+    except WorkerGone:
+        raise
+    except ProgramError as e:
+        result.update(status="error", **{k: e.info[k] for k in ("type", "message", "line")},
+                      traceback=e.info["traceback"])
+        if e.info["type"] == "MemoryError":
+            result["status"] = "memory"
+    except EqFailure as e:
+        result.update(status="failed", message=str(e), expected=short_repr(e.expected),
+                      actual=short_repr(e.actual), line=e.line)
+    except AssertionError as e:
+        result.update(status="failed", message=str(e) or "assertion failed",
+                      line=test_line(e, filename))
+    except Unsupported as e:
+        result.update(status="failed", type="TypeError", message=str(e))
+    except Exception as e:  # noqa: BLE001 - the test failed on what the program returned
+        result.update(status="failed", type=type(e).__name__, message=str(e)[:2000],
+                      line=test_line(e, filename))
+    if result["status"] != "passed" and judge.last_call:
+        name, args, kwargs = judge.last_call
+        shown = ", ".join([short_repr(a) for a in args] +
+                          [f"{k}={short_repr(v)}" for k, v in kwargs.items()])
+        result["call"] = f"{name}({shown})"
+        result["_call"] = judge.last_call
+    return result
+
+
+def add_trace(judge: Judge, case: dict) -> None:
+    """Re-run a failing case's last call under a line tracer, for `trace` feedback."""
+    name, args, kwargs = case["_call"]
+    try:
+        case["trace"] = judge.call(name, args, kwargs, trace=True)
+    except (WorkerGone, Unsupported) as e:
+        case["trace"] = f"(no trace: {e})"
+
+
+def judge_program(request: dict, pid: int, pipes: tuple, started: float) -> dict:
+    deadline = started + float(request["timeout"])
+    judge = Judge(pid, *pipes, deadline=deadline, max_output=int(request["max_output"]),
+                  cpu_limit=request["limits"].get("cpu", math.inf))
+    tests = request["tests"]
+    verdict: dict = {"tests": [], "program_error": None}
+    try:
+        ready = judge.receive()
+        if not ready.get("ready"):
+            info = ready.get("error") or {}
+            verdict["program_error"] = {k: info.get(k) for k in ("type", "message", "line",
+                                                                  "traceback")}
+            status = "memory" if info.get("type") == "MemoryError" else "error"
+            verdict.update(status=status, reason="the program raised before the tests ran")
+        else:
+            scope: dict = {"__name__": "__tests__"}
+            for name in ready.get("names", [])[:1000]:
+                if isinstance(name, str) and name.isidentifier():
+                    scope[name] = judge.proxy(name)
+            # Standard-library modules the program imported are visible to the tests too (the
+            # judge imports its own copy; a module the program wrote itself is never imported).
+            for name, module in dict(ready.get("modules", {})).items():
+                if str(name).isidentifier() and str(module) in sys.stdlib_module_names:
+                    scope[name] = __import__(str(module), fromlist=["_"])
+            scope["__assert_eq__"] = assert_eq
+            setup_error = None
+            try:
+                exec(compile_test(request.get("setup", ""), "<setup>"), scope)  # noqa: S102
+            except WorkerGone:
+                raise
+            except Exception as e:  # noqa: BLE001 - trusted setup failing is the caller's error
+                setup_error = f"{type(e).__name__}: {e}"
+            if setup_error:
+                verdict.update(status="error", reason=f"the test setup failed: {setup_error}")
+            else:
+                for i, source in enumerate(tests):
+                    verdict["tests"].append(run_case(judge, scope, i, source))
+                first = next((t for t in verdict["tests"] if t["status"] != "passed"), None)
+                if first and "_call" in first and request.get("trace"):
+                    add_trace(judge, first)
+                verdict["status"] = first["status"] if first else "passed"
+                verdict["reason"] = (f"test {first['index']} {first['status']}" if first
+                                     else f"all {len(tests)} tests passed")
+    except WorkerGone as e:
+        verdict.update(status=e.status, reason=e.reason)
+        done = len(verdict["tests"])
+        if done < len(tests):
+            verdict["tests"].append({"index": done, "source": tests[done][:2000],
+                                     "status": e.status, "message": e.reason})
+    verdict["stdout"] = judge.captured(judge.out_r)
+    verdict["stderr"] = judge.captured(judge.err_r)
+    verdict["calls"] = judge.calls
+    for case in verdict["tests"]:
+        case.pop("_call", None)
+    verdict["tests_total"] = len(tests)
+    verdict["tests_passed"] = sum(t["status"] == "passed" for t in verdict["tests"])
+    return verdict
+
+
+# ---- isolation inside the namespaces ----
+
+def libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def isolate_filesystem() -> list[str]:
+    """Remount every mount read-only in this (private) mount namespace and give the program
+    fresh tmpfs at /tmp, /var/tmp and /dev/shm. Returns the mount points it could not change."""
+    c = libc()
+    c.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+    if c.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        return ["/ (private)"]
+    failed = []
+    points = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            options = fields[5].split(",")
+            points.append((fields[4].replace("\\040", " "), options))
+    for point, options in sorted(points, key=lambda p: p[0].count("/")):
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        flags |= (MS_NOSUID if "nosuid" in options else 0) | (MS_NODEV if "nodev" in options else 0)
+        flags |= MS_NOEXEC if "noexec" in options else 0
+        if point.startswith(("/proc", "/sys", "/dev/pts")) or "ro" in options:
+            continue
+        if c.mount(None, point.encode(), None, flags, None) != 0:
+            failed.append(point)
+    for point in ("/tmp", "/var/tmp", "/dev/shm"):
+        if os.path.isdir(point) and c.mount(b"tmpfs", point.encode(), b"tmpfs",
+                                            MS_NOSUID | MS_NODEV, b"size=64m,mode=1777") != 0:
+            failed.append(point)
+    return failed
+
+
+def reap_all(worker_pid: int) -> None:
+    """Kill the worker and everything it started, including processes that left its session."""
+    for target in (-worker_pid, worker_pid):
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if os.getpid() == 1:  # init of our own pid namespace: everything else here is the program's
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for _ in range(200):
+        children = descendants()
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        except ChildProcessError:
+            if not children:
+                return
+        if not children and not descendants():
+            return
+        time.sleep(0.01)
+
+
+def descendants() -> list[int]:
+    """Our children (as subreaper, orphans of the program's tree come back to us)."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == me:
+                found.append(int(entry))
+    return found
+
+
+def read_message(fd: int) -> dict:
+    """One framed message, read unbuffered so nothing beyond it sits in our memory."""
+    (size,) = struct.unpack(">I", recv_exact(fd, 4))
+    return json.loads(recv_exact(fd, size))
+
+
+def main() -> None:
+    started = time.monotonic()
+    request = read_message(0)  # limits and the program; the tests are read after the fork
+    program = request["program"]
+    c = libc()
+    c.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    c.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    notes = []
+    if request.get("isolate_filesystem"):
+        failed = isolate_filesystem()
+        if failed:
+            notes.append("could not make read-only: " + ", ".join(failed))
+    scratch = tempfile.mkdtemp(prefix="egmla-sandbox-", dir=None if request.get(
+        "isolate_filesystem") else request.get("workdir"))
+    uid = request.get("uid")
+    if uid is not None:
+        os.chown(scratch, uid, uid)
+    with open(os.path.join(scratch, PROGRAM_FILE), "w") as f:
+        f.write(program)
+    pid, *pipes = start_worker(program, request["limits"], scratch, uid)
+    request.update(read_message(0))
+    try:
+        verdict = judge_program(request, pid, tuple(pipes), started)
+    finally:
+        reap_all(pid)
+        for fd in pipes:
+            os.close(fd)
+        shutil.rmtree(scratch, ignore_errors=True)
+    verdict["notes"] = notes
+    verdict["judge_wall_s"] = round(time.monotonic() - started, 4)
+    sys.stdout.write(json.dumps(verdict))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
