@@ -284,9 +284,10 @@ class _Reply:
         choice["finish_reason"] = finish
         return choice
 
-    def _usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def _usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         obj = self.object + ".chunk" if self.chat else self.object
@@ -321,15 +322,16 @@ class _Reply:
             raise APIError(503, str(error), type="server_error") from None
         finally:
             gone.cancel()
-        choices, prompt_tokens, completion_tokens = [], 0, 0
+        choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
         for i, update in enumerate(finals):
             prompt_tokens += update.prompt_tokens
+            cached += update.cached_tokens
             for out in update.outputs:
                 completion_tokens += len(out.token_ids)
                 choices.append(self._choice(i * self.n + out.index, out.text, out.finish_reason,
                                             delta=False))
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": choices, "usage": self._usage(prompt_tokens, completion_tokens)}
+                "choices": choices, "usage": self._usage(prompt_tokens, completion_tokens, cached)}
 
     async def _stream(self, streams: list[RequestStream]) -> AsyncIterator[str]:
         merged: asyncio.Queue[tuple[int, RequestUpdate | BaseException | None]] = asyncio.Queue()
@@ -348,7 +350,7 @@ class _Reply:
                 yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}
                                    for i in range(self.n * len(streams))])
-            open_streams, prompt_tokens, completion_tokens = len(streams), 0, 0
+            open_streams, prompt_tokens, completion_tokens, cached = len(streams), 0, 0, 0
             while open_streams:
                 i, item = await merged.get()
                 if item is None:
@@ -364,9 +366,10 @@ class _Reply:
                     yield self._chunk(choices)
                 if item.finished:
                     prompt_tokens += item.prompt_tokens
+                    cached += item.cached_tokens
                     completion_tokens += sum(len(o.token_ids) for o in item.outputs)
             if (self.req.stream_options or {}).get("include_usage"):
-                yield self._chunk([], self._usage(prompt_tokens, completion_tokens))
+                yield self._chunk([], self._usage(prompt_tokens, completion_tokens, cached))
             yield "data: [DONE]\n\n"
         finally:
             for task in tasks:  # a disconnect cancels us here: stop the pumps, abort the requests

@@ -76,6 +76,7 @@ class Sequence:
     params: SamplingParams
     output: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the cache
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache on admission
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     preemptions: int = 0
@@ -294,6 +295,8 @@ class LLMEngine:
             if not self.blocks.has(seq.seq_id):
                 cached = self.blocks.allocate_prompt(seq.seq_id, seq.tokens)
                 seq.num_computed = cached
+                if seq.cached_tokens is None:  # a preempted sequence re-finds its own blocks
+                    seq.cached_tokens = cached
                 self.stats.cached_prompt_tokens += cached
             want = len(seq.tokens) - seq.num_computed
             n = min(want, budget) if c.enable_chunked_prefill else want

@@ -38,6 +38,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class LLM:
@@ -101,18 +102,24 @@ class LLM:
     def generate(
         self,
         prompts: str | list[int] | list[str | list[int]],
-        params: SamplingParams | None = None,
+        params: SamplingParams | list[SamplingParams] | None = None,
         stop: list[str] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); stop strings end a sample early and are
-        cut from its text."""
-        params = self.with_eos(params or SamplingParams())
+        """Generate for every prompt (text or token ids), with one `params` for all or one per
+        prompt; stop strings end a sample early and are cut from its text."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise InvalidRequest(f"{len(params)} sampling params for {len(prompts)} prompts",
+                                     "params")
+            per_prompt = [self.with_eos(p) for p in params]
+        else:
+            per_prompt = [self.with_eos(params or SamplingParams())] * len(prompts)
         requests = [(p, self.encode(p)) for p in prompts]
-        for _, tokens in requests:  # refuse a bad batch before any of it is queued
-            self.engine.check_request(tokens, params)
-        ids = [self.engine.add_request(tokens, params) for _, tokens in requests]
+        for (_, tokens), p in zip(requests, per_prompt):  # refuse a bad batch before queueing
+            self.engine.check_request(tokens, p)
+        ids = [self.engine.add_request(tokens, p) for (_, tokens), p in zip(requests, per_prompt)]
         for rid in ids:
             self.outputs.add(rid, stop or ())
         results = {}
@@ -123,12 +130,13 @@ class LLM:
         return [
             RequestOutput(rid, p if isinstance(p, str) else None, tokens,
                           [CompletionOutput(o.index, o.text, o.token_ids, o.finish_reason)
-                           for o in results[rid].outputs])
+                           for o in results[rid].outputs], results[rid].cached_tokens)
             for rid, (p, tokens) in zip(ids, requests)
         ]
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-             params: SamplingParams | None = None, stop: list[str] | None = None
+             params: SamplingParams | list[SamplingParams] | None = None,
+             stop: list[str] | None = None
              ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template (with the assistant prompt) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages

@@ -70,6 +70,7 @@ class RequestUpdate:
     finished: bool = False
     # On the last update: each sample's whole text and tokens, by index.
     outputs: list[SampleDelta] = field(default_factory=list)
+    cached_tokens: int = 0  # on the last update: prompt tokens served from the prefix cache
 
 
 @dataclass
@@ -122,6 +123,8 @@ class OutputProcessor:
             update = RequestUpdate(rid, t.prompt_tokens, deltas, finished)
             if finished:
                 for index, seq in enumerate(self.engine.release(rid)):
+                    if index == 0:
+                        update.cached_tokens = seq.cached_tokens or 0
                     update.outputs.append(SampleDelta(index, t.texts[seq.seq_id].sent,
                                                       list(seq.output), seq.finish_reason,
                                                       seq.ttft, seq.tpot))

@@ -46,3 +46,31 @@ def test_text_prompt_without_tokenizer_is_an_error():
     assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("hello")
+
+
+def test_each_request_reports_the_prompt_tokens_found_in_the_prefix_cache():
+    from egmla.models import Transformer
+    from egmla.presets import preset
+
+    llm = LLM(Transformer(preset("tiny-mha")), num_blocks=64, block_size=4)
+    prompt = list(range(1, 12))  # 11 tokens: two full blocks of 4, then 3 more
+    first = llm.generate([prompt], SamplingParams(max_tokens=3))[0]
+    assert first.num_cached_tokens == 0
+    again = llm.generate([prompt + [20, 21]], SamplingParams(max_tokens=3))[0]
+    assert again.num_cached_tokens == 8  # the two full blocks, whatever the stats say overall
+    assert llm.engine.stats.cached_prompt_tokens == 8
+
+
+def test_one_sampling_params_per_prompt():
+    from egmla.models import Transformer
+    from egmla.presets import preset
+
+    llm = LLM(Transformer(preset("tiny-mha")), num_blocks=64)
+    prompts = [[1, 2, 3], [4, 5, 6]]
+    each = [SamplingParams(max_tokens=2), SamplingParams(max_tokens=5, temperature=1.0, seed=7)]
+    outs = llm.generate(prompts, each)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 5]
+    alone = llm.generate([prompts[1]], each[1])[0].outputs[0].token_ids
+    assert outs[1].outputs[0].token_ids == alone  # seeded: the same sample batched or not
+    with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
+        llm.generate([prompts[0]], each)

@@ -103,6 +103,18 @@ def test_completions_equal_the_python_api(smollm2, client, stream):
 
 
 @pytest.mark.slow
+def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(smollm2, client):
+    prompts = ["Here is a long shared system prompt about Python code. " * 4 + tail
+               for tail in ("First question?", "Second question?")]
+    ids = [smollm2.tokenizer.encode(p) for p in prompts]
+    shared = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
+    block = smollm2.engine.config.block_size
+    usage = [client.completions.create(model=MODEL, prompt=p, max_tokens=1).usage for p in prompts]
+    assert usage[1].prompt_tokens_details.cached_tokens == shared // block * block
+    assert 0 < usage[1].prompt_tokens_details.cached_tokens < usage[1].prompt_tokens
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_chat_equals_the_python_api_with_stop_strings(smollm2, client, stream):
     messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]

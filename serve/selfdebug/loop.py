@@ -1,0 +1,359 @@
+"""Generate -> run the visible tests in the sandbox -> feedback -> repair, with honest accounting.
+
+Self-debugging (Chen et al. 2023, arXiv:2304.05128): round 0 asks for a program; while it fails
+its visible tests and rounds remain, the conversation grows by the failure (feedback) and the
+model answers with a repaired program. Every round's program is also scored on the hidden tests,
+so pass@1 after each round comes from one run. Resampling (Olausson et al. 2023,
+arXiv:2306.09896) gets, per problem, the same number of tokens the self-debug run spent there:
+fresh samples until one passes the visible tests or the budget is used up.
+
+Problems advance in lockstep, one round at a time, so each round is one batch for the backend.
+Each finished problem is appended to the JSONL trace at once; a killed run resumes from it.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from serve.sandbox import Limits, Verdict, run
+from serve.selfdebug.datasets import Problem
+
+FEEDBACK = ("simple", "unittest", "trace")
+SYSTEM = ("You are an expert Python programmer. Answer with one complete Python program in a "
+          "single ```python code block.")
+CODE_BLOCK = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)(?:```|\Z)", re.S | re.I)
+
+
+class BackendError(RuntimeError):
+    """The model endpoint failed for a whole batch (unreachable, refused)."""
+
+
+@dataclass
+class Completion:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    seconds: float  # the batch's wall time, shared out in proportion to completion tokens
+
+
+@dataclass
+class Request:
+    messages: list[dict[str, str]]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float | None = None
+    seed: int | None = None
+
+
+# ---- prompts, code extraction, feedback ----
+
+def task_message(p: Problem) -> str:
+    if "entry_point" in p.metadata:  # HumanEval: complete a function from its signature
+        return ("Complete the following Python function. Reply with the whole function, "
+                f"including its imports, in one ```python code block.\n\n```python\n"
+                f"{p.prompt.strip()}\n```")
+    tests = "\n".join(p.visible_tests)
+    return (f"{p.prompt.strip()}\nYour code should pass this test:\n\n```python\n{tests}\n```\n"
+            "Reply with the whole program in one ```python code block.")
+
+
+def extract_code(text: str) -> str | None:
+    """The first fenced code block of a reply; a bare reply counts when it parses as Python
+    with a function in it. None when there is no code."""
+    match = CODE_BLOCK.search(text)
+    code = match.group(1) if match else text
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return code.strip() + "\n" if match else None
+    if not match and not any(isinstance(n, (ast.FunctionDef, ast.ClassDef)) for n in tree.body):
+        return None
+    return code.strip() + "\n"
+
+
+def program_for(p: Problem, code: str) -> str:
+    """The program to run: for HumanEval the prompt's imports come first (or, when the reply is
+    only a function body, the whole prompt)."""
+    entry = p.metadata.get("entry_point")
+    if not entry:
+        return code
+    if re.search(rf"^\s*def\s+{re.escape(entry)}\s*\(", code, re.M):
+        imports = [line for line in p.prompt.splitlines()
+                   if re.match(r"\s*(import|from)\s+\w", line)]
+        return "\n".join(imports + [code]) if imports else code
+    return p.prompt + code
+
+
+def feedback_message(mode: str, verdict: Verdict | None) -> str:
+    fix = "Fix the program and reply with the whole corrected program in one ```python code block."
+    if verdict is None:
+        return "Your reply had no Python code block. " + fix
+    if mode == "simple":
+        return "The program does not pass the tests. " + fix
+    failing = verdict.first_failure or {}
+    lines = [f"The program {verdict.status} on a test: {verdict.reason}."]
+    if failing.get("source"):
+        lines.append(f"Test:\n```python\n{failing['source']}\n```")
+    if failing.get("call"):
+        lines.append(f"Call: {failing['call']}")
+    if failing.get("expected") is not None:
+        lines.append(f"Expected: {failing['expected']}\nActual: {failing['actual']}")
+    elif failing.get("type"):
+        where = f" (line {failing['line']})" if failing.get("line") else ""
+        lines.append(f"{failing['type']}: {failing.get('message', '')}{where}")
+    elif failing.get("message"):
+        lines.append(failing["message"])
+    if mode == "trace" and failing.get("trace"):
+        lines.append(f"Execution trace of the failing call:\n{failing['trace']}")
+    return "\n".join(lines + [fix])
+
+
+# ---- backends ----
+
+class EngineBackend:
+    """The in-process engine; prefix caching lets each round reuse the conversation's blocks."""
+
+    def __init__(self, llm) -> None:
+        self.llm, self.name = llm, llm.name
+
+    def complete(self, requests: list[Request]) -> list[Completion]:
+        from serve import SamplingParams
+
+        params = [SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
+                                 seed=r.seed) for r in requests]
+        started = time.perf_counter()
+        outs = self.llm.chat([r.messages for r in requests], params)
+        return _shared_time([(o.outputs[0].text, len(o.prompt_token_ids),
+                              len(o.outputs[0].token_ids), o.num_cached_tokens) for o in outs],
+                            time.perf_counter() - started)
+
+
+class OpenAIBackend:
+    """Any OpenAI-compatible endpoint; the key comes from an environment variable of ours, and
+    the sandbox never sees our environment."""
+
+    def __init__(self, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY",
+                 concurrency: int = 16, timeout_s: float = 600.0) -> None:
+        import openai
+
+        self.name, self.concurrency = model, concurrency
+        self.client = openai.OpenAI(base_url=base_url, api_key=os.environ.get(api_key_env, "none"),
+                                    max_retries=1, timeout=timeout_s)
+        self.errors = (openai.APIConnectionError, openai.APIStatusError, openai.APITimeoutError)
+
+    def complete(self, requests: list[Request]) -> list[Completion]:
+        def one(r: Request):
+            extra = {"seed": r.seed} if r.seed is not None else {}
+            if r.top_p is not None:
+                extra["top_p"] = r.top_p
+            reply = self.client.chat.completions.create(
+                model=self.name, messages=r.messages, max_tokens=r.max_tokens,
+                temperature=r.temperature, **extra)
+            usage = reply.usage
+            details = getattr(usage, "prompt_tokens_details", None)
+            cached = getattr(details, "cached_tokens", None) or 0
+            return (reply.choices[0].message.content or "", usage.prompt_tokens,
+                    usage.completion_tokens, cached)
+        started = time.perf_counter()
+        try:
+            with ThreadPoolExecutor(self.concurrency) as pool:
+                rows = list(pool.map(one, requests))
+        except self.errors as e:
+            raise BackendError(f"{self.client.base_url}: {type(e).__name__}: {e}") from None
+        return _shared_time(rows, time.perf_counter() - started)
+
+
+def _shared_time(rows: list[tuple], seconds: float) -> list[Completion]:
+    total = sum(r[2] for r in rows)
+    return [Completion(text, p, c, cached, seconds * (c / total if total else 1 / len(rows)))
+            for text, p, c, cached in rows]
+
+
+# ---- the loop ----
+
+@dataclass
+class Settings:
+    max_rounds: int = 3
+    feedback: str = "unittest"
+    max_tokens: int = 256
+    timeout_s: float = 10.0
+    resample: bool = True
+    resample_temperature: float = 0.8
+    resample_top_p: float = 0.95
+    resample_max_samples: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.feedback not in FEEDBACK:
+            raise ValueError(f"feedback={self.feedback!r}: choose one of {', '.join(FEEDBACK)}")
+        if self.max_rounds < 0:
+            raise ValueError(f"max_rounds={self.max_rounds}: must be >= 0")
+
+
+@dataclass
+class Attempt:
+    """One problem under one method: the conversation so far and every round's accounting."""
+
+    problem: Problem
+    method: str
+    sample: int = 0
+    messages: list[dict[str, str]] = field(default_factory=list)
+    rounds: list[dict] = field(default_factory=list)
+    programs: list[str | None] = field(default_factory=list)
+    budget: int | None = None  # resample: tokens it may spend
+    prompt_tokens: int = 0  # resample: what one fresh prompt costs
+    last_visible: Verdict | None = None
+    done: bool = False
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def tokens(self) -> int:
+        return sum(r["prompt_tokens"] + r["completion_tokens"] for r in self.rounds)
+
+    def record(self, settings: Settings) -> dict:
+        keep = self.final_index()
+        last = self.rounds[keep]
+        return {
+            "task_id": self.problem.task_id, "method": self.method, "sample": self.sample,
+            "rounds": self.rounds, "final_round": keep,
+            "visible_passed": last["visible_status"] == "passed",
+            "hidden_passed": last["hidden_status"] == "passed",
+            "program": self.programs[keep],
+            "prompt_tokens": sum(r["prompt_tokens"] for r in self.rounds),
+            "completion_tokens": sum(r["completion_tokens"] for r in self.rounds),
+            "tokens": self.tokens, "budget": self.budget,
+            "wall_s": round(time.perf_counter() - self.started, 3),
+        }
+
+    def final_index(self) -> int:
+        if self.method == "resample":  # the first sample that passed the visible tests, else last
+            return next((i for i, r in enumerate(self.rounds) if r["visible_status"] == "passed"),
+                        len(self.rounds) - 1)
+        return len(self.rounds) - 1
+
+
+class SelfDebug:
+    def __init__(self, backend, settings: Settings, traces: Path,
+                 progress: Callable[[str], None] = print, workers: int = 2) -> None:
+        self.backend, self.settings, self.traces = backend, settings, traces
+        self.progress, self.workers = progress, workers
+        self.limits = Limits(timeout_s=settings.timeout_s)
+
+    # one round for every attempt still going: one batch for the backend, then the sandbox
+    def step(self, attempts: list[Attempt], requests: list[Request]) -> None:
+        completions = self.backend.complete(requests)
+        programs = []
+        for a, c in zip(attempts, completions):
+            code = extract_code(c.text)
+            programs.append(program_for(a.problem, code) if code is not None else None)
+            a.messages.append({"role": "assistant", "content": c.text})
+        with ThreadPoolExecutor(self.workers) as pool:
+            verdicts = list(pool.map(self.judge, attempts, programs))
+        for a, c, program, (visible, hidden, sandbox_s) in zip(attempts, completions, programs,
+                                                                verdicts):
+            a.programs.append(program)
+            a.rounds.append({
+                "round": len(a.rounds), "prompt_tokens": c.prompt_tokens,
+                "completion_tokens": c.completion_tokens, "cached_tokens": c.cached_tokens,
+                "model_calls": 1, "code_found": program is not None,
+                "visible_status": visible.status if visible else "no_code",
+                "hidden_status": hidden.status if hidden else "no_code",
+                "visible_reason": visible.reason if visible else "no code block in the reply",
+                "sandbox_runs": 2 if program is not None else 0, "sandbox_s": round(sandbox_s, 4),
+                "generate_s": round(c.seconds, 4)})
+            a.last_visible = visible
+
+    def judge(self, a: Attempt, program: str | None):
+        if program is None:
+            return None, None, 0.0
+        p = a.problem
+        visible = run(program, p.visible_tests, setup=p.setup, limits=self.limits,
+                      trace=self.settings.feedback == "trace")
+        hidden = run(program, p.hidden_tests, setup=p.setup, limits=self.limits)
+        return visible, hidden, visible.wall_s + hidden.wall_s
+
+    def run_selfdebug(self, problems: list[Problem], done: set) -> list[dict]:
+        s = self.settings
+        going = [Attempt(p, "selfdebug", messages=[{"role": "system", "content": SYSTEM},
+                                                    {"role": "user", "content": task_message(p)}])
+                 for p in problems if (p.task_id, "selfdebug", 0) not in done]
+        finished = []
+        for r in range(s.max_rounds + 1):
+            if not going:
+                break
+            self.progress(f"selfdebug round {r}: {len(going)} problems")
+            self.step(going, [Request(list(a.messages), s.max_tokens) for a in going])
+            still = []
+            for a in going:
+                if a.rounds[-1]["visible_status"] == "passed" or r == s.max_rounds:
+                    finished.append(self.finish(a))
+                else:
+                    a.messages.append({"role": "user", "content": feedback_message(
+                        s.feedback, a.last_visible)})
+                    still.append(a)
+            going = still
+        return finished
+
+    def run_resample(self, problems: list[Problem], selfdebug: dict[str, dict], done: set
+                     ) -> list[dict]:
+        """Fresh samples per problem within the tokens self-debug spent on it (prompt and
+        completion tokens alike); the fresh prompt is self-debug's round-0 prompt."""
+        s = self.settings
+        going = [Attempt(p, "resample", budget=selfdebug[p.task_id]["tokens"],
+                         prompt_tokens=selfdebug[p.task_id]["rounds"][0]["prompt_tokens"])
+                 for p in problems
+                 if p.task_id in selfdebug and (p.task_id, "resample", 0) not in done]
+        finished = []
+        for j in range(s.resample_max_samples):
+            if not going:
+                break
+            self.progress(f"resample sample {j}: {len(going)} problems")
+            requests = []
+            for a in going:
+                a.messages = [{"role": "system", "content": SYSTEM},
+                              {"role": "user", "content": task_message(a.problem)}]
+                room = a.budget - a.tokens - a.prompt_tokens
+                requests.append(Request(list(a.messages), min(s.max_tokens, max(1, room)),
+                                        s.resample_temperature, s.resample_top_p,
+                                        seed=_seed(s.seed, a.problem.task_id, j)))
+            self.step(going, requests)
+            still = []
+            for a in going:
+                spent = a.budget - a.tokens - a.prompt_tokens < 1  # no room for another sample
+                if a.rounds[-1]["visible_status"] == "passed" or spent or \
+                        j == s.resample_max_samples - 1:
+                    finished.append(self.finish(a))
+                else:
+                    still.append(a)
+            going = still
+        return finished
+
+    def finish(self, a: Attempt) -> dict:
+        record = a.record(self.settings)
+        with self.traces.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return record
+
+
+def _seed(seed: int, task_id: str, sample: int) -> int:
+    return (seed * 1_000_003 + sum(ord(ch) * 31**i for i, ch in enumerate(task_id)) * 101
+            + sample) % 2**31
+
+
+def completed(records: Iterable[dict]) -> set:
+    return {(r["task_id"], r["method"], r["sample"]) for r in records}
+
+
+def settings_dict(settings: Settings) -> dict:
+    return asdict(settings)

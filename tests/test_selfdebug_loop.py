@@ -1,0 +1,186 @@
+"""The self-debug loop: code extraction, feedback, rounds, accounting, resampling at equal
+tokens, resume, bad input, and the same results in-process and through the HTTP server.
+
+The loop and the sandbox are real throughout; where a test needs replies it can predict, a
+scripted model stands in for the language model (the one thing that cannot be made to fail on
+purpose)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from serve.sandbox import run
+from serve.selfdebug.datasets import load_humaneval, load_mbpp
+from serve.selfdebug.loop import (Completion, EngineBackend, OpenAIBackend, SelfDebug, Settings,
+                                  extract_code, feedback_message, program_for)
+
+ADD = load_humaneval()[53]  # def add(x: int, y: int): 2 visible examples
+
+
+class Scripted:
+    """A model that answers from a list per problem, one reply per call, and counts calls."""
+
+    name = "scripted"
+
+    def __init__(self, replies: dict[str, list[str]]) -> None:
+        self.replies, self.calls, self.seen = replies, 0, []
+
+    def complete(self, requests):
+        out = []
+        for r in requests:
+            task = next(t for t in self.replies if t in r.messages[1]["content"])
+            turn = sum(m["role"] == "assistant" for m in r.messages)
+            text = self.replies[task][min(turn, len(self.replies[task]) - 1)]
+            self.calls += 1
+            self.seen.append(r)
+            out.append(Completion(text, 100 + 10 * turn, len(text.split()), 50 * turn, 0.01))
+        return out
+
+
+def fenced(code: str) -> str:
+    return f"Here you go:\n```python\n{code}```\nDone."
+
+
+def test_code_extraction():
+    assert extract_code(fenced("def f():\n    return 1\n")) == "def f():\n    return 1\n"
+    assert extract_code("```\ndef f(): pass\n```") == "def f(): pass\n"
+    assert extract_code("```python\ndef f():\n    return 1\n") == "def f():\n    return 1\n"
+    assert extract_code("def f():\n    return 2\n") == "def f():\n    return 2\n"
+    assert extract_code("I cannot help with that.") is None
+    assert extract_code("x = 1") is None  # bare text with no function is not taken as code
+
+
+def test_humaneval_programs_keep_the_prompts_imports():
+    p = load_humaneval()[0]  # from typing import List
+    whole = program_for(p, "def has_close_elements(numbers: List[float], t: float) -> bool:\n"
+                           "    return False\n")
+    assert whole.startswith("from typing import List\n")
+    body = program_for(p, "    return False\n")
+    assert body.startswith(p.prompt) and body.endswith("    return False\n")
+    mbpp = load_mbpp()[0]
+    assert program_for(mbpp, "def f(): pass\n") == "def f(): pass\n"
+
+
+def test_feedback_modes_say_what_failed():
+    program = program_for(ADD, "def add(x, y):\n    s = x + y\n    return s + 1\n")
+    verdict = run(program, ADD.visible_tests, trace=True)
+    simple = feedback_message("simple", verdict)
+    unit = feedback_message("unittest", verdict)
+    trace = feedback_message("trace", verdict)
+    assert "Expected" not in simple and "```python" in simple
+    assert "Expected: 5\nActual: 6" in unit and "add(2, 3)" in unit and "line" not in unit.lower()
+    assert "Execution trace" in trace and "s=5" in trace
+    error = run("def add(x, y):\n    return x / 0\n", ADD.visible_tests)
+    assert "ZeroDivisionError: division by zero (line 2)" in feedback_message("unittest", error)
+    assert "no Python code block" in feedback_message("unittest", None)
+
+
+def test_rounds_stop_at_a_visible_pass_and_every_round_is_accounted(tmp_path):
+    model = Scripted({"def add(": [
+        "Sorry, no code.",
+        fenced("def add(x: int, y: int):\n    return x + y + 1\n"),
+        fenced("def add(x: int, y: int):\n    return x + y\n"),
+        fenced("def add(x: int, y: int):\n    return 0\n")]})
+    loop = SelfDebug(model, Settings(max_rounds=3, resample=False), tmp_path / "t.jsonl",
+                     progress=lambda m: None)
+    [record] = loop.run_selfdebug([ADD], done=set())
+    statuses = [(r["visible_status"], r["hidden_status"]) for r in record["rounds"]]
+    assert statuses == [("no_code", "no_code"), ("failed", "failed"), ("passed", "passed")]
+    assert model.calls == 3 and record["visible_passed"] and record["hidden_passed"]
+    assert [r["code_found"] for r in record["rounds"]] == [False, True, True]
+    assert [r["sandbox_runs"] for r in record["rounds"]] == [0, 2, 2]
+    assert record["tokens"] == sum(r["prompt_tokens"] + r["completion_tokens"]
+                                   for r in record["rounds"])
+    feedback = model.seen[2].messages[-1]["content"]  # what round 2 was told
+    assert "Expected: 5\nActual: 6" in feedback
+    assert [m["role"] for m in model.seen[2].messages] == [
+        "system", "user", "assistant", "user", "assistant", "user"]
+    assert json.loads((tmp_path / "t.jsonl").read_text()) == record
+
+
+def test_resampling_spends_at_most_the_self_debug_tokens(tmp_path):
+    wrong = fenced("def add(x: int, y: int):\n    return x - y\n")
+    model = Scripted({"def add(": [wrong]})
+    loop = SelfDebug(model, Settings(max_rounds=2, max_tokens=64), tmp_path / "t.jsonl",
+                     progress=lambda m: None)
+    [sd] = loop.run_selfdebug([ADD], done=set())
+    [rs] = loop.run_resample([ADD], {ADD.task_id: sd}, done=set())
+    assert rs["budget"] == sd["tokens"] and rs["tokens"] <= sd["tokens"]
+    assert len(rs["rounds"]) >= 2 and not rs["visible_passed"]
+    fresh = [r for r in model.seen if r.temperature > 0]
+    assert all(len(r.messages) == 2 for r in fresh)  # every sample starts from scratch
+    assert len({r.seed for r in fresh}) == len(fresh)
+
+
+def test_a_killed_run_resumes_without_redoing_finished_problems(tmp_path):
+    from serve.selfdebug.__main__ import resume
+
+    problems = load_humaneval()[53:56]
+    replies = {p.prompt.split("def ")[1].split("(")[0] + "(": [fenced("def nothing(): pass\n")]
+               for p in problems}
+    traces = tmp_path / "traces.jsonl"
+    first = SelfDebug(Scripted(replies), Settings(max_rounds=0, resample=False), traces,
+                      progress=lambda m: None)
+    first.run_selfdebug(problems[:2], done=set())
+    with traces.open("a") as f:
+        f.write('{"task_id": "HumanEval/55", "meth')  # the kill, mid-line
+    records = resume(traces)
+    assert [r["task_id"] for r in records] == ["HumanEval/53", "HumanEval/54"]
+    model = Scripted(replies)
+    again = SelfDebug(model, Settings(max_rounds=0, resample=False), traces,
+                      progress=lambda m: None)
+    new = again.run_selfdebug(problems, done={(r["task_id"], r["method"], r["sample"])
+                                              for r in records})
+    assert [r["task_id"] for r in new] == ["HumanEval/55"] and model.calls == 1
+    lines = traces.read_text().splitlines()
+    assert [json.loads(line)["task_id"] for line in lines] == [
+        "HumanEval/53", "HumanEval/54", "HumanEval/55"]
+
+
+def cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "serve.selfdebug", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    out = cli("--dataset", "apps", "--model", "x", "--out", str(tmp_path / "a"))
+    assert out.returncode == 2 and "humaneval" in out.stderr and "Traceback" not in out.stderr
+    out = cli("--dataset", "mbpp", "--model", "x", "--out", str(tmp_path / "b"),
+              "--base-url", "http://127.0.0.1:9/v1", "--limit", "1")
+    assert out.returncode == 2 and "cannot reach http://127.0.0.1:9/v1" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    again = cli("--dataset", "mbpp", "--model", "x", "--out", str(tmp_path / "b"),
+                "--base-url", "http://127.0.0.1:9/v1", "--limit", "2")
+    assert again.returncode == 2 and "other settings" in again.stderr
+
+
+@pytest.mark.slow
+def test_the_server_gives_the_in_process_results(smollm2_llm, tmp_path):
+    from serve import LLM
+    from test_server import MODEL, serving
+
+    problems = load_humaneval()[:2]
+    settings = Settings(max_rounds=1, max_tokens=32, resample_max_samples=2)
+
+    def evaluate(backend, name):
+        loop = SelfDebug(backend, settings, tmp_path / f"{name}.jsonl", progress=lambda m: None)
+        records = loop.run_selfdebug(problems, set())
+        records += loop.run_resample(problems, {r["task_id"]: r for r in records}, set())
+        for r in records:
+            r.pop("wall_s")
+            for rnd in r["rounds"]:
+                for key in ("sandbox_s", "generate_s", "cached_tokens"):
+                    rnd.pop(key)
+        return records
+
+    local = evaluate(EngineBackend(LLM(smollm2_llm.model, smollm2_llm.tokenizer,
+                                       num_blocks=512)), "local")
+    served = LLM(smollm2_llm.model, smollm2_llm.tokenizer, num_blocks=512)
+    with serving(served) as url:
+        remote = evaluate(OpenAIBackend(url + "/v1", MODEL), "remote")
+    assert remote == local
+    assert {r["method"] for r in local} == {"selfdebug", "resample"}
