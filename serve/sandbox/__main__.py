@@ -42,8 +42,8 @@ def split_tests(source: str, filename: str) -> tuple[str, list[str]]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m serve.sandbox", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("program", type=Path, help="the untrusted program (Python source)")
-    p.add_argument("--tests", type=Path, required=True, help="the tests (Python source)")
+    p.add_argument("program", type=Path, nargs="?", help="the untrusted program (Python source)")
+    p.add_argument("--tests", type=Path, help="the tests (Python source; required with PROGRAM)")
     p.add_argument("--timeout", type=float, default=10.0,
                    help="wall-clock seconds for the program and all its tests (%(default)s)")
     p.add_argument("--memory-mb", type=int, default=1024,
@@ -57,7 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.protections and (args.program is None or args.tests is None):
+        parser.error("PROGRAM and --tests are required (or --protections alone)")
     try:
         if args.protections:
             prot = protections()
