@@ -318,3 +318,48 @@ def test_cli_prints_one_json_verdict(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("error:") and "missing.py" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+NON_ROOT_CHECKS = """
+import json, sys, warnings
+sys.path.insert(0, sys.argv[1])
+from serve.sandbox import protections, run
+victim = sys.argv[2]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    prot = protections()
+    remount = ("import ctypes\\n"
+               "c = ctypes.CDLL(None, use_errno=True)\\n"
+               "assert c.mount(None, b'/', None, 32 | 4096, None) == 0, 'remount refused'\\n")
+    verdicts = {
+        "write": run(f"open({victim!r}, 'w').write('pwned')\\n", ["assert True"]).status,
+        "network": run("import socket\\nsocket.create_connection(('127.0.0.1', 22), 1)\\n",
+                       ["assert True"]).status,
+        "remount": run(remount, ["assert True"]).status,
+        "good": run("def f(x):\\n    return x + 1\\n", ["assert f(1) == 2"]).status,
+        "wrong": run("print('PASSED')\\ndef f(x):\\n    return x\\n", ["assert f(1) == 2"]).status,
+    }
+print(json.dumps({"user_namespace": prot.user_namespace, "uid": prot.uid,
+                  "warnings": [str(w.message) for w in caught], "verdicts": verdicts}))
+"""
+
+
+def test_an_unprivileged_user_gets_namespaces_and_a_read_only_filesystem(host_dir):
+    """Most users are not root: the sandbox then runs in a user namespace. Checked for real, as
+    uid nobody when these tests run as root."""
+    victim = host_dir / "victim.txt"
+    victim.write_text("precious")
+    victim.chmod(0o666)  # writable by anyone: only the read-only remount protects it
+    repo = str(Path(__file__).resolve().parent.parent)
+    cmd = [protections().python, "-c", NON_ROOT_CHECKS, repo, str(victim)]
+    if os.geteuid() == 0:
+        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] + cmd
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd="/",
+                         env={"PATH": "/usr/bin:/bin", "HOME": "/"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert result["uid"] is None and any("no uid drop" in w for w in result["warnings"])
+    assert result["user_namespace"], "this machine allows unprivileged user namespaces"
+    assert result["verdicts"] == {"write": "error", "network": "error", "remount": "error",
+                                  "good": "passed", "wrong": "failed"}
+    assert victim.read_text() == "precious"

@@ -161,9 +161,11 @@ def protections(python: str | None = None) -> Protections:
         drop = [setpriv, f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups"]
         # The judge runs as root and forks the worker, which then imports as the sandbox uid:
         # the interpreter must be the same one (version and stdlib) for both.
-        chosen = next((c for c in candidates
-                       if _output(drop + [c] + probe) not in (None, "")
-                       and _output(drop + [c] + probe) == _output([c] + probe)), None)
+        for c in candidates:
+            as_uid = _output(drop + [c] + probe)
+            if as_uid and as_uid == _output([c] + probe):
+                chosen = c
+                break
         uid = SANDBOX_UID if chosen else None
     if chosen is None:
         chosen = next((c for c in candidates if _runs([c] + probe)), None)
@@ -187,10 +189,10 @@ def protections(python: str | None = None) -> Protections:
         notes.append("no namespaces (unshare unavailable or not permitted): programs can open "
                      "network connections and processes that escape the session are only "
                      "found through the child-subreaper scan")
-    read_only = bool(namespaces) and root and not user_ns
-    if namespaces and not read_only:
-        notes.append("the filesystem is not remounted read-only (needs root): the program can "
-                     "write wherever this user can")
+    read_only = bool(namespaces)  # the judge remounts; the worker has no capability to undo it
+    if user_ns:
+        notes.append("no uid drop (not root): the process limit counts all of this user's "
+                     "processes, and the program keeps this user's identity inside the sandbox")
     return Protections(python=chosen, uid=uid, namespaces=namespaces, user_namespace=user_ns,
                        read_only_filesystem=read_only, warnings=tuple(notes))
 

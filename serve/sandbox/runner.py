@@ -38,7 +38,8 @@ TRACE_EVENTS = 80
 TRACE_CHARS = 4000
 REPR_CHARS = 300
 
-PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
+PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 4, 24, 36, 38
+CAP_VERSION_3 = 0x20080522
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
     1, 2, 4, 8, 32, 4096, 16384, 1 << 18)
 
@@ -282,10 +283,12 @@ def start_worker(program: str, limits: dict, scratch: str, uid: int | None):
         os.closerange(5, 1 << 20)
         os.chdir(scratch)
         set_limits(limits)
+        drop_capabilities(bounding=True)  # while we may still (needs CAP_SETPCAP)
         if uid is not None:
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
+        drop_capabilities(bounding=False)
         os.environ.clear()
         os.environ.update({"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch,
                            "LANG": "C.UTF-8"})
@@ -298,6 +301,27 @@ def start_worker(program: str, limits: dict, scratch: str, uid: int | None):
     except BaseException:  # noqa: BLE001 - the worker's own failure; the judge sees EOF
         code = 70
     os._exit(code)
+
+
+def drop_capabilities(bounding: bool) -> None:
+    """No capabilities, now or after any exec: first the bounding set, then the rest (matters
+    where the worker keeps uid 0 of a user namespace: it could remount the filesystem)."""
+    c = libc()
+    if bounding:
+        for cap in range(64):
+            c.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
+        return
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                    ("inheritable", ctypes.c_uint32)]
+
+    if c.capset(ctypes.byref(Header(CAP_VERSION_3, 0)), (Data * 2)()) != 0:
+        raise OSError(ctypes.get_errno(), "capset failed")
+    c.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
 
 
 def set_limits(limits: dict) -> None:
