@@ -184,3 +184,27 @@ def test_the_server_gives_the_in_process_results(smollm2_llm, tmp_path):
         remote = evaluate(OpenAIBackend(url + "/v1", MODEL), "remote")
     assert remote == local
     assert {r["method"] for r in local} == {"selfdebug", "resample"}
+
+
+def test_plain_samples_give_pass_at_k(tmp_path):
+    from serve.selfdebug.report import summarize
+
+    model = Scripted({"def add(": [fenced("def add(x: int, y: int):\n    return x + y\n")]})
+    loop = SelfDebug(model, Settings(samples=3), tmp_path / "t.jsonl", progress=lambda m: None)
+    records = loop.run_samples([ADD], done={(ADD.task_id, "sample", 1)})
+    assert [r["sample"] for r in records] == [0, 2] and model.calls == 2
+    assert len({r.seed for r in model.seen}) == 2 and all(r.temperature > 0 for r in model.seen)
+    summary = summarize(records)
+    assert summary["sampling"]["pass_at_k"][0]["value"] == 1.0
+
+
+@pytest.mark.slow
+def test_a_request_past_the_context_is_a_counted_failure_not_a_crash(smollm2_llm):
+    from serve.selfdebug.loop import Request
+
+    backend = EngineBackend(smollm2_llm)
+    huge = [{"role": "user", "content": "word " * 9000}]
+    small = [{"role": "user", "content": "Say hi."}]
+    refused, fine = backend.complete([Request(huge, 8), Request(small, 4)])
+    assert "exceeds the model's context" in refused.error and refused.text == ""
+    assert fine.error is None and fine.completion_tokens >= 1 and fine.prompt_tokens > 0

@@ -58,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resample-temperature", type=float, default=0.8, help="(%(default)s)")
     p.add_argument("--resample-max-samples", type=int, default=16,
                    help="cap on samples per problem, whatever the budget (%(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the resampling (%(default)s)")
+    p.add_argument("--samples", type=int, default=0,
+                   help="also draw N plain samples per problem at --resample-temperature, for "
+                        "pass@k with the unbiased estimator (%(default)s: none)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the sampling (%(default)s)")
     p.add_argument("--block-size", type=int, default=16, help="in-process engine (%(default)s)")
     p.add_argument("--kv-cache-memory-mib", type=int, default=1024,
                    help="in-process engine KV pool (%(default)s MiB)")
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                             max_tokens=args.max_tokens, timeout_s=args.timeout,
                             resample=not args.no_resample,
                             resample_temperature=args.resample_temperature,
-                            resample_max_samples=args.resample_max_samples, seed=args.seed)
+                            resample_max_samples=args.resample_max_samples,
+                            samples=args.samples, seed=args.seed)
         problems = load_dataset(args.dataset)
     except (ValueError, DatasetError) as e:
         return fail(str(e))
@@ -85,8 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.limit < 1:
             return fail(f"--limit {args.limit}: must be >= 1")
         problems = problems[:args.limit]
-    if args.max_tokens < 1 or args.timeout <= 0 or args.resample_max_samples < 1:
-        return fail("--max-tokens, --timeout and --resample-max-samples must be positive")
+    if args.max_tokens < 1 or args.timeout <= 0 or args.resample_max_samples < 1 or \
+            args.samples < 0:
+        return fail("--max-tokens, --timeout and --resample-max-samples must be positive, "
+                    "--samples >= 0")
     config = {"dataset": args.dataset, "problems": len(problems), "model": args.model,
               "backend": args.base_url or "in-process engine", "settings": vars(settings)}
     out = args.out
@@ -95,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         previous = out / "config.json"
         if previous.exists():
             old = json.loads(previous.read_text())
+            # settings added since that run take their defaults, which reproduce the old loop
+            old["settings"] = {**vars(Settings()), **old.get("settings", {})}
             if {k: old.get(k) for k in config} != config:
                 return fail(f"{out} holds a run with other settings ({previous}); resume with "
                             "the same options or choose another --out")
@@ -117,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         if settings.resample:
             by_task = {r["task_id"]: r for r in records if r["method"] == "selfdebug"}
             records += loop.run_resample(problems, by_task, done)
+        if settings.samples:
+            records += loop.run_samples(problems, done)
     except BackendError as e:
         print(f"error: the endpoint failed: {e}\n{len(resume(out / TRACES))} attempts are saved "
               f"in {out / TRACES}; run the same command again to resume", file=sys.stderr)

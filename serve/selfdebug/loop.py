@@ -43,6 +43,7 @@ class Completion:
     completion_tokens: int
     cached_tokens: int
     seconds: float  # the batch's wall time, shared out in proportion to completion tokens
+    error: str | None = None  # the backend refused this one request (a counted failure)
 
 
 @dataclass
@@ -127,14 +128,29 @@ class EngineBackend:
 
     def complete(self, requests: list[Request]) -> list[Completion]:
         from serve import SamplingParams
+        from serve.engine import InvalidRequest
 
-        params = [SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
-                                 seed=r.seed) for r in requests]
+        rows: list = [None] * len(requests)
+        batch, prompts, params = [], [], []
+        context = self.llm.model.config.max_seq_len
+        for i, r in enumerate(requests):
+            try:
+                ids = self.llm.encode_chat(r.messages)
+                p = SamplingParams(max_tokens=max(1, min(r.max_tokens, context - len(ids))),
+                                   temperature=r.temperature, top_p=r.top_p, seed=r.seed)
+                self.llm.engine.check_request(ids, p)
+            except InvalidRequest as e:  # e.g. a conversation grown past the context
+                rows[i] = ("", 0, 0, 0, f"refused: {e}")
+                continue
+            batch.append(i)
+            prompts.append(ids)
+            params.append(p)
         started = time.perf_counter()
-        outs = self.llm.chat([r.messages for r in requests], params)
-        return _shared_time([(o.outputs[0].text, len(o.prompt_token_ids),
-                              len(o.outputs[0].token_ids), o.num_cached_tokens) for o in outs],
-                            time.perf_counter() - started)
+        outs = self.llm.generate(prompts, params) if prompts else []
+        for i, o in zip(batch, outs):
+            rows[i] = (o.outputs[0].text, len(o.prompt_token_ids), len(o.outputs[0].token_ids),
+                       o.num_cached_tokens, None)
+        return _shared_time(rows, time.perf_counter() - started)
 
 
 class OpenAIBackend:
@@ -151,18 +167,23 @@ class OpenAIBackend:
         self.errors = (openai.APIConnectionError, openai.APIStatusError, openai.APITimeoutError)
 
     def complete(self, requests: list[Request]) -> list[Completion]:
+        import openai
+
         def one(r: Request):
             extra = {"seed": r.seed} if r.seed is not None else {}
             if r.top_p is not None:
                 extra["top_p"] = r.top_p
-            reply = self.client.chat.completions.create(
-                model=self.name, messages=r.messages, max_tokens=r.max_tokens,
-                temperature=r.temperature, **extra)
+            try:
+                reply = self.client.chat.completions.create(
+                    model=self.name, messages=r.messages, max_tokens=r.max_tokens,
+                    temperature=r.temperature, **extra)
+            except openai.BadRequestError as e:  # this request only (e.g. too long)
+                return "", 0, 0, 0, f"refused: {e.message}"
             usage = reply.usage
             details = getattr(usage, "prompt_tokens_details", None)
             cached = getattr(details, "cached_tokens", None) or 0
             return (reply.choices[0].message.content or "", usage.prompt_tokens,
-                    usage.completion_tokens, cached)
+                    usage.completion_tokens, cached, None)
         started = time.perf_counter()
         try:
             with ThreadPoolExecutor(self.concurrency) as pool:
@@ -174,8 +195,8 @@ class OpenAIBackend:
 
 def _shared_time(rows: list[tuple], seconds: float) -> list[Completion]:
     total = sum(r[2] for r in rows)
-    return [Completion(text, p, c, cached, seconds * (c / total if total else 1 / len(rows)))
-            for text, p, c, cached in rows]
+    return [Completion(text, p, c, cached, seconds * (c / total if total else 1 / len(rows)), err)
+            for text, p, c, cached, err in rows]
 
 
 # ---- the loop ----
@@ -190,6 +211,7 @@ class Settings:
     resample_temperature: float = 0.8
     resample_top_p: float = 0.95
     resample_max_samples: int = 16
+    samples: int = 0  # plain samples per problem, for pass@k (0: none)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -267,7 +289,9 @@ class SelfDebug:
                 "model_calls": 1, "code_found": program is not None,
                 "visible_status": visible.status if visible else "no_code",
                 "hidden_status": hidden.status if hidden else "no_code",
-                "visible_reason": visible.reason if visible else "no code block in the reply",
+                "visible_reason": visible.reason if visible else (
+                    c.error or "no code block in the reply"),
+                "model_error": c.error,
                 "sandbox_runs": 2 if program is not None else 0, "sandbox_s": round(sandbox_s, 4),
                 "generate_s": round(c.seconds, 4)})
             a.last_visible = visible
@@ -335,6 +359,25 @@ class SelfDebug:
                 else:
                     still.append(a)
             going = still
+        return finished
+
+    def run_samples(self, problems: list[Problem], done: set) -> list[dict]:
+        """`samples` independent samples per problem, each scored on the hidden tests once:
+        the unbiased pass@k estimator's n and c."""
+        s = self.settings
+        todo = [Attempt(p, "sample", sample=i) for p in problems for i in range(s.samples)
+                if (p.task_id, "sample", i) not in done]
+        finished = []
+        for start in range(0, len(todo), 256):
+            batch = todo[start:start + 256]
+            self.progress(f"sampling: {start + len(batch)}/{len(todo)}")
+            for a in batch:
+                a.messages = [{"role": "system", "content": SYSTEM},
+                              {"role": "user", "content": task_message(a.problem)}]
+            self.step(batch, [Request(list(a.messages), s.max_tokens, s.resample_temperature,
+                                      s.resample_top_p, _seed(s.seed + 1, a.problem.task_id,
+                                                              a.sample)) for a in batch])
+            finished += [self.finish(a) for a in batch]
         return finished
 
     def finish(self, a: Attempt) -> dict:
