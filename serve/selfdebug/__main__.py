@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key-env", default="OPENAI_API_KEY",
                    help="environment variable holding the endpoint's key (%(default)s); it is "
                         "never passed into the sandbox")
+    p.add_argument("--concurrency", type=int, default=64,
+                   help="requests in flight to --base-url (%(default)s)")
     p.add_argument("--limit", type=int, help="only the first N problems")
     p.add_argument("--max-rounds", type=int, default=3, help="repair rounds after the first "
                                                              "generation (%(default)s)")
@@ -156,7 +158,8 @@ def resume(path: Path) -> list[dict]:
 
 def make_backend(args):
     if args.base_url:
-        backend = OpenAIBackend(args.base_url, args.model, args.api_key_env)
+        backend = OpenAIBackend(args.base_url, args.model, args.api_key_env,
+                                concurrency=max(1, args.concurrency))
         try:
             backend.client.models.list()
         except backend.errors as e:

@@ -158,7 +158,7 @@ class OpenAIBackend:
     the sandbox never sees our environment."""
 
     def __init__(self, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY",
-                 concurrency: int = 16, timeout_s: float = 600.0) -> None:
+                 concurrency: int = 64, timeout_s: float = 600.0) -> None:
         import openai
 
         self.name, self.concurrency = model, concurrency
