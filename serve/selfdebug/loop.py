@@ -20,10 +20,10 @@ import re
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from serve.sandbox import Limits, Verdict, run
+from serve.sandbox import Limits, SandboxError, Verdict, run
 from serve.selfdebug.datasets import Problem
 
 FEEDBACK = ("simple", "unittest", "trace")
@@ -230,18 +230,16 @@ class Attempt:
     sample: int = 0
     messages: list[dict[str, str]] = field(default_factory=list)
     rounds: list[dict] = field(default_factory=list)
-    programs: list[str | None] = field(default_factory=list)
     budget: int | None = None  # resample: tokens it may spend
     prompt_tokens: int = 0  # resample: what one fresh prompt costs
     last_visible: Verdict | None = None
-    done: bool = False
     started: float = field(default_factory=time.perf_counter)
 
     @property
     def tokens(self) -> int:
         return sum(r["prompt_tokens"] + r["completion_tokens"] for r in self.rounds)
 
-    def record(self, settings: Settings) -> dict:
+    def record(self) -> dict:
         keep = self.final_index()
         last = self.rounds[keep]
         return {
@@ -249,7 +247,6 @@ class Attempt:
             "rounds": self.rounds, "final_round": keep,
             "visible_passed": last["visible_status"] == "passed",
             "hidden_passed": last["hidden_status"] == "passed",
-            "program": self.programs[keep],
             "prompt_tokens": sum(r["prompt_tokens"] for r in self.rounds),
             "completion_tokens": sum(r["completion_tokens"] for r in self.rounds),
             "tokens": self.tokens, "budget": self.budget,
@@ -282,7 +279,6 @@ class SelfDebug:
             verdicts = list(pool.map(self.judge, attempts, programs))
         for a, c, program, (visible, hidden, sandbox_s) in zip(attempts, completions, programs,
                                                                 verdicts):
-            a.programs.append(program)
             a.rounds.append({
                 "round": len(a.rounds), "prompt_tokens": c.prompt_tokens,
                 "completion_tokens": c.completion_tokens, "cached_tokens": c.cached_tokens,
@@ -291,7 +287,7 @@ class SelfDebug:
                 "hidden_status": hidden.status if hidden else "no_code",
                 "visible_reason": visible.reason if visible else (
                     c.error or "no code block in the reply"),
-                "model_error": c.error,
+                "model_error": c.error, "program": program,
                 "sandbox_runs": 2 if program is not None else 0, "sandbox_s": round(sandbox_s, 4),
                 "generate_s": round(c.seconds, 4)})
             a.last_visible = visible
@@ -300,9 +296,14 @@ class SelfDebug:
         if program is None:
             return None, None, 0.0
         p = a.problem
-        visible = run(program, p.visible_tests, setup=p.setup, limits=self.limits,
-                      trace=self.settings.feedback == "trace")
-        hidden = run(program, p.hidden_tests, setup=p.setup, limits=self.limits)
+        try:
+            visible = run(program, p.visible_tests, setup=p.setup, limits=self.limits,
+                          trace=self.settings.feedback == "trace")
+            hidden = run(program, p.hidden_tests, setup=p.setup, limits=self.limits)
+        except SandboxError as e:  # the harness failed, not the program: say so, carry on
+            self.progress(f"warning: {p.task_id}: sandbox failure: {e}")
+            failed = Verdict("error", f"sandbox failure: {e}")
+            return failed, failed, 0.0
         return visible, hidden, visible.wall_s + hidden.wall_s
 
     def run_selfdebug(self, problems: list[Problem], done: set) -> list[dict]:
@@ -381,7 +382,7 @@ class SelfDebug:
         return finished
 
     def finish(self, a: Attempt) -> dict:
-        record = a.record(self.settings)
+        record = a.record()
         with self.traces.open("a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
@@ -396,7 +397,3 @@ def _seed(seed: int, task_id: str, sample: int) -> int:
 
 def completed(records: Iterable[dict]) -> set:
     return {(r["task_id"], r["method"], r["sample"]) for r in records}
-
-
-def settings_dict(settings: Settings) -> dict:
-    return asdict(settings)
