@@ -208,3 +208,30 @@ def test_a_request_past_the_context_is_a_counted_failure_not_a_crash(smollm2_llm
     refused, fine = backend.complete([Request(huge, 8), Request(small, 4)])
     assert "exceeds the model's context" in refused.error and refused.text == ""
     assert fine.error is None and fine.completion_tokens >= 1 and fine.prompt_tokens > 0
+
+
+@pytest.mark.slow
+def test_the_command_runs_writes_its_report_and_resumes(smollm2_llm, smollm2_cache, tmp_path):
+    import os
+
+    out = tmp_path / "run"
+    args = ["--dataset", "humaneval", "--model", "SmolLM2-135M-Instruct", "--out", str(out),
+            "--limit", "2", "--max-rounds", "1", "--max-tokens", "24", "--resample-max-samples",
+            "2"]
+    env = {**os.environ, "EGMLA_CACHE": str(smollm2_cache)}
+    first = subprocess.run([sys.executable, "-m", "serve.selfdebug", *args], capture_output=True,
+                           text=True, timeout=600, env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "Self-debug: pass@1 after each repair round" in first.stdout
+    records = [json.loads(line) for line in (out / "traces.jsonl").read_text().splitlines()]
+    assert sorted((r["task_id"], r["method"]) for r in records) == [
+        ("HumanEval/0", "resample"), ("HumanEval/0", "selfdebug"),
+        ("HumanEval/1", "resample"), ("HumanEval/1", "selfdebug")]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["meta"]["model"] == "SmolLM2-135M-Instruct"
+    assert summary["meta"]["provenance"]["git"]["sha"]
+    assert (out / "passrate_vs_tokens.png").read_bytes()[:4] == b"\x89PNG"
+    again = subprocess.run([sys.executable, "-m", "serve.selfdebug", *args], capture_output=True,
+                           text=True, timeout=600, env=env)
+    assert again.returncode == 0 and "resuming: 4 finished attempts" in again.stderr
+    assert (out / "traces.jsonl").read_text().count("\n") == 4  # nothing redone

@@ -116,8 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     done = completed(records)
     if records:
         print(f"resuming: {len(records)} finished attempts in {out / TRACES}", file=sys.stderr)
-    try:
-        backend = make_backend(args)
+    wanted = [(p.task_id, "selfdebug", 0) for p in problems]
+    wanted += [(p.task_id, "resample", 0) for p in problems] if settings.resample else []
+    wanted += [(p.task_id, "sample", i) for p in problems for i in range(settings.samples)]
+    try:  # a finished run only re-renders its report: no model is loaded
+        backend = make_backend(args) if set(wanted) - done else None
     except BackendError as e:
         return fail(str(e))
     loop = SelfDebug(backend, settings, out / TRACES,
