@@ -235,3 +235,19 @@ def test_the_command_runs_writes_its_report_and_resumes(smollm2_llm, smollm2_cac
                            text=True, timeout=600, env=env)
     assert again.returncode == 0 and "resuming: 4 finished attempts" in again.stderr
     assert (out / "traces.jsonl").read_text().count("\n") == 4  # nothing redone
+
+
+def test_groups_finish_one_after_another(tmp_path):
+    problems = load_humaneval()[53:58]
+    replies = {p.prompt.split("def ")[1].split("(")[0] + "(": [fenced("def nothing(): pass\n")]
+               for p in problems}
+    model = Scripted(replies)
+    batches = []
+    model.complete = (lambda inner: lambda requests: batches.append(len(requests))
+                      or inner(requests))(model.complete)
+    loop = SelfDebug(model, Settings(max_rounds=1, resample=False), tmp_path / "t.jsonl",
+                     progress=lambda m: None, group_size=2)
+    records = loop.run_selfdebug(problems, done={("HumanEval/54", "selfdebug", 0)})
+    assert [r["task_id"] for r in records] == ["HumanEval/53", "HumanEval/55", "HumanEval/56",
+                                               "HumanEval/57"]
+    assert batches == [2, 2, 2, 2]  # two rounds per group of two, never more than a group

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "never passed into the sandbox")
     p.add_argument("--concurrency", type=int, default=64,
                    help="requests in flight to --base-url (%(default)s)")
+    p.add_argument("--group-size", type=int, default=64,
+                   help="problems run together to the end before the next group: one batch per "
+                        "round; results are saved group by group (%(default)s)")
     p.add_argument("--limit", type=int, help="only the first N problems")
     p.add_argument("--max-rounds", type=int, default=3, help="repair rounds after the first "
                                                              "generation (%(default)s)")
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         backend = make_backend(args) if set(wanted) - done else None
     except BackendError as e:
         return fail(str(e))
-    loop = SelfDebug(backend, settings, out / TRACES,
+    loop = SelfDebug(backend, settings, out / TRACES, group_size=args.group_size,
                      progress=lambda m: print(m, file=sys.stderr, flush=True))
     try:
         records += loop.run_selfdebug(problems, done)

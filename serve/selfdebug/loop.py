@@ -262,10 +262,22 @@ class Attempt:
 
 class SelfDebug:
     def __init__(self, backend, settings: Settings, traces: Path,
-                 progress: Callable[[str], None] = print, workers: int = 2) -> None:
+                 progress: Callable[[str], None] = print, workers: int = 2,
+                 group_size: int = 64) -> None:
         self.backend, self.settings, self.traces = backend, settings, traces
-        self.progress, self.workers = progress, workers
+        self.progress, self.workers, self.group_size = progress, workers, max(1, group_size)
         self.limits = Limits(timeout_s=settings.timeout_s)
+
+    def groups(self, problems: list[Problem], method: str, done: set):
+        """The problems `method` still has to do, `group_size` at a time: each group runs to the
+        end before the next starts, so finished records land steadily (a kill loses one group at
+        most) and a group's conversations can stay in the prefix cache between rounds."""
+        todo = [p for p in problems if (p.task_id, method, 0) not in done]
+        for start in range(0, len(todo), self.group_size):
+            if len(todo) > self.group_size:
+                self.progress(f"{method}: problems {start + 1}-"
+                              f"{min(start + self.group_size, len(todo))} of {len(todo)}")
+            yield todo[start:start + self.group_size]
 
     # one round for every attempt still going: one batch for the backend, then the sandbox
     def step(self, attempts: list[Attempt], requests: list[Request]) -> None:
@@ -307,10 +319,14 @@ class SelfDebug:
         return visible, hidden, visible.wall_s + hidden.wall_s
 
     def run_selfdebug(self, problems: list[Problem], done: set) -> list[dict]:
+        return [r for group in self.groups(problems, "selfdebug", done)
+                for r in self._selfdebug(group)]
+
+    def _selfdebug(self, problems: list[Problem]) -> list[dict]:
         s = self.settings
         going = [Attempt(p, "selfdebug", messages=[{"role": "system", "content": SYSTEM},
                                                     {"role": "user", "content": task_message(p)}])
-                 for p in problems if (p.task_id, "selfdebug", 0) not in done]
+                 for p in problems]
         finished = []
         for r in range(s.max_rounds + 1):
             if not going:
@@ -332,11 +348,15 @@ class SelfDebug:
                      ) -> list[dict]:
         """Fresh samples per problem within the tokens self-debug spent on it (prompt and
         completion tokens alike); the fresh prompt is self-debug's round-0 prompt."""
+        problems = [p for p in problems if p.task_id in selfdebug]
+        return [r for group in self.groups(problems, "resample", done)
+                for r in self._resample(group, selfdebug)]
+
+    def _resample(self, problems: list[Problem], selfdebug: dict[str, dict]) -> list[dict]:
         s = self.settings
         going = [Attempt(p, "resample", budget=selfdebug[p.task_id]["tokens"],
                          prompt_tokens=selfdebug[p.task_id]["rounds"][0]["prompt_tokens"])
-                 for p in problems
-                 if p.task_id in selfdebug and (p.task_id, "resample", 0) not in done]
+                 for p in problems]
         finished = []
         for j in range(s.resample_max_samples):
             if not going:
