@@ -412,7 +412,7 @@ def _figure(summary: dict[str, Any]):
         y = [s[rate_key] for s in steps]
         err = [[s[rate_key] - s["ci"][0] for s in steps], [s["ci"][1] - s[rate_key] for s in steps]]
         ax.errorbar(x, y, yerr=np.clip(err, 0, None), marker="o", color=colour, capsize=3,
-                    label=f"{label}, {CI_LEVEL:.0%} CI")
+                    label=f"{label}, {summary[method]['problems']} problems, {CI_LEVEL:.0%} CI")
         for s, xi, yi in zip(steps, x, y):
             ax.annotate(f"{prefix}{s[step_key]}", (xi, yi), xytext=(5, -12),
                         textcoords="offset points", fontsize=8, color=colour)
@@ -426,7 +426,7 @@ def _figure(summary: dict[str, Any]):
     ax.set_title("Self-debugging vs resampling: pass rate against tokens", fontsize=10)
     ax.grid(alpha=0.3)
     if drawn:
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="upper right")
     return fig
 
 
