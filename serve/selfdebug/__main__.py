@@ -21,14 +21,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
 
 from serve.selfdebug.datasets import DATASETS, DatasetError, load_dataset
-from serve.selfdebug.loop import (FEEDBACK, BackendError, EngineBackend, OpenAIBackend, SelfDebug,
-                                  Settings, completed)
+from serve.selfdebug.loop import (
+    FEEDBACK,
+    BackendError,
+    EngineBackend,
+    OpenAIBackend,
+    SelfDebug,
+    Settings,
+    completed,
+)
+from serve.selfdebug.report import write_atomic
 
 TRACES = "traces.jsonl"
 
@@ -112,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                 return fail(f"{out} holds a run with other settings ({previous}); resume with "
                             "the same options or choose another --out")
         else:
-            _write_atomic(previous, json.dumps(config, indent=1))
+            write_atomic(previous, json.dumps(config, indent=1).encode())
         records = resume(out / TRACES)
     except (OSError, ValueError) as e:
         return fail(f"{out}: {e}")
@@ -140,11 +147,10 @@ def main(argv: list[str] | None = None) -> int:
               f"in {out / TRACES}; run the same command again to resume", file=sys.stderr)
         return 1
     from egmla.provenance import provenance
-    from serve.selfdebug.report import render_markdown, summarize, write_report
+    from serve.selfdebug.report import write_report
 
     meta = {**config, "traces": str(out / TRACES), "provenance": provenance(sys.argv)}
-    write_report(records, out, meta)
-    print(render_markdown(summarize(records), meta))
+    print(write_report(records, out, meta)["md"].read_text())  # summarized once, printed as saved
     return 0
 
 
@@ -158,7 +164,7 @@ def resume(path: Path) -> list[dict]:
         warnings.simplefilter("always")
         records = load_traces(path)
     if caught:
-        _write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
+        write_atomic(path, "".join(json.dumps(r) + "\n" for r in records).encode())
     return records
 
 
@@ -179,12 +185,6 @@ def make_backend(args):
     except (OSError, ValueError, KeyError) as e:
         raise BackendError(f"cannot load model {args.model!r}: {e}") from None
     return EngineBackend(llm)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ so pass@1 after each round comes from one run. Resampling (Olausson et al. 2023,
 arXiv:2306.09896) gets, per problem, the same number of tokens the self-debug run spent there:
 fresh samples until one passes the visible tests or the budget is used up.
 
-Problems advance in lockstep, one round at a time, so each round is one batch for the backend.
-Each finished problem is appended to the JSONL trace at once; a killed run resumes from it.
+Problems run in groups; within a group they advance in lockstep, one round at a time, so each
+round is one batch for the backend. Each finished problem is appended to the JSONL trace at once;
+a killed run resumes from it.
 """
 
 from __future__ import annotations

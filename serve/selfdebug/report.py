@@ -439,7 +439,7 @@ def plot_png(summary: dict[str, Any]) -> bytes:
 # ---- writing ---------------------------------------------------------------------------------
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
     """Write into a temporary file beside `path`, then rename it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -456,7 +456,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 def plot(summary: dict[str, Any], path: str | Path) -> Path:
     """PNG of pass rate against mean tokens per problem: self-debug rounds, resampling counts."""
     path = Path(path)
-    _write_atomic(path, plot_png(summary))
+    write_atomic(path, plot_png(summary))
     return path
 
 
@@ -483,7 +483,7 @@ def write_report(records: list[dict[str, Any]], out_dir: str | Path,
     files = build_files(summarize(records, n_boot=n_boot, seed=seed), meta)
     out = Path(out_dir)
     for name, data in files.items():
-        _write_atomic(out / name, data)
+        write_atomic(out / name, data)
     return {key: out / name for key, name in FILES.items()}
 
 
@@ -555,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
             "provenance": provenance(["python", "-m", "serve.selfdebug.report", *argv])}
     files = build_files(summary, meta)
     for name, data in files.items():
-        _write_atomic(out / name, data)
+        write_atomic(out / name, data)
     print(files[FILES["md"]].decode())
     print(f"wrote {', '.join(str(out / name) for name in files)}")
     return 0
