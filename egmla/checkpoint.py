@@ -17,11 +17,13 @@ place at the end, so a crash or an error never leaves a half-written export behi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,20 +76,32 @@ def save_export(
         meta["extra"] = extra
     config_text = json.dumps({**model.config.to_dict(), **meta}, indent=2)  # fails before writing
 
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()  # unlike tempfile.mkdtemp (mode 0700), honours the umask: exports get shared
-    try:
+    with atomic_directory(directory) as tmp:
         (tmp / CONFIG_FILE).write_text(config_text + "\n")
         safetensors.torch.save_model(model, str(tmp / WEIGHTS_FILE))
         os.chmod(tmp / WEIGHTS_FILE, (tmp / CONFIG_FILE).stat().st_mode & 0o777)  # same umask
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+    return directory
+
+
+@contextlib.contextmanager
+def atomic_directory(directory: Path) -> Iterator[Path]:
+    """Yield an empty temporary sibling of `directory`; on success rename it onto `directory`.
+
+    On any error (or KeyboardInterrupt) the temporary directory is removed and `directory` is
+    left as it was: readers see the old contents or the new, never a mix or a half-written one.
+    Whether an existing `directory` may be replaced is the caller's decision.
+    """
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()  # unlike tempfile.mkdtemp (mode 0700), honours the umask: exports get shared
+    try:
+        yield tmp
         _move_into_place(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return directory
 
 
 def _replaceable(directory: Path) -> bool:
@@ -192,8 +206,19 @@ def load_export(
         safetensors.torch.load_model(model, str(weights), strict=True, device=str(device))
     except (RuntimeError, SafetensorError, OSError) as err:
         config_path = directory / CONFIG_FILE
-        raise CheckpointError(f"{weights}: does not match {config_path}: {err}") from err
+        detail = " ".join(str(err).split())  # torch's message spans lines
+        raise CheckpointError(f"{weights}: does not match {config_path}: {detail}") from err
     return model.eval()
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, on the CPU; CheckpointError names a bad file."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    try:
+        return safetensors.torch.load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({err})") from err
 
 
 def load_tokenizer(directory: str | os.PathLike) -> Any:
@@ -212,4 +237,14 @@ def load_tokenizer(directory: str | os.PathLike) -> Any:
         raise CheckpointError(
             "loading a tokenizer needs transformers: pip install 'egmla[hf]'"
         ) from err
-    return AutoTokenizer.from_pretrained(str(directory))
+    from transformers.utils import logging
+
+    # trust_remote_code=False: an export with modeling code (--format hf) has a plain tokenizer,
+    # and transformers would otherwise stop to ask whether to run that code. Reading the config
+    # of a model type it does not know makes transformers log a warning meant for models.
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
+    finally:
+        logging.set_verbosity(level)

@@ -118,13 +118,16 @@ def _rename(
     config: ModelConfig,
     attention: dict[str, str],
     skip_layer: Callable[[int, str], bool] = lambda i, rest: False,
+    shared: dict[str, list[str]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Map HF names to ours and check the result against the model `config` builds.
 
-    Every HF key must be used (or deliberately skipped) and every egmla key filled, with the
-    right shape; otherwise ConversionError names the key.
+    `shared` maps an HF key to the several egmla keys that hold the same tensor (a gate table
+    used by a group of layers). Every HF key must be used (or deliberately skipped) and every
+    egmla key filled, with the right shape; otherwise ConversionError names the key.
     """
     block = {**_BLOCK, **attention}
+    shared = shared or {}
     out: dict[str, torch.Tensor] = {}
     for key, tensor in hf_state_dict.items():
         if key.endswith("rotary_emb.inv_freq"):  # a non-persistent buffer in older checkpoints
@@ -132,6 +135,8 @@ def _rename(
         match = _LAYER_KEY.fullmatch(key)
         if key in _TOP_LEVEL:
             out[_TOP_LEVEL[key]] = tensor
+        elif key in shared:
+            out.update(dict.fromkeys(shared[key], tensor))
         elif match and skip_layer(int(match.group(1)), match.group(2)):
             continue
         elif match and match.group(2) in block:
@@ -349,15 +354,20 @@ def load_pretrained(
 ) -> tuple[Transformer, Any]:
     """(model, tokenizer) from an egmla export, a known name, or a transformers model.
 
-    Accepted, in this order: an egmla export directory; a name in KNOWN_MODELS (any case),
-    converted once into the cache; a local transformers directory of a supported model_type;
-    a hub id (needs network; passed to transformers' from_pretrained). The tokenizer is None
+    Accepted, in this order: an egmla export directory; a transformers-format directory written
+    by `python -m egmla.export --format hf` (read without transformers; its code is not run);
+    a name in KNOWN_MODELS (any case), converted once into the cache; a local transformers
+    directory of a supported model_type; a hub id (needs network; passed to transformers). The tokenizer is None
     when the source has none. `dtype` defaults to the export's dtype, float32 for conversions.
     """
     path = Path(name_or_path)
     if path.is_dir():
         if is_export(path):
             return _export_with_tokenizer(path, dtype)
+        from egmla.export.hf import is_hf_export, load_hf  # local: egmla.export imports this
+
+        if is_hf_export(path):
+            return load_hf(path, dtype), _tokenizer_or_none(path)
         if not (path / "config.json").is_file():
             raise CheckpointError(f"{path}: neither an egmla export nor a transformers model "
                                   "(no config.json)")
@@ -375,11 +385,14 @@ def load_pretrained(
 
 
 def _export_with_tokenizer(path: Path, dtype: torch.dtype | None) -> tuple[Transformer, Any]:
+    return load_export(path, dtype=dtype), _tokenizer_or_none(path)
+
+
+def _tokenizer_or_none(path: Path) -> Any:
     try:
-        tokenizer = load_tokenizer(path)
+        return load_tokenizer(path)
     except CheckpointError:
-        tokenizer = None  # an export without tokenizer files
-    return load_export(path, dtype=dtype), tokenizer
+        return None  # an export without tokenizer files
 
 
 def _load_known(name: str, dtype: torch.dtype | None) -> tuple[Transformer, Any]:

@@ -1,0 +1,188 @@
+"""Checkpoint export for the wider ecosystem: `python -m egmla.export --checkpoint X --out DIR`.
+
+Formats:
+
+    hf       transformers format with our modeling code, for all three variants: loads with
+             AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True), runs lm-eval's
+             `hf` model, and generates with a cache of what egmla caches (the latent for MLA).
+    native   an architecture transformers and vLLM implement themselves, no remote code:
+             MHA -> Llama, MLA -> dense DeepSeek-V3. EG-MLA has none and is refused.
+    egmla    egmla's plain export (config.json + model.safetensors), e.g. from a Lightning .ckpt.
+
+`--checkpoint` takes a training run directory (its export/, else checkpoints/last.ckpt), a
+Lightning .ckpt, an egmla export, a transformers-format directory (ours or a Llama), or a known
+model name such as SmolLM2-135M-Instruct. Every format reads back with `load_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from egmla.checkpoint import (
+    CheckpointError,
+    atomic_directory,
+    is_export,
+    load_tokenizer,
+    save_export,
+)
+from egmla.config import ConfigError, ModelConfig
+from egmla.models.transformer import Transformer
+
+FORMATS = ("hf", "native", "egmla")
+
+
+@dataclass
+class Source:
+    """A model to export and where it came from."""
+
+    model: Transformer
+    tokenizer: Any
+    description: str  # what --checkpoint resolved to, for the metadata and the summary
+
+
+# --------------------------------------------------------------------------------------------
+# Reading: run directory, Lightning checkpoint, export, transformers directory, known name
+
+
+def load_source(checkpoint: str | os.PathLike, dtype: torch.dtype | None = None) -> Source:
+    """Resolve `--checkpoint` to a model, its tokenizer (or None) and a description."""
+    from egmla.imports import load_pretrained
+
+    path = Path(checkpoint)
+    if path.is_file():
+        if path.suffix != ".ckpt":
+            raise CheckpointError(f"{path}: a file, but not a Lightning checkpoint (.ckpt)")
+        model, tokenizer = load_lightning(path), _run_tokenizer(path.parent.parent)
+        return Source(_cast(model, dtype), tokenizer, f"lightning checkpoint {path}")
+    if path.is_dir() and is_export(path / "export"):  # a training run: its final export
+        path = path / "export"
+    elif path.is_dir() and (path / "checkpoints" / "last.ckpt").is_file():
+        return load_source(path / "checkpoints" / "last.ckpt", dtype)  # stopped before exporting
+    if not path.exists() and path.parent != Path(".") and path.parent.is_dir():
+        raise CheckpointError(f"{path}: no such file or directory")  # not a hub id "org/name"
+    model, tokenizer = load_pretrained(path if path.is_dir() else str(checkpoint), dtype=dtype)
+    return Source(model, tokenizer, str(path) if path.is_dir() else f"known model {checkpoint}")
+
+
+def load_lightning(path: Path) -> Transformer:
+    """The egmla model inside a Lightning checkpoint written by `train.py` (no Lightning needed)."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a truncated or foreign file: pickle, zip and torch errors vary
+        raise CheckpointError(f"{path}: not a readable checkpoint ({type(err).__name__}: {err})") from err
+    model_dict = (ckpt.get("hyper_parameters") or {}).get("model") if isinstance(ckpt, dict) else None
+    if not isinstance(model_dict, dict) or "state_dict" not in ckpt:
+        raise CheckpointError(f"{path}: no egmla model in it (hyper_parameters.model missing)")
+    try:
+        config = ModelConfig.from_dict(model_dict)
+    except ConfigError as err:
+        raise CheckpointError(
+            f"{path}: its model config does not load ({err}); was it written by a newer egmla?"
+        ) from err
+    state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()
+             if k.startswith("model.")}
+    with torch.device("meta"):
+        expected = Transformer(config).state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        what = f"missing tensors {missing[:4]}" if missing else f"unexpected tensors {unexpected[:4]}"
+        raise CheckpointError(f"{path}: does not match its model config: {what}")
+    model = Transformer(config).to(next(iter(state.values())).dtype)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:  # wrong shapes
+        raise CheckpointError(f"{path}: does not match its model config: {err}") from err
+    return model.eval()
+
+
+def _run_tokenizer(run: Path) -> Any:
+    """The tokenizer a run saved with its export, if any (a .ckpt carries none)."""
+    try:
+        return load_tokenizer(run / "export")
+    except CheckpointError:
+        return None
+
+
+def _cast(model: Transformer, dtype: torch.dtype | None) -> Transformer:
+    return model if dtype is None else model.to(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+
+
+def export(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    format: str = "hf",
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Export `checkpoint` to `out` in `format`; return the directory written.
+
+    Nothing is written unless the whole export succeeds. An existing `out` is replaced only
+    when it is empty, was written by this command, or `overwrite` is set.
+    """
+    if format not in FORMATS:
+        raise CheckpointError(f"format={format!r}: must be one of {', '.join(FORMATS)}")
+    out = Path(os.path.abspath(out))
+    if out.exists() and not (overwrite or _replaceable(out)):
+        raise CheckpointError(
+            f"{out}: exists and was not written by egmla.export; choose another --out "
+            "(or pass --overwrite)"
+        )
+    source = load_source(checkpoint, dtype)
+    meta = _metadata(source)
+    if format == "egmla":
+        return save_export(source.model, out, tokenizer=source.tokenizer, extra=meta)
+    if format == "hf":
+        from egmla.export.hf import save_hf
+
+        return save_hf(source.model, out, tokenizer=source.tokenizer, meta=meta)
+    return save_native(source.model, out, tokenizer=source.tokenizer, meta=meta)
+
+
+def save_native(model: Transformer, out: Path, tokenizer: Any = None,
+                meta: dict[str, Any] | None = None) -> Path:
+    """Write a Llama (MHA) or dense DeepSeek-V3 (MLA) transformers directory, no remote code."""
+    from egmla.export.native import native_config, native_state_dict
+
+    dtype = next(model.parameters()).dtype
+    config = {**native_config(model.config, dtype), "egmla": {"format": "native", **(meta or {})}}
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
+    weights = native_state_dict(model)  # refuses what the architecture cannot hold, before writing
+    with atomic_directory(out) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        safetensors.torch.save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+    return out
+
+
+def _replaceable(directory: Path) -> bool:
+    """Empty, or written by egmla (any format): config.json has egmla metadata."""
+    if not directory.is_dir():
+        return False
+    if not any(directory.iterdir()) or is_export(directory):
+        return True
+    try:
+        data = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("egmla"), dict)
+
+
+def _metadata(source: Source) -> dict[str, Any]:
+    from egmla.provenance import git_info, versions
+
+    return {"source": source.description, "git": git_info(),
+            "versions": versions(("egmla", "torch", "transformers", "safetensors"))}

@@ -1,0 +1,372 @@
+"""`python -m egmla.export --format hf`: transformers (trust_remote_code) computes what egmla
+computes, generates the same tokens with a cache of what egmla caches, lm-eval's own `hf` model
+scores the same, and the directory loads back into egmla and the serving engine."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from egmla.cache import cache_spec_for
+from egmla.checkpoint import CheckpointError, save_export
+from egmla.config import ModelConfig
+from egmla.export.hf import save_hf
+from egmla.generate import generate
+from egmla.imports import load_pretrained
+from egmla.models.transformer import Transformer
+from serve import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+MLA = {"d_c": 32, "d_nope": 16, "d_rope": 8, "d_v": 16}
+VARIANTS = {
+    "gqa": {"type": "mha", "n_kv_heads": 2},
+    "mla": {"type": "mla", **MLA, "d_q": 24},
+    "egmla-kv": {"type": "egmla", **MLA, "d_e": 16, "gate_group_size": 2},
+    "egmla-latent": {"type": "egmla", **MLA, "d_e": 16, "gate_position": "latent",
+                     "gate_norm": "rmsnorm"},
+}
+
+
+def tiny_model(attention: dict, tie: bool = True, seed: int = 0) -> Transformer:
+    """4 layers, d=64, weights large enough that greedy decoding does not settle into a loop;
+    norms moved off one so a norm mapped to the wrong place shows."""
+    torch.manual_seed(seed)
+    config = ModelConfig.from_dict({"vocab_size": 256, "d_model": 64, "n_layers": 4, "n_heads": 4,
+                                    "attention": attention, "tie_embeddings": tie,
+                                    "init_std": 0.3})  # no eos: 32 tokens every time
+    model = Transformer(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def load_transformers(directory: Path, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, **kwargs).eval()
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def exported(request, tmp_path_factory):
+    model = tiny_model(VARIANTS[request.param], tie=request.param != "mla")
+    directory = save_hf(model, tmp_path_factory.mktemp("hf") / request.param)
+    return model, directory, load_transformers(directory)
+
+
+def test_the_directory_is_a_transformers_model_with_auto_map(exported):
+    _, directory, hf = exported
+    config = json.loads((directory / "config.json").read_text())
+    assert config["model_type"] == "egmla"
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_egmla.EgmlaForCausalLM"
+    assert type(hf).__name__ == "EgmlaForCausalLM"
+    for name in ("model.safetensors", "configuration_egmla.py", "modeling_egmla.py"):
+        assert (directory / name).is_file()
+
+
+def test_the_directory_loads_where_egmla_is_not_installed(tmp_path):
+    """Someone with only torch and transformers: egmla cannot be imported in that process."""
+    model = tiny_model(VARIANTS["egmla-kv"])
+    directory = save_hf(model, tmp_path / "hf")
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(5))
+    code = (
+        "import sys, torch\n"
+        "sys.modules['egmla'] = None  # any import of egmla now fails\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(directory)!r}, trust_remote_code=True)\n"
+        f"print(m(torch.tensor({ids.tolist()})).logits[0, -1].tolist())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    theirs = torch.tensor(json.loads(run.stdout.strip().splitlines()[-1]))
+    with torch.no_grad():
+        ours = model(ids)[0, -1]
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+
+def test_transformers_logits_equal_egmla(exported):
+    model, _, hf = exported
+    ids = torch.randint(0, 256, (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(ids), hf(ids).logits
+    assert ours.abs().max() > 0.1  # not a degenerate model
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+
+def test_greedy_generate_equals_egmla_for_32_tokens_in_a_left_padded_batch(exported):
+    model, _, hf = exported
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 256, (1, n), generator=g) for n in (9, 5)]
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.cat([torch.nn.functional.pad(p, (width - p.shape[1], 0)) for p in prompts])
+    mask = torch.cat([torch.nn.functional.pad(torch.ones_like(p), (width - p.shape[1], 0))
+                      for p in prompts])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32,
+                          do_sample=False, pad_token_id=0)
+    for row, prompt in enumerate(prompts):
+        expected = generate(model, prompt, max_new_tokens=32)[0, prompt.shape[1]:]
+        assert out[row, width:].tolist() == expected.tolist()
+        assert len(set(expected.tolist())) > 3  # a continuation worth comparing
+
+
+def cached_tensors(cache) -> list[torch.Tensor]:
+    """Every tensor the transformers cache holds, read from its layers (not from its nbytes)."""
+    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    return tensors + ([cache.token_ids] if cache.token_ids is not None else [])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_generate_cache_holds_exactly_egmlas_analytic_bytes(exported, dtype, tmp_path):
+    model, directory, hf = exported
+    if dtype != torch.float32:
+        directory = save_hf(copy.deepcopy(model).to(dtype), tmp_path / "cast")
+        hf = load_transformers(directory)
+    prompt = torch.randint(1, 256, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = hf.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                          return_dict_in_generate=True, pad_token_id=0)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    assert type(cache).__name__ == "EgmlaCache"
+    tokens = 2 * cache.get_seq_length()  # batch * cached positions
+    assert cache.get_seq_length() == 7 + 12 - 1  # the last token is sampled, never fed back
+    measured = sum(t.untyped_storage().nbytes() for t in cached_tensors(cache))
+    assert measured == cache.nbytes()
+    assert measured / tokens == cache_spec_for(model.config).bytes_per_token(dtype)
+    a = model.config.attention
+    if a.type != "mha":  # the latent and the shared RoPE key, never per-head K/V
+        assert {t.shape[-1] for t in cached_tensors(cache)[:2]} == {a.d_c, a.d_rope}
+
+
+def test_loads_back_into_egmla_exactly(exported):
+    model, directory, _ = exported
+    back, tokenizer = load_pretrained(directory)
+    assert tokenizer is None  # none was exported
+    assert back.config == model.config
+    ours, theirs = model.state_dict(), back.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    if model.config.attention.type == "egmla":  # a group of layers still shares one table
+        tables = [block.attn.gate_table for block in back.layers]
+        group = model.config.attention.gate_group_size
+        assert (tables[0] is tables[1]) == (group == 2) and tables[0] is not tables[2]
+
+
+def test_the_serving_engine_serves_an_hf_export(exported):
+    model, directory, _ = exported
+    prompt = torch.randint(1, 256, (1, 11), generator=torch.Generator().manual_seed(4))
+    llm = LLM(directory, kv_cache_memory=8 * 2**20)
+    (result,) = llm.generate([prompt[0].tolist()], SamplingParams(max_tokens=16, temperature=0.0))
+    expected = generate(model, prompt, max_new_tokens=16)[0, 11:].tolist()
+    assert result.outputs[0].token_ids == expected
+
+
+# ---- the command: bad input writes nothing ----------------------------------------------------
+
+
+def run_export(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("EGMLA_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "egmla.export", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def assert_one_line_error(run: subprocess.CompletedProcess, *needles: str) -> None:
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "Traceback" not in run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and all(n in last for n in needles), last
+
+
+def leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
+
+
+def test_missing_tensors_fail_clearly_and_write_nothing(tmp_path):
+    source = save_export(tiny_model(VARIANTS["mla"]), tmp_path / "export")
+    weights = safetensors.torch.load_file(source / "model.safetensors")
+    del weights["layers.1.attn.wkv_b.weight"]
+    safetensors.torch.save_file(weights, source / "model.safetensors")
+    run = run_export("--checkpoint", str(source), "--out", "out", cwd=tmp_path)
+    assert_one_line_error(run, "layers.1.attn.wkv_b.weight")
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_a_config_from_a_newer_version_fails_clearly_and_writes_nothing(tmp_path):
+    source = save_export(tiny_model(VARIANTS["gqa"]), tmp_path / "export")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "egmla_format_version": 2}))
+    run = run_export("--checkpoint", str(source), "--out", "out", cwd=tmp_path)
+    assert_one_line_error(run, "egmla_format_version=2")
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_an_hf_export_from_a_newer_version_is_refused(tmp_path):
+    directory = save_hf(tiny_model(VARIANTS["gqa"]), tmp_path / "hf")
+    config = json.loads((directory / "config.json").read_text())
+    config["egmla"]["format_version"] = 2
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="newer egmla"):
+        load_pretrained(directory)
+
+
+def test_an_hf_export_missing_a_tensor_is_refused_by_name(tmp_path):
+    directory = save_hf(tiny_model(VARIANTS["egmla-kv"]), tmp_path / "hf")
+    weights = safetensors.torch.load_file(directory / "model.safetensors")
+    del weights["model.gate_embeddings.1.weight"]
+    safetensors.torch.save_file(weights, directory / "model.safetensors")
+    with pytest.raises(CheckpointError, match="layers.2.attn.gate_table.weight"):
+        load_pretrained(directory)
+
+
+def test_native_format_refuses_egmla_and_a_foreign_out_is_left_alone(tmp_path):
+    source = save_export(tiny_model(VARIANTS["egmla-kv"]), tmp_path / "export")
+    run = run_export("--checkpoint", str(source), "--out", "native", "--format", "native",
+                     cwd=tmp_path)
+    assert_one_line_error(run, "EG-MLA", "--format hf")
+    assert not (tmp_path / "native").exists() and not leftovers(tmp_path)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    run = run_export("--checkpoint", str(source), "--out", "notes", cwd=tmp_path)
+    assert_one_line_error(run, "notes", "--overwrite")
+    assert [p.name for p in (tmp_path / "notes").iterdir()] == ["todo.txt"]
+
+
+# ---- a real training run: its directory and its Lightning checkpoint, lm-eval on the export ----
+
+QUESTIONS = [
+    ("ROMEO: But soft, what light through yonder", [" window", " sword", " river"], 0),
+    ("In the beginning God created the heaven and the", [" earth", " king", " night"], 0),
+    ("To be, or not to be, that is the", [" question", " horse", " morning"], 0),
+    ("And God said, Let there be", [" light", " water", " kings"], 0),
+    ("Now is the winter of our", [" discontent", " wisdom", " mercy"], 0),
+    ("The LORD is my shepherd; I shall not", [" want", " sleep", " speak"], 0),
+    ("All the world's a", [" stage", " field", " house"], 0),
+    ("A horse! a horse! my kingdom for a", [" horse", " crown", " sword"], 0),
+]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """train.py for real: a tiny EG-MLA run with a run directory, last.ckpt and its export."""
+    from training_utils import TINY, run_train
+
+    run_dir = tmp_path_factory.mktemp("export-run") / "run"
+    # A small validation split: the run ends by validating on all of it.
+    result = run_train([*TINY, "model/attention=egmla", "trainer.max_steps=12",
+                        "data.val_fraction=0.002",
+                        "trainer.val_every_n_steps=12", "trainer.checkpoint_every_n_steps=12",
+                        "wandb.mode=disabled", f"hydra.run.dir={run_dir}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def weights(directory: Path) -> dict[str, torch.Tensor]:
+    model, _ = load_pretrained(directory)
+    return model.state_dict()
+
+
+@pytest.mark.slow
+def test_a_run_directory_and_its_checkpoint_export_the_trained_weights(trained_run, tmp_path):
+    run = run_export("--checkpoint", str(trained_run), "--out", "hf", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "hf format" in run.stdout and "bytes per token" in run.stdout
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()  # the run's tokenizer goes along
+    ckpt = trained_run / "checkpoints" / "last.ckpt"
+    run = run_export("--checkpoint", str(ckpt), "--out", "from-ckpt", "--format", "egmla",
+                     cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    reference = weights(trained_run / "export")
+    for exported in (tmp_path / "hf", tmp_path / "from-ckpt"):
+        got = weights(exported)
+        assert got.keys() == reference.keys()
+        assert all(torch.equal(got[k], reference[k]) for k in got), exported
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["egmla"]["source"] == str(trained_run / "export")
+    assert config["egmla"]["git"]["sha"] and config["egmla"]["versions"]["torch"]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_missing_a_tensor_fails_clearly_and_writes_nothing(trained_run, tmp_path):
+    ckpt = torch.load(trained_run / "checkpoints" / "last.ckpt", weights_only=True)
+    del ckpt["state_dict"]["model.layers.0.attn.wkv_b.weight"]
+    torch.save(ckpt, tmp_path / "broken.ckpt")
+    run = run_export("--checkpoint", "broken.ckpt", "--out", "out", cwd=tmp_path)
+    assert_one_line_error(run, "broken.ckpt", "layers.0.attn.wkv_b.weight")
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def lm_eval_run(module: str, model: str, model_args: str, tasks: Path, out: Path) -> dict:
+    """lm-eval's command line (`lm_eval` itself, or ours with the egmla model registered)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, "-m", module, "--model", model, "--model_args", model_args,
+         "--tasks", "shakespeare_kjv", "--include_path", str(tasks), "--device", "cpu",
+         "--batch_size", "4", "--output_path", str(out), "--log_samples"],
+        cwd=out.parent, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (results,) = out.rglob("results_*.json")
+    (samples,) = out.rglob("samples_shakespeare_kjv_*.jsonl")
+    lines = [json.loads(line) for line in samples.read_text().splitlines()]
+    scores = [float(r[0][0]) for line in sorted(lines, key=lambda x: x["doc_id"])
+              for r in line["resps"]]
+    return {"acc": json.loads(results.read_text())["results"]["shakespeare_kjv"]["acc,none"],
+            "scores": scores}
+
+
+@pytest.mark.slow
+def test_lm_eval_hf_on_the_export_scores_like_the_egmla_model(trained_run, tmp_path):
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    rows = [{"question": q, "choices": c, "answer": a} for q, c, a in QUESTIONS]
+    (tasks / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tasks / "shakespeare_kjv.yaml").write_text(
+        "task: shakespeare_kjv\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {tasks / 'data.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"{{question}}\"\n"
+        "doc_to_choice: \"{{choices}}\"\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n")
+    run = run_export("--checkpoint", str(trained_run), "--out", "hf", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    theirs = lm_eval_run("lm_eval", "hf", f"pretrained={tmp_path / 'hf'},trust_remote_code=True,"
+                         "dtype=float32", tasks, tmp_path / "out-hf")
+    ours = lm_eval_run("eval.lm_eval", "egmla", f"pretrained={trained_run / 'export'}", tasks,
+                       tmp_path / "out-egmla")
+    assert len(ours["scores"]) == len(theirs["scores"]) == 3 * len(QUESTIONS)
+    assert ours["acc"] == theirs["acc"]
+    assert max(abs(a - b) for a, b in zip(ours["scores"], theirs["scores"])) < 1e-4
+
+
+def test_every_layer_attends_through_transformers_attention_interface(tmp_path):
+    """The plug point of vLLM's Transformers backend (docs/export.md): a function registered
+    with transformers' AttentionInterface receives every layer's attention, and without a
+    cache the model computes the same logits through it."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    calls = []
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        calls.append(module.layer_idx)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("egmla_test_recording", recording)
+    model = tiny_model(VARIANTS["egmla-kv"])
+    hf = load_transformers(save_hf(model, tmp_path / "hf"),
+                           attn_implementation="egmla_test_recording")
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        theirs = hf(ids, use_cache=False).logits
+        ours = model(ids)
+    assert calls == [0, 1, 2, 3]
+    assert (ours - theirs).abs().max().item() < 1e-4
