@@ -72,6 +72,13 @@ def compare_lm_eval(run: Path, limit: int, tmp: Path) -> dict:
             "egmla": ours, "requests": len(diffs), "max_abs_loglikelihood_diff": max(diffs)}
 
 
+def cached_bytes(cache) -> int:
+    """Storage of every tensor a transformers cache holds (EgmlaCache or Llama's DynamicCache)."""
+    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    tensors += [t for t in [getattr(cache, "token_ids", None)] if t is not None]
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
 def measure(name: str, model: Transformer, directory: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -94,8 +101,7 @@ def measure(name: str, model: Transformer, directory: Path) -> dict:
         "max_abs_logit_diff": diff,
         "greedy_equal": out.sequences.tolist() == ours.tolist(),
         "cache_class": type(cache).__name__,
-        "cache_bytes_per_token": cache.nbytes() / cache.get_seq_length()
-        if hasattr(cache, "nbytes") else None,
+        "cache_bytes_per_token": cached_bytes(cache) / cache.get_seq_length(),
         "analytic_bytes_per_token": cache_spec_for(model.config).bytes_per_token(dtype),
     }
 
@@ -118,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             config = ModelConfig.from_dict({"vocab_size": 4096, "d_model": 256, "n_layers": 4,
                                             "n_heads": 8, "attention": attention, "init_std": 0.1})
             model = Transformer(config).eval()
-            rows.append(measure(name, model, save_hf(model, Path(tmp) / name)))
+            safe = name.replace(" ", "_").replace("-", "")  # the directory names a Python module
+            rows.append(measure(name, model, save_hf(model, Path(tmp) / safe)))
             print(rows[-1], flush=True)
         if not args.no_smollm2:
             model, _ = load_pretrained("SmolLM2-135M-Instruct")
@@ -130,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{NEW_TOKENS} equal | cache | bytes/token measured | analytic |")
     lines = [header, "|---|---|---|---:|---:|---|---|---:|---:|"]
     for r in rows:
-        measured = "-" if r["cache_bytes_per_token"] is None else f"{r['cache_bytes_per_token']:,.0f}"
+        measured = f"{r['cache_bytes_per_token']:,.0f}"
         lines.append(f"| {r['model']} | {r['format']} | {r['class']} | {r['params']:,} | "
                      f"{r['max_abs_logit_diff']:.2e} | {r['greedy_equal']} | {r['cache_class']} | "
                      f"{measured} | {r['analytic_bytes_per_token']:,} |")

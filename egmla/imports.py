@@ -354,13 +354,16 @@ def load_pretrained(
 ) -> tuple[Transformer, Any]:
     """(model, tokenizer) from an egmla export, a known name, or a transformers model.
 
-    Accepted, in this order: an egmla export directory; a transformers-format directory written
-    by `python -m egmla.export --format hf` (read without transformers; its code is not run);
-    a name in KNOWN_MODELS (any case), converted once into the cache; a local transformers
-    directory of a supported model_type; a hub id (needs network; passed to transformers). The tokenizer is None
+    Accepted, in this order: an egmla export directory, or a training run directory (its
+    export/); a transformers-format directory written by `python -m egmla.export --format hf`
+    (read without transformers; its code is not run); a name in KNOWN_MODELS (any case),
+    converted once into the cache; a local transformers directory of a supported model_type;
+    a hub id (needs network; passed to transformers). The tokenizer is None
     when the source has none. `dtype` defaults to the export's dtype, float32 for conversions.
     """
     path = Path(name_or_path)
+    if path.is_dir() and is_export(path / "export"):
+        path = path / "export"  # a training run directory: its final export
     if path.is_dir():
         if is_export(path):
             return _export_with_tokenizer(path, dtype)

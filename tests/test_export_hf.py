@@ -172,6 +172,26 @@ def test_the_serving_engine_serves_an_hf_export(exported):
     assert result.outputs[0].token_ids == expected
 
 
+@pytest.mark.parametrize("variant", ["gqa", "mla"])
+def test_the_serving_engine_serves_a_llama_or_deepseek_directory(variant, tmp_path):
+    """A transformers Llama / DeepSeek-V3 directory (here our native export, which transformers
+    loads as its own LlamaForCausalLM / DeepseekV3ForCausalLM) imports into the engine."""
+    from egmla.export import save_native
+
+    torch.manual_seed(0)
+    config = ModelConfig.from_dict({"vocab_size": 256, "d_model": 64, "n_layers": 2,
+                                    "n_heads": 4, "attention": VARIANTS[variant], "init_std": 0.3,
+                                    "norm_eps": 1e-6})
+    model = Transformer(config).eval()
+    directory = save_native(model, tmp_path / "native")
+    assert json.loads((directory / "config.json").read_text())["model_type"] in (
+        "llama", "deepseek_v3")
+    prompt = torch.randint(1, 256, (1, 9), generator=torch.Generator().manual_seed(7))
+    llm = LLM(directory, kv_cache_memory=8 * 2**20)
+    (result,) = llm.generate([prompt[0].tolist()], SamplingParams(max_tokens=16, temperature=0.0))
+    assert result.outputs[0].token_ids == generate(model, prompt, max_new_tokens=16)[0, 9:].tolist()
+
+
 # ---- the command: bad input writes nothing ----------------------------------------------------
 
 
@@ -193,22 +213,25 @@ def leftovers(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
 
 
-def test_missing_tensors_fail_clearly_and_write_nothing(tmp_path):
-    source = save_export(tiny_model(VARIANTS["mla"]), tmp_path / "export")
-    weights = safetensors.torch.load_file(source / "model.safetensors")
+def drop_a_tensor(export: Path) -> str:
+    weights = safetensors.torch.load_file(export / "model.safetensors")
     del weights["layers.1.attn.wkv_b.weight"]
-    safetensors.torch.save_file(weights, source / "model.safetensors")
-    run = run_export("--checkpoint", str(source), "--out", "out", cwd=tmp_path)
-    assert_one_line_error(run, "layers.1.attn.wkv_b.weight")
-    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+    safetensors.torch.save_file(weights, export / "model.safetensors")
+    return "layers.1.attn.wkv_b.weight"
 
 
-def test_a_config_from_a_newer_version_fails_clearly_and_writes_nothing(tmp_path):
-    source = save_export(tiny_model(VARIANTS["gqa"]), tmp_path / "export")
-    config = json.loads((source / "config.json").read_text())
-    (source / "config.json").write_text(json.dumps({**config, "egmla_format_version": 2}))
+def claim_a_newer_version(export: Path) -> str:
+    config = json.loads((export / "config.json").read_text())
+    (export / "config.json").write_text(json.dumps({**config, "egmla_format_version": 2}))
+    return "egmla_format_version=2"
+
+
+@pytest.mark.parametrize("corrupt", [drop_a_tensor, claim_a_newer_version])
+def test_a_bad_export_fails_clearly_and_writes_nothing(corrupt, tmp_path):
+    source = save_export(tiny_model(VARIANTS["mla"]), tmp_path / "export")
+    named = corrupt(source)
     run = run_export("--checkpoint", str(source), "--out", "out", cwd=tmp_path)
-    assert_one_line_error(run, "egmla_format_version=2")
+    assert_one_line_error(run, named)
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 
 

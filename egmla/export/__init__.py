@@ -61,8 +61,8 @@ def load_source(checkpoint: str | os.PathLike, dtype: torch.dtype | None = None)
             raise CheckpointError(f"{path}: a file, but not a Lightning checkpoint (.ckpt)")
         model, tokenizer = load_lightning(path), _run_tokenizer(path.parent.parent)
         return Source(_cast(model, dtype), tokenizer, f"lightning checkpoint {path}")
-    if path.is_dir() and is_export(path / "export"):  # a training run: its final export
-        path = path / "export"
+    if path.is_dir() and is_export(path / "export"):
+        path = path / "export"  # a training run (load_pretrained would resolve it too)
     elif path.is_dir() and (path / "checkpoints" / "last.ckpt").is_file():
         return load_source(path / "checkpoints" / "last.ckpt", dtype)  # stopped before exporting
     if not path.exists() and path.parent != Path(".") and path.parent.is_dir():
