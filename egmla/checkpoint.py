@@ -56,19 +56,20 @@ def save_export(
     directory: str | os.PathLike,
     tokenizer: Any = None,
     extra: dict[str, Any] | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write `model` (and `tokenizer`, if given) as an export at `directory`; return its path.
 
-    An existing export at `directory` is replaced; any other non-empty directory is refused, so
-    a mistyped path cannot wipe unrelated files. `extra` is JSON metadata kept in config.json
-    (e.g. where the weights came from).
+    A directory egmla wrote is replaced; any other non-empty directory is refused unless
+    `overwrite`, so a mistyped path cannot wipe unrelated files. `extra` is JSON metadata kept
+    in config.json (e.g. where the weights came from).
     """
     directory = Path(os.path.abspath(directory))  # "." or "x/" get a real name and parent
     if not isinstance(model, Transformer):
         raise CheckpointError(f"save_export needs an egmla Transformer, got {type(model).__name__}")
-    if directory.exists() and not _replaceable(directory):
+    if directory.exists() and not (overwrite or replaceable(directory)):
         raise CheckpointError(
-            f"{directory}: exists and is not an egmla export; refusing to overwrite it"
+            f"{directory}: exists and was not written by egmla; refusing to overwrite it"
         )
     dtype = _float_dtype(model)
     meta: dict[str, Any] = {"egmla_format_version": FORMAT_VERSION, "dtype": _dtype_name(dtype)}
@@ -104,11 +105,18 @@ def atomic_directory(directory: Path) -> Iterator[Path]:
         raise
 
 
-def _replaceable(directory: Path) -> bool:
-    """An empty directory or an earlier egmla export may be replaced."""
+def replaceable(directory: Path) -> bool:
+    """An empty directory, or one egmla wrote (a plain export, or a `python -m egmla.export`
+    directory, whose config.json has an "egmla" entry), may be replaced."""
     if not directory.is_dir():
         return False
-    return not any(directory.iterdir()) or is_export(directory)
+    if not any(directory.iterdir()) or is_export(directory):
+        return True
+    try:
+        data = json.loads((directory / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("egmla"), dict)
 
 
 def _move_into_place(tmp: Path, directory: Path) -> None:

@@ -157,7 +157,7 @@ def test_save_replaces_an_export_but_not_other_directories(tmp_path):
     assert load_export(tmp_path / "export").config.attention.type == "mla"
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("keep me")
-    with pytest.raises(CheckpointError, match="not an egmla export"):
+    with pytest.raises(CheckpointError, match="not written by egmla"):
         save_export(build("tiny-mha"), tmp_path / "notes")
     assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
 

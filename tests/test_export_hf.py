@@ -18,7 +18,7 @@ import torch
 from egmla.cache import cache_spec_for
 from egmla.checkpoint import CheckpointError, save_export
 from egmla.config import ModelConfig
-from egmla.export.hf import save_hf
+from egmla.export.hf import is_hf_export, save_hf
 from egmla.generate import generate
 from egmla.imports import load_pretrained
 from egmla.models.transformer import Transformer
@@ -264,6 +264,25 @@ def test_native_format_refuses_egmla_and_a_foreign_out_is_left_alone(tmp_path):
     run = run_export("--checkpoint", str(source), "--out", "notes", cwd=tmp_path)
     assert_one_line_error(run, "notes", "--overwrite")
     assert [p.name for p in (tmp_path / "notes").iterdir()] == ["todo.txt"]
+
+
+@pytest.mark.parametrize("first,then", [("hf", "egmla"), ("egmla", "hf")])
+def test_an_export_replaces_an_earlier_one_in_any_format_or_anything_with_overwrite(
+        first, then, tmp_path):
+    from egmla.export import export
+
+    source = save_export(tiny_model(VARIANTS["mla"]), tmp_path / "export")
+    export(source, tmp_path / "out", format=first)
+    export(source, tmp_path / "out", format=then)  # written by egmla: replaced
+    assert is_hf_export(tmp_path / "out") == (then == "hf")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="--overwrite"):
+        export(source, tmp_path / "notes", format=then)
+    export(source, tmp_path / "notes", format=then, overwrite=True)
+    assert not (tmp_path / "notes" / "todo.txt").exists()
+    assert torch.equal(weights(tmp_path / "notes")["layers.0.attn.wkv_b.weight"],
+                       weights(source)["layers.0.attn.wkv_b.weight"])
 
 
 # ---- a real training run: its directory and its Lightning checkpoint, lm-eval on the export ----

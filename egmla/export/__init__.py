@@ -30,6 +30,7 @@ from egmla.checkpoint import (
     atomic_directory,
     is_export,
     load_tokenizer,
+    replaceable,
     save_export,
 )
 from egmla.config import ConfigError, ModelConfig
@@ -134,7 +135,7 @@ def export(
     if format not in FORMATS:
         raise CheckpointError(f"format={format!r}: must be one of {', '.join(FORMATS)}")
     out = Path(os.path.abspath(out))
-    if out.exists() and not (overwrite or _replaceable(out)):
+    if out.exists() and not (overwrite or replaceable(out)):
         raise CheckpointError(
             f"{out}: exists and was not written by egmla.export; choose another --out "
             "(or pass --overwrite)"
@@ -142,7 +143,8 @@ def export(
     source = load_source(checkpoint, dtype)
     meta = _metadata(source)
     if format == "egmla":
-        return save_export(source.model, out, tokenizer=source.tokenizer, extra=meta)
+        return save_export(source.model, out, tokenizer=source.tokenizer, extra=meta,
+                           overwrite=True)  # checked above
     if format == "hf":
         from egmla.export.hf import save_hf
 
@@ -166,19 +168,6 @@ def save_native(model: Transformer, out: Path, tokenizer: Any = None,
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
     return out
-
-
-def _replaceable(directory: Path) -> bool:
-    """Empty, or written by egmla (any format): config.json has egmla metadata."""
-    if not directory.is_dir():
-        return False
-    if not any(directory.iterdir()) or is_export(directory):
-        return True
-    try:
-        data = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and isinstance(data.get("egmla"), dict)
 
 
 def _metadata(source: Source) -> dict[str, Any]:
