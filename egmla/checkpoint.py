@@ -229,6 +229,14 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: not a readable safetensors file ({err})") from err
 
 
+def tokenizer_or_none(directory: str | os.PathLike) -> Any:
+    """The tokenizer saved in `directory`, or None when there is none."""
+    try:
+        return load_tokenizer(directory)
+    except CheckpointError:
+        return None
+
+
 def load_tokenizer(directory: str | os.PathLike) -> Any:
     """The Hugging Face tokenizer saved with an export (needs `transformers`)."""
     directory = Path(directory)

@@ -32,9 +32,9 @@ from egmla.checkpoint import (
     CheckpointError,
     is_export,
     load_export,
-    load_tokenizer,
     read_export_config,
     save_export,
+    tokenizer_or_none,
 )
 from egmla.config import MHAConfig, MLAConfig, ModelConfig
 from egmla.models.transformer import Transformer
@@ -370,7 +370,7 @@ def load_pretrained(
         from egmla.export.hf import is_hf_export, load_hf  # local: egmla.export imports this
 
         if is_hf_export(path):
-            return load_hf(path, dtype), _tokenizer_or_none(path)
+            return load_hf(path, dtype), tokenizer_or_none(path)
         if not (path / "config.json").is_file():
             raise CheckpointError(f"{path}: neither an egmla export nor a transformers model "
                                   "(no config.json)")
@@ -388,14 +388,7 @@ def load_pretrained(
 
 
 def _export_with_tokenizer(path: Path, dtype: torch.dtype | None) -> tuple[Transformer, Any]:
-    return load_export(path, dtype=dtype), _tokenizer_or_none(path)
-
-
-def _tokenizer_or_none(path: Path) -> Any:
-    try:
-        return load_tokenizer(path)
-    except CheckpointError:
-        return None  # an export without tokenizer files
+    return load_export(path, dtype=dtype), tokenizer_or_none(path)
 
 
 def _load_known(name: str, dtype: torch.dtype | None) -> tuple[Transformer, Any]:

@@ -16,22 +16,19 @@ model name such as SmolLM2-135M-Instruct. Every format reads back with `load_pre
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 
 from egmla.checkpoint import (
     CheckpointError,
-    atomic_directory,
     is_export,
-    load_tokenizer,
     replaceable,
     save_export,
+    tokenizer_or_none,
 )
 from egmla.config import ConfigError, ModelConfig
 from egmla.models.transformer import Transformer
@@ -60,7 +57,8 @@ def load_source(checkpoint: str | os.PathLike, dtype: torch.dtype | None = None)
     if path.is_file():
         if path.suffix != ".ckpt":
             raise CheckpointError(f"{path}: a file, but not a Lightning checkpoint (.ckpt)")
-        model, tokenizer = load_lightning(path), _run_tokenizer(path.parent.parent)
+        # A .ckpt carries no tokenizer: the run's export has it, if the run got that far.
+        model, tokenizer = load_lightning(path), tokenizer_or_none(path.parent.parent / "export")
         return Source(_cast(model, dtype), tokenizer, f"lightning checkpoint {path}")
     if path.is_dir() and is_export(path / "export"):
         path = path / "export"  # a training run (load_pretrained would resolve it too)
@@ -89,27 +87,17 @@ def load_lightning(path: Path) -> Transformer:
         ) from err
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()
              if k.startswith("model.")}
-    with torch.device("meta"):
-        expected = Transformer(config).state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        what = f"missing tensors {missing[:4]}" if missing else f"unexpected tensors {unexpected[:4]}"
-        raise CheckpointError(f"{path}: does not match its model config: {what}")
     model = Transformer(config).to(next(iter(state.values())).dtype)
     try:
-        model.load_state_dict(state, strict=True)
+        keys = model.load_state_dict(state, strict=False)
     except RuntimeError as err:  # wrong shapes
-        raise CheckpointError(f"{path}: does not match its model config: {err}") from err
+        detail = " ".join(str(err).split())
+        raise CheckpointError(f"{path}: does not match its model config: {detail}") from err
+    if keys.missing_keys or keys.unexpected_keys:
+        what = (f"missing tensors {sorted(keys.missing_keys)[:4]}" if keys.missing_keys
+                else f"unexpected tensors {sorted(keys.unexpected_keys)[:4]}")
+        raise CheckpointError(f"{path}: does not match its model config: {what}")
     return model.eval()
-
-
-def _run_tokenizer(run: Path) -> Any:
-    """The tokenizer a run saved with its export, if any (a .ckpt carries none)."""
-    try:
-        return load_tokenizer(run / "export")
-    except CheckpointError:
-        return None
 
 
 def _cast(model: Transformer, dtype: torch.dtype | None) -> Transformer:
@@ -155,19 +143,13 @@ def export(
 def save_native(model: Transformer, out: Path, tokenizer: Any = None,
                 meta: dict[str, Any] | None = None) -> Path:
     """Write a Llama (MHA) or dense DeepSeek-V3 (MLA) transformers directory, no remote code."""
+    from egmla.export.hf import write_transformers_dir
     from egmla.export.native import native_config, native_state_dict
 
     dtype = next(model.parameters()).dtype
     config = {**native_config(model.config, dtype), "egmla": {"format": "native", **(meta or {})}}
-    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
-    weights = native_state_dict(model)  # refuses what the architecture cannot hold, before writing
-    with atomic_directory(out) as tmp:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        safetensors.torch.save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-    return out
+    # native_state_dict refuses what the architecture cannot hold, before anything is written
+    return write_transformers_dir(out, config, native_state_dict(model), tokenizer)
 
 
 def _metadata(source: Source) -> dict[str, Any]:

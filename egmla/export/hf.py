@@ -153,17 +153,31 @@ def save_hf(
     meta: dict[str, Any] | None = None,
 ) -> Path:
     """Write `model` (and `tokenizer`) as a transformers-format directory, atomically."""
-    directory = Path(os.path.abspath(directory))
     dtype = next(model.parameters()).dtype
-    config = hf_config(model.config, dtype, meta or {})
-    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}
+    return write_transformers_dir(directory, hf_config(model.config, dtype, meta or {}),
+                                  hf_state_dict(model), tokenizer,
+                                  code=tuple(CODE_DIR / name for name in CODE_FILES))
+
+
+def write_transformers_dir(
+    directory: str | os.PathLike,
+    config: dict[str, Any],
+    weights: dict[str, torch.Tensor],
+    tokenizer: Any = None,
+    code: tuple[Path, ...] = (),
+) -> Path:
+    """config.json, generation_config.json (bos / eos), model.safetensors, the `code` files and
+    the tokenizer's files, written into place at once: the layout transformers reads."""
+    directory = Path(os.path.abspath(directory))
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id")
+                  if config.get(k) is not None}
     with atomic_directory(directory) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        safetensors.torch.save_file(hf_state_dict(model), str(tmp / "model.safetensors"),
+        safetensors.torch.save_file(weights, str(tmp / "model.safetensors"),
                                     metadata={"format": "pt"})
-        for name in CODE_FILES:
-            shutil.copyfile(CODE_DIR / name, tmp / name)
+        for path in code:
+            shutil.copyfile(path, tmp / path.name)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
     return directory
