@@ -21,10 +21,9 @@ from pathlib import Path
 
 import torch
 
-from egmla.cache import cache_spec_for
 from egmla.config import ModelConfig
 from egmla.export import save_native
-from egmla.export.hf import save_hf
+from egmla.export.hf import save_hf, transformers_cache_spec
 from egmla.generate import generate
 from egmla.imports import load_pretrained
 from egmla.models.transformer import Transformer
@@ -102,7 +101,7 @@ def measure(name: str, model: Transformer, directory: Path) -> dict:
         "greedy_equal": out.sequences.tolist() == ours.tolist(),
         "cache_class": type(cache).__name__,
         "cache_bytes_per_token": cached_bytes(cache) / cache.get_seq_length(),
-        "analytic_bytes_per_token": cache_spec_for(model.config).bytes_per_token(dtype),
+        "analytic_bytes_per_token": transformers_cache_spec(model.config).bytes_per_token(dtype),
     }
 
 

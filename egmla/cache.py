@@ -26,17 +26,33 @@ from egmla.config import ModelConfig
 
 @dataclass(frozen=True)
 class FieldSpec:
-    """One cached per-token tensor: trailing shape and dtype (None: the cache's float dtype)."""
+    """One cached per-token tensor: trailing shape and dtype.
+
+    `dtype` None: the cache's float dtype. `min_dtype`: stored in the wider of the cache's dtype
+    and this one (EG-MLA's norm statistics: float32 in a bf16 or float32 cache, float64 in a
+    float64 one). An `auxiliary` field is not K/V: its bytes count in the cache's bytes per
+    token, but not in the paper's cached elements, and reports show it on a line of its own.
+    """
 
     shape: tuple[int, ...]
     dtype: torch.dtype | None = None
+    min_dtype: torch.dtype | None = None
+    auxiliary: bool = False
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    def resolve(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype this field is stored in within a cache of float dtype `dtype`."""
+        if self.dtype is not None:
+            return self.dtype
+        if self.min_dtype is None or dtype.itemsize > self.min_dtype.itemsize:
+            return dtype
+        return self.min_dtype  # (torch.promote_types refuses float8)
+
     def nbytes(self, dtype: torch.dtype) -> int:
-        return self.numel * (self.dtype or dtype).itemsize
+        return self.numel * self.resolve(dtype).itemsize
 
 
 LayerSpec = dict[str, FieldSpec]
@@ -52,19 +68,29 @@ class CacheSpec:
     layers: tuple[LayerSpec, ...]
     sequence: LayerSpec = field(default_factory=dict)
 
+    def _layer_fields(self, auxiliary: bool) -> list[FieldSpec]:
+        return [f for layer in self.layers for f in layer.values() if f.auxiliary == auxiliary]
+
     def elements_per_token(self) -> int:
-        """Float elements cached per token over all layers (the paper's unit; ids excluded)."""
-        return sum(f.numel for layer in self.layers for f in layer.values() if f.dtype is None)
+        """K/V elements cached per token over all layers (the paper's unit; ids and auxiliary
+        fields such as norm statistics excluded)."""
+        return sum(f.numel for f in self._layer_fields(auxiliary=False) if f.dtype is None)
 
     def layer_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return sum(f.nbytes(dtype) for layer in self.layers for f in layer.values())
+        """Bytes of the per-layer K/V fields (auxiliary fields excluded)."""
+        return sum(f.nbytes(dtype) for f in self._layer_fields(auxiliary=False))
+
+    def auxiliary_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of the per-layer auxiliary fields (EG-MLA's cached norm statistics)."""
+        return sum(f.nbytes(dtype) for f in self._layer_fields(auxiliary=True))
 
     def sequence_bytes_per_token(self, dtype: torch.dtype) -> int:
         return sum(f.nbytes(dtype) for f in self.sequence.values())
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         """Analytic KV-cache bytes per token: every cached tensor, every layer."""
-        return self.layer_bytes_per_token(dtype) + self.sequence_bytes_per_token(dtype)
+        return (self.layer_bytes_per_token(dtype) + self.auxiliary_bytes_per_token(dtype)
+                + self.sequence_bytes_per_token(dtype))
 
 
 def cache_spec_for(config: ModelConfig) -> CacheSpec:
@@ -83,7 +109,7 @@ class CacheTensors:
     def __init__(self, spec: CacheSpec, leading: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device | str | None) -> None:
         def alloc(f: FieldSpec) -> torch.Tensor:
-            return torch.zeros((*leading, *f.shape), dtype=f.dtype or dtype, device=device)
+            return torch.zeros((*leading, *f.shape), dtype=f.resolve(dtype), device=device)
 
         self.spec, self.dtype, self.device = spec, dtype, device
         self.layers = [{name: alloc(f) for name, f in layer.items()} for layer in spec.layers]

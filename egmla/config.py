@@ -139,10 +139,13 @@ class EGMLAConfig(MLAConfig):
 
     Each group of `gate_group_size` consecutive layers shares a table E (vocab x d_e); the layer
     up-projects g = W_UE E[token] and multiplies it into the KV path, then applies `gate_norm`.
-    `gate_position: kv` gates the up-projected K/V (u = W_UKV c; K,V = Norm(u * g)); decode
-    rebuilds K/V from the cached latent and the cached token ids, and absorption does not apply.
-    `gate_position: latent` gates the latent (c' = Norm(c * g)) before it is cached, so decode
-    is MLA's absorbed decode and token ids need not be cached. See docs/attention.md.
+    `gate_position: kv` gates the up-projected K/V (u = W_UKV c; K,V = Norm(u * g)); the cache
+    holds the latent, the token ids and (unless `impl: naive`) the norm's per-token statistics.
+    `naive` rebuilds K/V from the latent and the ids at every step; `absorbed` uses the cached
+    statistics to attend over the latent directly (exact, no K/V rebuilt); `auto` picks the
+    cheaper of the two per step. `gate_position: latent` gates the latent (c' = Norm(c * g))
+    before it is cached, so decode is MLA's absorbed decode and token ids need not be cached.
+    See docs/attention.md.
     """
 
     type: ClassVar[str] = "egmla"
@@ -158,11 +161,6 @@ class EGMLAConfig(MLAConfig):
             self.gate_group_size >= 1 and model.n_layers % self.gate_group_size == 0,
             f"attention.gate_group_size={self.gate_group_size} must be >= 1 and divide "
             f"n_layers={model.n_layers}",
-        )
-        _check(
-            not (self.gate_position == "kv" and self.impl == "absorbed"),
-            "attention.impl='absorbed' is impossible with gate_position='kv': the gate is applied "
-            "after the up-projection, so W_UK cannot be folded into the query",
         )
 
     def n_gate_tables(self, model: ModelConfig) -> int:

@@ -5,8 +5,8 @@
     python -m eval.kv_bytes --json > kv.json     # the same numbers as JSON on stdout
 
 For every config the report gives the float elements cached per token (the paper's unit), the
-bytes per token in each dtype (per-layer fields plus per-sequence fields such as EG-MLA's int32
-token ids, stated separately), the cache size per sequence at each context length, and the
+bytes per token in each dtype (per-layer K/V fields, EG-MLA `kv`'s per-layer norm statistics and
+per-sequence fields such as its int32 token ids, each stated separately), the cache size per sequence at each context length, and the
 reduction against the same model with plain MHA and against its MLA reference. Every number is
 also measured: a `ContiguousCache` (batch 1) is allocated and its `nbytes()` must equal the
 analytic bytes exactly, and so must the serving engine's paged pool for the blocks its block
@@ -154,8 +154,12 @@ def _baselines(name: str, config: ModelConfig, selected: list[tuple[str, ModelCo
 
 
 def _describe_fields(fields: dict) -> dict[str, dict[str, Any]]:
-    return {n: {"shape": list(f.shape), "dtype": None if f.dtype is None else str(f.dtype)[6:]}
-            for n, f in fields.items()}
+    def dtype(f) -> str | None:
+        if f.dtype is not None:
+            return str(f.dtype)[6:]
+        return None if f.min_dtype is None else f">={str(f.min_dtype)[6:]}"
+
+    return {n: {"shape": list(f.shape), "dtype": dtype(f)} for n, f in fields.items()}
 
 
 def measure(spec: CacheSpec, dtype: torch.dtype, tokens: int) -> dict[str, Any]:
@@ -249,6 +253,7 @@ def build_report(configs: list[tuple[str, ModelConfig]], contexts: list[int],
             row["dtypes"][SHORT_NAME[dtype]] = {
                 "torch_dtype": str(dtype),
                 "layer_bytes_per_token": spec.layer_bytes_per_token(dtype),
+                "auxiliary_bytes_per_token": spec.auxiliary_bytes_per_token(dtype),
                 "sequence_bytes_per_token": spec.sequence_bytes_per_token(dtype),
                 "bytes_per_token": bpt,
                 "bytes_change_pct": {
@@ -328,12 +333,14 @@ def render(report: dict[str, Any], markdown: bool = False) -> str:
         for r in rows:
             d = r["dtypes"][dt]
             body.append([r["name"], f"{d['layer_bytes_per_token']:,}",
+                         f"{d['auxiliary_bytes_per_token']:,}",
                          f"{d['sequence_bytes_per_token']:,}", f"{d['bytes_per_token']:,}",
                          _pct(d["bytes_change_pct"]["mha"]), _pct(d["bytes_change_pct"]["mla"]),
                          *[human_bytes(t["bytes"]) + ("" if t["measured_bytes"] is None else "*")
                            for t in d["totals"]],
                          "yes" if d["match"] else "NO"])
-        out.append(_table(["config", "B/tok layers", "+ per-seq", "= B/tok", "vs MHA", "vs MLA",
+        out.append(_table(["config", "B/tok K/V", "+ norm stats", "+ per-seq", "= B/tok", "vs MHA",
+                           "vs MLA",
                            *ctx_heads, "measured=analytic"], body, markdown))
         out.append("")
         out.append(f"{h}Paged, {dt}: the serving engine's blocks of {s['block_size']} tokens, "
@@ -369,8 +376,8 @@ def render(report: dict[str, Any], markdown: bool = False) -> str:
         f" Sizes at {', '.join(unallocated)} tokens are bytes/token x tokens, not allocated "
         "(raise --measure-max to allocate them)." if unallocated else ""))
     notes.append("vs MHA: against the same model with plain MHA; vs MLA: against the MLA config of "
-                 "the same shape (MLA ref). Elements exclude per-sequence int fields; bytes "
-                 "include them.")
+                 "the same shape (MLA ref). Elements exclude per-sequence int fields and norm stats; "
+                 "bytes include them.")
     out += ["", *notes] if not markdown else [x for n in notes for x in ("", n)]
     return "\n".join(out) + "\n"
 

@@ -21,7 +21,11 @@ def hand_formula(cfg: ModelConfig, dtype: torch.dtype) -> int:
         head_dim = a.head_dim or cfg.d_model // cfg.n_heads
         return L * 2 * n_kv * head_dim * b  # K and V
     per_layer = (a.d_c + a.d_rope) * b  # latent + shared RoPE key
-    ids = 4 if isinstance(a, EGMLAConfig) and a.gate_position == "kv" else 0  # int32, once
+    kv_gate = isinstance(a, EGMLAConfig) and a.gate_position == "kv"
+    ids = 4 if kv_gate else 0  # int32, once
+    if kv_gate and a.impl != "naive":  # the gate norm's statistics for the absorbed decode
+        stats = {"layernorm": 2, "rmsnorm": 1, "none": 0}[a.gate_norm]
+        per_layer += stats * torch.promote_types(dtype, torch.float32).itemsize
     return L * per_layer + ids
 
 

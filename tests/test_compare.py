@@ -124,13 +124,16 @@ def test_command_writes_table_csv_plot_and_json(runs, tmp_path):
 
 
 def test_kv_bytes_follow_the_dtype(runs):
-    """fp32 doubles and fp8 halves the float fields; EG-MLA kv's int32 token ids do not change."""
+    """fp32 doubles and fp8 halves the K/V fields; EG-MLA kv's int32 token ids and its float32
+    norm statistics (mean and 1/sigma per layer) do not change."""
     by = {d: {r["run"]: r["kv_bytes_per_token"] for r in compare.load_rows([runs], d)}
           for d in ("bf16", "fp32", "fp8")}
-    ids = 4  # one int32 per token, stored once per sequence
     for name in ("mha", "mla"):
         assert by["fp32"][name] == 2 * by["bf16"][name] == 4 * by["fp8"][name]
-    assert by["fp32"]["egmla"] - ids == 2 * (by["bf16"]["egmla"] - ids) == 4 * (by["fp8"]["egmla"] - ids)
+    layers = run_json(runs / "egmla", "config.json")["model"]["n_layers"]
+    fixed = 4 + layers * 2 * 4  # one int32 id per token; (mu, 1/sigma) per layer in float32
+    egmla = {d: by[d]["egmla"] - fixed for d in by}
+    assert egmla["fp32"] == 2 * egmla["bf16"] == 4 * egmla["fp8"]
     # A run given on its own and inside its parent is one row.
     assert len(compare.load_rows([runs, runs / "mha"])) == len(RUNS)
 

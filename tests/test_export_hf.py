@@ -15,10 +15,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from egmla.cache import cache_spec_for
 from egmla.checkpoint import CheckpointError, save_export
 from egmla.config import ModelConfig
-from egmla.export.hf import is_hf_export, save_hf
+from egmla.export.hf import is_hf_export, save_hf, transformers_cache_spec
 from egmla.generate import generate
 from egmla.imports import load_pretrained
 from egmla.models.transformer import Transformer
@@ -143,7 +142,7 @@ def test_the_generate_cache_holds_exactly_egmlas_analytic_bytes(exported, dtype,
     assert cache.get_seq_length() == 7 + 12 - 1  # the last token is sampled, never fed back
     measured = sum(t.untyped_storage().nbytes() for t in cached_tensors(cache))
     assert measured == cache.nbytes()
-    assert measured / tokens == cache_spec_for(model.config).bytes_per_token(dtype)
+    assert measured / tokens == transformers_cache_spec(model.config).bytes_per_token(dtype)
     a = model.config.attention
     if a.type != "mha":  # the latent and the shared RoPE key, never per-head K/V
         assert {t.shape[-1] for t in cached_tensors(cache)[:2]} == {a.d_c, a.d_rope}

@@ -44,16 +44,27 @@ def hand_sequence_bytes(config: dict) -> int:
     return 4 if a["type"] == "egmla" and a["gate_position"] == "kv" else 0
 
 
+def hand_stats_bytes(config: dict) -> int:
+    """EG-MLA `kv` with the absorbed decode available caches the gate norm's statistics per layer:
+    LayerNorm's mean and 1/sigma (RMSNorm: 1/rms), float32 in every dtype reported here."""
+    a = config["attention"]
+    if a["type"] != "egmla" or a["gate_position"] != "kv" or a["impl"] == "naive":
+        return 0
+    return config["n_layers"] * {"layernorm": 2, "rmsnorm": 1, "none": 0}[a["gate_norm"]] * 4
+
+
 def check_rows(report: dict, itemsize: dict[str, int]) -> None:
     """Every row: hand-computed bytes, exact totals, and every allocation measured == analytic."""
     assert report["all_match"] is True and report["mismatches"] == []
     for row in report["configs"]:
         elements, seq = hand_elements(row["config"]), hand_sequence_bytes(row["config"])
+        stats = hand_stats_bytes(row["config"])
         assert row["elements_per_token"] == elements, row["name"]
         for dt, d in row["dtypes"].items():
             assert d["layer_bytes_per_token"] == itemsize[dt] * elements, (row["name"], dt)
+            assert d["auxiliary_bytes_per_token"] == stats
             assert d["sequence_bytes_per_token"] == seq
-            assert d["bytes_per_token"] == itemsize[dt] * elements + seq
+            assert d["bytes_per_token"] == itemsize[dt] * elements + stats + seq
             assert d["match"] is True
             assert d["measurements"], "no allocation was measured"
             for m in d["measurements"]:
@@ -79,9 +90,9 @@ def test_paper_elements_and_bf16_bytes(paper_run):
     assert list(rows) == kv.PAPER_SET
     assert {n: r["elements_per_token"] for n, r in rows.items()} == PAPER_ELEMENTS
     for name, elements in PAPER_ELEMENTS.items():
-        ids = 4 if "egmla" in name else 0
-        assert rows[name]["dtypes"]["bf16"]["bytes_per_token"] == 2 * elements + ids
-    assert rows["paper-egmla-kv64"]["dtypes"]["bf16"]["bytes_per_token"] == 3076
+        ids, stats = (4, 12 * 2 * 4) if "egmla" in name else (0, 0)  # id once; mu, 1/sigma
+        assert rows[name]["dtypes"]["bf16"]["bytes_per_token"] == 2 * elements + stats + ids
+    assert rows["paper-egmla-kv64"]["dtypes"]["bf16"]["bytes_per_token"] == 3172
     check_rows(report, {"bf16": 2})
 
 
@@ -95,11 +106,12 @@ def test_paper_reductions(paper_run):
     assert round(kv64["elements_change_pct"]["mla"], 2) == -60.00
     assert round(rows["paper-egmla-kv16"]["elements_change_pct"]["mha"], 2) == -94.79
     assert rows["paper-mha"]["elements_change_pct"]["mha"] == 0.0
-    # bytes include the 4-byte token id, so EG-MLA's byte reduction is slightly smaller
+    # bytes include the 4-byte token id and the norm statistics (96 bytes over 12 layers), so
+    # EG-MLA's byte reduction is slightly smaller than its element reduction
     assert kv64["dtypes"]["bf16"]["bytes_change_pct"]["mha"] == pytest.approx(
-        100 * (3076 - 36864) / 36864)
+        100 * (3172 - 36864) / 36864)
     assert kv64["dtypes"]["bf16"]["bytes_change_pct"]["mla"] == pytest.approx(
-        100 * (3076 - 7680) / 7680)
+        100 * (3172 - 7680) / 7680)
 
 
 def test_paper_totals_measured_up_to_the_cap(paper_run):

@@ -30,6 +30,12 @@ VARIANTS = {
     "egmla-kv": preset("tiny-egmla"),
     "egmla-kv-rmsnorm-grouped": with_attention(preset("tiny-egmla"), gate_norm="rmsnorm",
                                                gate_group_size=2),
+    "egmla-kv-naive": with_attention(preset("tiny-egmla"), impl="naive"),
+    "egmla-kv-absorbed": with_attention(preset("tiny-egmla"), impl="absorbed"),
+    "egmla-kv-absorbed-rmsnorm-grouped": with_attention(preset("tiny-egmla"), impl="absorbed",
+                                                        gate_norm="rmsnorm", gate_group_size=2),
+    "egmla-kv-absorbed-nonorm": with_attention(preset("tiny-egmla"), impl="absorbed",
+                                               gate_norm="none"),
     "egmla-latent-naive": with_attention(preset("tiny-egmla-latent"), impl="naive"),
     "egmla-latent-absorbed": with_attention(preset("tiny-egmla-latent"), impl="absorbed"),
     "egmla-latent-nonorm": with_attention(preset("tiny-egmla-latent"), gate_norm="none"),
@@ -141,12 +147,9 @@ def test_absorbed_equals_naive(base):
 
 
 def test_auto_impl_uses_absorbed_for_decode_only():
-    model = build(preset("tiny-mla"))
-    attn = model.layers[0].attn
-    assert attn._use_absorbed(1, cache=object()) and not attn._use_absorbed(4, cache=object())
-    assert not attn._use_absorbed(1, cache=None)
-    kv_gate = build(preset("tiny-egmla")).layers[0].attn
-    assert not kv_gate._use_absorbed(1, cache=object())  # kv gate: no absorption possible
+    attn = build(preset("tiny-mla")).layers[0].attn
+    assert attn._use_absorbed(1, 40, cached=True) and not attn._use_absorbed(4, 40, cached=True)
+    assert not attn._use_absorbed(1, 40, cached=False)
 
 
 def test_egmla_gate_changes_with_token_id_only():

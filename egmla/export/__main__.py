@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from egmla.checkpoint import CheckpointError
     from egmla.config import ConfigError
     from egmla.export import export, load_source
+    from egmla.export.hf import transformers_cache_spec
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
@@ -73,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out} ({args.format} format, {len(files)} files, {size / 2**20:.1f} MiB)")
     print(f"  attention      {config.attention.type}, {config.n_layers} layers, "
           f"{model.num_params():,} parameters, {str(weight_dtype).removeprefix('torch.')}")
-    print(f"  KV cache       {cache_spec_for(config).bytes_per_token(weight_dtype):,} bytes per "
-          "token (what the exported model caches)")
+    spec = transformers_cache_spec(config) if args.format == "hf" else cache_spec_for(config)
+    print(f"  KV cache       {spec.bytes_per_token(weight_dtype):,} bytes per token (what the "
+          "exported model caches)")
     print(f"  tokenizer      {'included' if written.tokenizer is not None else 'none'}")
     if args.format == "hf":
         print("  load with      AutoModelForCausalLM.from_pretrained("

@@ -19,6 +19,7 @@ and without running its code (`load_hf`), so `load_pretrained` and the serving e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -28,8 +29,9 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from egmla.cache import CacheSpec, cache_spec_for
 from egmla.checkpoint import CheckpointError, atomic_directory, read_weights
-from egmla.config import ConfigError, EGMLAConfig, MHAConfig, ModelConfig
+from egmla.config import ConfigError, EGMLAConfig, MHAConfig, MLAConfig, ModelConfig
 from egmla.imports import _BLOCK, _DEEPSEEK_ATTENTION, _LLAMA_ATTENTION, _TOP_LEVEL, _build, _rename
 from egmla.models.transformer import Transformer
 
@@ -144,6 +146,16 @@ def rename_to_hf(
             name = f"model.layers.{layer}.{block[rest]}"
         out.setdefault(name, tensor.detach().contiguous())  # a shared table: stored once
     return out
+
+
+def transformers_cache_spec(config: ModelConfig) -> CacheSpec:
+    """What the exported modeling code's cache holds per token: egmla's cache for the rebuild
+    computation (`impl: naive`). The modeling code rebuilds EG-MLA `kv` K/V from the latent and
+    the ids at each step, so it keeps none of the norm statistics egmla's absorbed decode caches."""
+    a = config.attention
+    if isinstance(a, MLAConfig):
+        config = dataclasses.replace(config, attention=dataclasses.replace(a, impl="naive"))
+    return cache_spec_for(config)
 
 
 def save_hf(

@@ -61,7 +61,9 @@ class Transformer(nn.Module):
         return [EGMLA(config, tables[i // a.gate_group_size]) for i in range(config.n_layers)]
 
     def reset_parameters(self) -> None:
-        """N(0, init_std) weights; residual outputs scaled by 1/sqrt(2 L); unit-scale gates."""
+        """N(0, init_std) weights and unit norms; residual outputs scaled by 1/sqrt(2 L); then each
+        attention layer's own init (EG-MLA: unit-scale gates), applied last so the generic pass
+        can never overwrite it, whatever order `named_modules()` visits shared modules in."""
         if self.tok_emb.weight.is_meta:
             return  # built for its shapes only (e.g. cache_spec_for): nothing to initialize
         std = self.config.init_std
@@ -70,15 +72,12 @@ class Transformer(nn.Module):
                 nn.init.normal_(module.weight, std=std)
             if name.endswith(("attn.wo", "mlp.w_down")):
                 nn.init.normal_(module.weight, std=std / math.sqrt(2 * self.config.n_layers))
-            if isinstance(module, EGMLA):
-                # E[id] ~ N(0, 1) and W_UE ~ N(0, 1/d_e) give g ~ N(0, 1): a gate of unit scale,
-                # so the gated K/V are not crushed below the norm's epsilon at initialization.
-                nn.init.normal_(module.gate_table.weight, std=1.0)
-                nn.init.normal_(module.w_gate.weight, std=module.w_gate.in_features**-0.5)
             if isinstance(module, (RMSNorm, nn.LayerNorm)):
                 nn.init.ones_(module.weight)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
+        for block in self.layers:
+            block.attn.reset_parameters()
 
     def cache_spec(self) -> CacheSpec:
         layers = tuple(block.attn.cache_spec() for block in self.layers)

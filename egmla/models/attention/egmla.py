@@ -1,18 +1,31 @@
 """Embedding-gated MLA (Cai & Hou, arXiv 2509.16686): MLA whose KV path is gated per token id.
 
 Notation as in mla.py, plus a gate table E (vocab x d_e) shared by `gate_group_size` consecutive
-layers and a per-layer up-projection W_UE:
+layers and a per-layer up-projection W_UE (D = d_nope + d_v per head, e_j = E[id_j]):
 
     g = W_UE E[id_t]                                     the gate: a function of the token id only
 
-    gate_position = kv       [k_nope; v] = Norm(W_UKV c  *  g)      g has width H * (d_nope + d_v)
+    gate_position = kv       [k_nope; v] = Norm(W_UKV c  *  g)      g has width H * D
     gate_position = latent   c'          = Norm(c  *  g)            g has width d_c; c' is cached
 
-`kv` is the reading that matches the paper's summary (gate, then layer norm, then split into
-heads). Norm(u * g) is nonlinear in the key-side latent, so W_UK cannot be folded into the
-query: every decode step rebuilds K/V for all cached positions from the cached c and token ids
-(about S * (d_c + d_e) * H * (d_nope + d_v) MACs per layer). `latent` keeps MLA's absorbed
-decode. Which one the paper used could not be verified (docs/attention.md).
+`kv` is the reading that matches the paper's summary (gate, then layer norm over all heads, then
+split into heads). `latent` keeps MLA's absorbed decode. Which one the paper used could not be
+verified (docs/attention.md).
+
+`kv` has two exact computations. Rebuild (`naive`): up-project and gate K/V for every cached key,
+about S * H * D * (d_c + d_e) MACs per layer per step. Absorbed: the norm's statistics of the
+gated vector z_j = W_UKV c_j * W_UE e_j depend only on (c_j, id_j), so they are cached when the
+token is written (LayerNorm: mu_j and inv_sigma_j; RMSNorm: inv_sigma_j; none: nothing), and then,
+per head i with the norm's gamma, beta split per head like wkv_b ([K_0; V_0; K_1; V_1; ...]):
+
+    score_ij = scale * (inv_sigma_j * (c_j^T M_i e_j - mu_j * sum(q_i * gamma_K,i)) + q^R_i . k^R_j)
+               with M_i = W_UK,i^T diag(q_i * gamma_K,i) W_UE,K,i   (d_c x d_e, once per query)
+    o_i      = gamma_V,i * (diag(W_UV,i A_i W_UE,V,i^T) - m_i) + beta_V,i
+               with A_i = sum_j a_ij inv_sigma_j c_j e_j^T,  m_i = sum_j a_ij inv_sigma_j mu_j
+
+(the key's beta_K term is the same for every key and cancels in the softmax). Per key that is
+about H * 2 * d_c * d_e MACs; per query H * D * d_c * d_e. `impl: auto` picks the cheaper one with
+`step_macs` (docs/attention.md has the measured decode costs).
 """
 
 from __future__ import annotations
@@ -20,13 +33,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from egmla.cache import FieldSpec, LayerSpec
 from egmla.config import EGMLAConfig, ModelConfig
 from egmla.models.attention.mla import MLA
-from egmla.models.layers import make_norm
+from egmla.models.layers import RMSNorm, make_norm
+
+# The norm's per-token statistics: (mu, inv_sigma) for LayerNorm, (inv_sigma,) for RMSNorm. Kept
+# in float32 at least: inv_sigma can be large where the gated vector is small.
+_STATS_WIDTH = {"layernorm": 2, "rmsnorm": 1, "none": 0}
 
 
 class EGMLA(MLA):
-    """Caches c and k_rope per layer like MLA; under `kv` the model also caches token ids once."""
+    """Caches c and k_rope per layer like MLA; under `kv` the model also caches token ids once,
+    and each layer the norm's statistics when the absorbed computation may run."""
 
     def __init__(self, config: ModelConfig, gate_table: nn.Embedding) -> None:
         super().__init__(config)
@@ -34,12 +53,32 @@ class EGMLA(MLA):
         assert isinstance(a, EGMLAConfig)
         if gate_table.embedding_dim != a.d_e:
             raise ValueError(f"gate table width {gate_table.embedding_dim} != d_e={a.d_e}")
-        self.gate_position = a.gate_position
+        self.gate_position, self.gate_norm_kind, self.d_e = a.gate_position, a.gate_norm, a.d_e
         self.needs_token_ids = a.gate_position == "kv"
         gated = config.n_heads * (a.d_nope + a.d_v) if self.needs_token_ids else a.d_c
         self.gate_table = gate_table  # the same module in every layer of a group (shared weight)
         self.w_gate = nn.Linear(a.d_e, gated, bias=False)  # W_UE
         self.gate_norm = make_norm(a.gate_norm, gated, config.norm_eps)
+        stats = _STATS_WIDTH[a.gate_norm] if self.needs_token_ids and a.impl != "naive" else 0
+        self.stats_width = stats
+
+    def reset_parameters(self) -> None:
+        """E[id] ~ N(0, 1) and W_UE ~ N(0, 1/d_e), so g = W_UE E[id] ~ N(0, 1): a gate of unit scale.
+
+        With the model's default N(0, 0.02) for both, g would have std 0.02**2 * sqrt(d_e) (about
+        3e-3 at d_e = 64): under `kv` the gated vector's variance would sit below the norm's eps
+        and the normed K/V would start crushed. A table shared by a group is re-drawn by each of
+        its layers; it stays one tensor.
+        """
+        nn.init.normal_(self.gate_table.weight, std=1.0)
+        nn.init.normal_(self.w_gate.weight, std=self.w_gate.in_features**-0.5)
+
+    def cache_spec(self) -> LayerSpec:
+        spec = super().cache_spec()
+        if self.stats_width:
+            spec["norm_stats"] = FieldSpec((self.stats_width,), min_dtype=torch.float32,
+                                           auxiliary=True)
+        return spec
 
     def gate(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token ids (B, S) -> g (B, S, gated width)."""
@@ -47,11 +86,24 @@ class EGMLA(MLA):
             raise ValueError("EG-MLA needs the token ids: pass token_ids to forward")
         return self.w_gate(self.gate_table(token_ids))
 
-    def latent(self, x, token_ids):
-        c, k_rope = super().latent(x, token_ids)
+    def cached_fields(self, x, token_ids, cos, sin, with_auxiliary):
+        fields = super().cached_fields(x, token_ids, cos, sin, with_auxiliary)
         if self.gate_position == "latent":
-            c = self.gate_norm(c * self.gate(token_ids))  # (B, T, C): the gated latent is cached
-        return c, k_rope
+            fields["c"] = self.gate_norm(fields["c"] * self.gate(token_ids))  # the gated latent
+        elif with_auxiliary and self.stats_width:
+            fields["norm_stats"] = self.norm_stats(fields["c"], token_ids)
+        return fields
+
+    def norm_stats(self, c: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """(B, T, d_c), (B, T) -> the gate norm's statistics of z = W_UKV c * g, (B, T, 1 or 2),
+        in at least float32: [mu, inv_sigma] (LayerNorm, biased variance) or [inv_sigma] (RMS)."""
+        z = self.wkv_b(c) * self.gate(token_ids)  # (B, T, H * D)
+        z = z.to(torch.promote_types(z.dtype, torch.float32))
+        eps = self.gate_norm.eps
+        if self.gate_norm_kind == "rmsnorm":
+            return torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps)
+        var, mu = torch.var_mean(z, dim=-1, keepdim=True, correction=0)
+        return torch.cat((mu, torch.rsqrt(var + eps)), dim=-1)
 
     def expand(self, c, key_ids):
         if self.gate_position == "latent":
@@ -61,5 +113,102 @@ class EGMLA(MLA):
         kv = kv.view(B, S, self.n_heads, self.d_nope + self.d_v)
         return kv.split([self.d_nope, self.d_v], dim=-1)
 
+    # ---- the absorbed `kv` computation ------------------------------------------------------
+
+    def step_macs(self, T: int, S: int) -> dict[str, int]:
+        """Multiply-accumulates of one `kv` attention step per layer and sequence, T queries over
+        S keys, for both computations (the new tokens' statistics, common to both, excluded)."""
+        H, n, v, r, C, E = self.n_heads, self.d_nope, self.d_v, self.d_rope, self.d_c, self.d_e
+        return {
+            "rebuild": S * H * (n + v) * (C + E) + T * S * H * (n + r + v),
+            "absorbed": T * H * (n + v) * C * E + T * S * H * (2 * C * E + C + r),
+        }
+
     def supports_absorbed(self) -> bool:
-        return self.gate_position == "latent"
+        return self.gate_position == "latent" or self.impl != "naive"
+
+    def prefers_absorbed(self, T: int, S: int) -> bool:
+        if self.gate_position == "latent":
+            return super().prefers_absorbed(T, S)
+        macs = self.step_macs(T, S)
+        return macs["absorbed"] < macs["rebuild"]
+
+    def _absorbed(self, q_nope, q_rope, fields, key_ids, positions, key_positions):
+        if self.gate_position == "latent":
+            return super()._absorbed(q_nope, q_rope, fields, key_ids, positions, key_positions)
+        # B batch, T queries, S keys, H heads, n = d_nope, v = d_v, r = d_rope, C = d_c, E = d_e
+        c, k_rope = fields["c"], fields["k_rope"]  # (B, S, C), (B, S, r)
+        H, n, v, C, E = self.n_heads, self.d_nope, self.d_v, self.d_c, self.d_e
+        w_uk, w_uv = self.wkv_b.weight.view(H, n + v, C).split([n, v], dim=1)  # (H, n|v, C)
+        we_k, we_v = self.w_gate.weight.view(H, n + v, E).split([n, v], dim=1)  # (H, n|v, E)
+        gamma_k, gamma_v, beta_v = self._norm_affine(q_nope)
+        e = self.gate_table(key_ids)  # (B, S, E): the keys' gate rows
+        mu, inv_sigma = self._stats(fields, c.dtype)  # (B, S) each, or None
+
+        qg = q_nope * gamma_k  # (B, T, H, n)
+        m_q = w_uk.transpose(1, 2) @ (qg.unsqueeze(-1) * we_k)  # (B, T, H, C, E): M_i per query
+        scores = _bilinear(m_q, c, e)  # (B, T, H, S): c_j^T M_i e_j
+        if mu is not None:
+            scores = scores - qg.sum(-1, keepdim=True) * mu[:, None, None, :]
+        if inv_sigma is not None:
+            scores = scores * inv_sigma[:, None, None, :]
+        scores = scores + torch.einsum("bthr,bsr->bths", q_rope, k_rope)
+        if key_positions is None:  # no cache: the keys are the queries' own tokens
+            key_positions = positions
+        kp = key_positions if key_positions.dim() == 2 else key_positions[None]  # (B or 1, S)
+        visible = kp[:, None, None, :] <= positions[:, :, None, None]  # (B or 1, T, 1, S)
+        attn = (scores * self.scale).masked_fill(~visible, float("-inf")).softmax(-1)  # (B,T,H,S)
+
+        weights = attn if inv_sigma is None else attn * inv_sigma[:, None, None, :]
+        acc = _weighted_outer(weights, c, e)  # (B, T, H, C, E): A_i
+        o = ((w_uv @ acc) * we_v).sum(-1)  # (B, T, H, v): diag(W_UV,i A_i W_UE,V,i^T)
+        if mu is not None:
+            o = o - (weights * mu[:, None, None, :]).sum(-1, keepdim=True)  # m_i
+        o = o * gamma_v
+        return o if beta_v is None else o + beta_v
+
+    def _norm_affine(self, like: torch.Tensor):
+        """The gate norm's gamma split per head into K and V parts, (H, n), (H, v), and beta's V
+        part (H, v); ones / None where the norm has none."""
+        H, n, v = self.n_heads, self.d_nope, self.d_v
+        norm = self.gate_norm
+        weight = getattr(norm, "weight", None)
+        if weight is None:
+            weight = torch.ones(H * (n + v), dtype=like.dtype, device=like.device)
+        gamma_k, gamma_v = weight.view(H, n + v).split([n, v], dim=1)
+        bias = getattr(norm, "bias", None) if not isinstance(norm, RMSNorm) else None
+        beta_v = None if bias is None else bias.view(H, n + v)[:, n:]
+        return gamma_k, gamma_v, beta_v
+
+    def _stats(self, fields: dict[str, torch.Tensor], dtype: torch.dtype):
+        """(mu, inv_sigma) of every key, (B, S) each in the compute dtype; None where absent."""
+        if not self.stats_width:
+            return None, None
+        stats = fields["norm_stats"].to(dtype)  # (B, S, 1 or 2)
+        if self.gate_norm_kind == "rmsnorm":
+            return None, stats[..., 0]
+        return stats[..., 0], stats[..., 1]
+
+
+def _bilinear(m: torch.Tensor, c: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """c_j^T M e_j for every query matrix M (B, T, H, C, E) and key (c_j, e_j) (B, S, C|E)
+    -> (B, T, H, S). The wider of C and E is contracted first, as one batched matmul, so the
+    transient is (B, T, H, min(C, E), S)."""
+    B, T, H, C, E = m.shape
+    if E >= C:
+        y = (m.reshape(B, T * H * C, E) @ e.transpose(1, 2)).view(B, T, H, C, -1)  # M e_j
+        return torch.einsum("bthcs,bsc->bths", y, c)
+    y = (m.transpose(-1, -2).reshape(B, T * H * E, C) @ c.transpose(1, 2)).view(B, T, H, E, -1)
+    return torch.einsum("bthes,bse->bths", y, e)
+
+
+def _weighted_outer(w: torch.Tensor, c: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """sum_j w_j c_j e_j^T for weights w (B, T, H, S) -> (B, T, H, C, E); the narrower of C and E
+    is weighted, then one batched matmul over S."""
+    B, T, H, S = w.shape
+    C, E = c.shape[-1], e.shape[-1]
+    if C <= E:
+        wc = w.unsqueeze(-2) * c.transpose(1, 2)[:, None, None]  # (B, T, H, C, S)
+        return (wc.reshape(B, T * H * C, S) @ e).view(B, T, H, C, E)
+    we = w.unsqueeze(-2) * e.transpose(1, 2)[:, None, None]  # (B, T, H, E, S)
+    return (we.reshape(B, T * H * E, S) @ c).view(B, T, H, E, C).transpose(-1, -2)

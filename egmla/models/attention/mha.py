@@ -28,6 +28,9 @@ class MHA(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
         self.rope = Rotary(self.head_dim, config.rope_theta)
 
+    def reset_parameters(self) -> None:
+        """Init beyond the model's default N(0, init_std) (see `Transformer.reset_parameters`): none."""
+
     def cache_spec(self) -> LayerSpec:
         return {"k": FieldSpec((self.n_kv, self.head_dim)), "v": FieldSpec((self.n_kv, self.head_dim))}
 

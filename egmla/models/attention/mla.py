@@ -52,15 +52,22 @@ class MLA(nn.Module):
         self.rope = Rotary(a.d_rope, config.rope_theta)
         self.scale = (a.d_nope + a.d_rope) ** -0.5
 
+    def reset_parameters(self) -> None:
+        """Init beyond the model's default N(0, init_std) (see `Transformer.reset_parameters`): none."""
+
     def cache_spec(self) -> LayerSpec:
         return {"c": FieldSpec((self.d_c,)), "k_rope": FieldSpec((self.d_rope,))}
 
     # ---- pieces a subclass (EG-MLA) may refine ------------------------------------------------
 
-    def latent(self, x: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (B, T, d) -> normed latent c (B, T, d_c) and un-rotated k_rope (B, T, d_rope)."""
+    def cached_fields(self, x: torch.Tensor, token_ids: torch.Tensor | None, cos: torch.Tensor,
+                      sin: torch.Tensor, with_auxiliary: bool) -> dict[str, torch.Tensor]:
+        """x (B, T, d) -> what this layer caches for the T new tokens: the normed latent c
+        (B, T, d_c) and the rotated k_rope (B, T, d_rope). `with_auxiliary`: also the auxiliary
+        fields of `cache_spec()` (none here), needed when a cache is written or `absorbed` runs."""
         c, k_rope = self.wkv_a(x).split([self.d_c, self.d_rope], dim=-1)
-        return self.kv_norm(c), k_rope
+        k_rope = apply_rope(k_rope[:, :, None], cos, sin)[:, :, 0]  # one head shared by all
+        return {"c": self.kv_norm(c), "k_rope": k_rope}
 
     def expand(self, c: torch.Tensor, key_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent c (B, S, d_c) -> k_nope (B, S, H, d_nope), v (B, S, H, d_v)."""
@@ -70,6 +77,11 @@ class MLA(nn.Module):
 
     def supports_absorbed(self) -> bool:
         return True
+
+    def prefers_absorbed(self, T: int, S: int) -> bool:
+        """`impl: auto` with a cache: absorbed for single-token decode, naive for prefill chunks
+        (the up-projection of S keys is shared by T queries, the absorbed query is not)."""
+        return T == 1
 
     # ---- forward ------------------------------------------------------------------------------
 
@@ -88,34 +100,36 @@ class MLA(nn.Module):
         q_nope, q_rope = q.split([self.d_nope, self.d_rope], dim=-1)
         q_rope = apply_rope(q_rope, cos, sin)
 
-        c, k_rope = self.latent(x, token_ids)  # (B, T, C), (B, T, r)
-        k_rope = apply_rope(k_rope[:, :, None], cos, sin)[:, :, 0]  # one head shared by all
+        fields = self.cached_fields(x, token_ids, cos, sin,
+                                    with_auxiliary=cache is not None or self.impl == "absorbed")
         key_positions, key_ids = None, token_ids
         if cache is not None:
-            kv = cache.update(c=c, k_rope=k_rope)
-            c, k_rope, key_positions = kv["c"], kv["k_rope"], cache.key_positions  # (B, S, .)
+            fields = cache.update(**fields)  # every cached token's fields, (B, S, .)
+            key_positions = cache.key_positions
             if self.needs_token_ids:
                 key_ids = cache.token_ids()  # (B, S)
 
-        if self._use_absorbed(T, cache):
-            o = self._absorbed(q_nope, q_rope, c, k_rope, positions, key_positions)
+        S = fields["c"].shape[1]
+        if self._use_absorbed(T, S, cached=cache is not None):
+            o = self._absorbed(q_nope, q_rope, fields, key_ids, positions, key_positions)
         else:
-            o = self._naive(q_nope, q_rope, c, k_rope, key_ids, positions, key_positions)
+            o = self._naive(q_nope, q_rope, fields, key_ids, positions, key_positions)
         return self.wo(o.reshape(B, T, self.n_heads * self.d_v))
 
-    def _use_absorbed(self, T: int, cache: LayerCache | None) -> bool:
+    def _use_absorbed(self, T: int, S: int, cached: bool) -> bool:
         if self.impl == "auto":
-            return cache is not None and T == 1 and self.supports_absorbed()
+            return cached and self.supports_absorbed() and self.prefers_absorbed(T, S)
         return self.impl == "absorbed"
 
-    def _naive(self, q_nope, q_rope, c, k_rope, key_ids, positions, key_positions) -> torch.Tensor:
-        k_nope, v = self.expand(c, key_ids)  # (B, S, H, n), (B, S, H, d_v)
-        k_rope = k_rope[:, :, None].expand(-1, -1, self.n_heads, -1)  # (B, S, H, r)
+    def _naive(self, q_nope, q_rope, fields, key_ids, positions, key_positions) -> torch.Tensor:
+        k_nope, v = self.expand(fields["c"], key_ids)  # (B, S, H, n), (B, S, H, d_v)
+        k_rope = fields["k_rope"][:, :, None].expand(-1, -1, self.n_heads, -1)  # (B, S, H, r)
         q = torch.cat((q_nope, q_rope), dim=-1)  # (B, T, H, n + r)
         k = torch.cat((k_nope, k_rope), dim=-1)  # (B, S, H, n + r)
         return attend(q, k, v, self.scale, positions, key_positions)  # (B, T, H, d_v)
 
-    def _absorbed(self, q_nope, q_rope, c, k_rope, positions, key_positions) -> torch.Tensor:
+    def _absorbed(self, q_nope, q_rope, fields, key_ids, positions, key_positions) -> torch.Tensor:
+        c, k_rope = fields["c"], fields["k_rope"]
         w = self.wkv_b.weight.view(self.n_heads, self.d_nope + self.d_v, self.d_c)
         w_uk, w_uv = w.split([self.d_nope, self.d_v], dim=1)  # (H, n, C), (H, d_v, C)
         q_latent = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)  # (B, T, H, C)
