@@ -54,14 +54,17 @@ def matched_d_ff(attention: str, target: int) -> tuple[int, int]:
     return d_ff, cfg.num_params(include_gate_tables=False)
 
 
-def run(attention: str, seed: int, d_ff: int, steps: int, workdir: Path, export: bool) -> dict:
-    run_dir = workdir / f"{attention}-s{seed}"
-    cmd = [sys.executable, str(ROOT / "train.py"), "experiment=quickstart",
+def run(attention: str, seed: int, d_ff: int, steps: int, workdir: Path, export: bool,
+        extra: tuple[str, ...] = (), tag: str = "") -> dict:
+    """One `train.py` run of the quickstart recipe; `extra` overrides, `tag` joins the name."""
+    name = f"{attention}{tag}-s{seed}"
+    run_dir = workdir / name
+    cmd = [sys.executable, str(ROOT / "train.py"), "experiment=quickstart", *extra,
            f"model/attention={attention}", f"model.d_ff={d_ff}", f"seed={seed}",
            f"trainer.max_steps={steps}", f"trainer.val_every_n_steps={steps}",
            f"trainer.checkpoint_every_n_steps={steps}", "trainer.limit_val_batches=1.0",
            "wandb.mode=disabled", f"export={str(export).lower()}", "sample_prompt=null",
-           f"name={attention}-s{seed}", f"hydra.run.dir={run_dir}"]
+           f"name={name}", f"hydra.run.dir={run_dir}"]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
         raise SystemExit(f"{attention} seed {seed} failed:\n{out.stderr[-3000:]}")

@@ -11,7 +11,8 @@ The two numbers must agree; tests check them against a hand-written formula per 
 
 Worked example, the paper's 12-layer d=768 EG-MLA with d_c=64, d_rope=64 under `gate_position: kv`:
 each layer caches c (64) and k_rope (64), so 12 * 128 = 1,536 elements per token; in bf16 that is
-3,072 bytes, plus 4 bytes for the int32 token id stored once per token of the sequence.
+3,072 bytes, plus 12 * 8 bytes for the gate norm's float32 statistics (an auxiliary field: bytes,
+not elements) and 4 bytes for the int32 token id stored once per token of the sequence: 3,172.
 """
 
 from __future__ import annotations

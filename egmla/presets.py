@@ -2,7 +2,8 @@
 
 The paper (EG-MLA, arXiv 2509.16686; configuration from a secondary summary, see
 docs/attention.md): 12 layers, d=768, 12 heads, d_nope = d_rope = d_v = 64, GPT-2 vocabulary;
-MLA baseline d_c=256; EG-MLA d_c in {256, 64, 16} with d_e = 256.
+MLA baseline d_c=256; EG-MLA d_c in {256, 64, 16} with d_e = 256 (`kv` gate), plus the `latent`
+gate at d_c 64 for decode-cost comparisons.
 
     >>> from egmla.presets import preset
     >>> preset("paper-egmla-kv64").attention.d_c
@@ -49,6 +50,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                                                          **_LATENT}}
         for d_c in (256, 64, 16)
     },
+    # The `latent` gate at the paper's shape (not a configuration the paper reports): d_c 64,
+    # so its cache equals paper-egmla-kv64's without token ids; decode is MLA's absorbed one.
+    "paper-egmla-latent64": {**_PAPER, "attention": {"type": "egmla", "d_c": 64, "d_e": 256,
+                                                     "gate_position": "latent", **_LATENT}},
     **{f"tiny-{k}": v for k, v in _variants(_TINY, _TINY_LATENT, d_c=32, d_e=16, n_kv=2).items()},
     **{f"small-{k}": v for k, v in _variants(_SMALL, _SMALL_LATENT, d_c=128, d_e=64, n_kv=2).items()},
 }

@@ -59,6 +59,7 @@ def test_paper_elements_per_token():
         "paper-egmla-kv256": 3840,
         "paper-egmla-kv64": 1536,
         "paper-egmla-kv16": 960,
+        "paper-egmla-latent64": 1536,
     }
 
 

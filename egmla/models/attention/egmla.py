@@ -61,17 +61,30 @@ class EGMLA(MLA):
         self.gate_norm = make_norm(a.gate_norm, gated, config.norm_eps)
         stats = _STATS_WIDTH[a.gate_norm] if self.needs_token_ids and a.impl != "naive" else 0
         self.stats_width = stats
+        self.gate_init, self.init_std = a.gate_init, config.init_std
 
     def reset_parameters(self) -> None:
-        """E[id] ~ N(0, 1) and W_UE ~ N(0, 1/d_e), so g = W_UE E[id] ~ N(0, 1): a gate of unit scale.
+        """The gate's init, by `gate_init` (docs/attention.md):
 
-        With the model's default N(0, 0.02) for both, g would have std 0.02**2 * sqrt(d_e) (about
-        3e-3 at d_e = 64): under `kv` the gated vector's variance would sit below the norm's eps
-        and the normed K/V would start crushed. A table shared by a group is re-drawn by each of
-        its layers; it stays one tensor.
+        - `random`: E[id] ~ N(0, 1), W_UE ~ N(0, 1/d_e), so g = W_UE E[id] ~ N(0, 1), a gate of
+          unit scale that differs per token;
+        - `matched`: the `random` gate, and under `kv` the gate norm's gain at init_std * sqrt(d_c),
+          the scale MLA's K/V start at (W_UKV ~ N(0, init_std^2) on a unit-scale latent);
+        - `small`: both N(0, init_std^2), the model's default: g has std init_std^2 sqrt(d_e)
+          (3e-3 at d_e = 64), so under `kv` the gated vector sits below the norm's eps.
+
+        A table shared by a group is re-drawn by each of its layers; it stays one tensor.
         """
-        nn.init.normal_(self.gate_table.weight, std=1.0)
-        nn.init.normal_(self.w_gate.weight, std=self.w_gate.in_features**-0.5)
+        table, w = self.gate_table.weight, self.w_gate.weight
+        if self.gate_init == "small":
+            nn.init.normal_(table, std=self.init_std)
+            nn.init.normal_(w, std=self.init_std)
+            return
+        nn.init.normal_(w, std=self.w_gate.in_features**-0.5)
+        nn.init.normal_(table, std=1.0)
+        gain = getattr(self.gate_norm, "weight", None)
+        if self.gate_init == "matched" and self.gate_position == "kv" and gain is not None:
+            nn.init.constant_(gain, self.init_std * self.d_c**0.5)
 
     def cache_spec(self) -> LayerSpec:
         spec = super().cache_spec()

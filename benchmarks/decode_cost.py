@@ -1,0 +1,351 @@
+"""Decode-step cost of each attention variant against context length: time, MACs, bytes, memory.
+
+For each variant at the paper's 12-layer d=768 shapes (`paper-*` presets) and at the small CPU
+presets, one decode step (one new token per sequence) over a cache already holding S - 1 tokens,
+at batch 1 and 16 and S from 256 to 8,192:
+
+- per layer: the attention layer alone, timed on a 1-layer model of the same shapes;
+- per model: the whole model's step (embedding, every block, LM head), on the full model, for
+  caches under --max-cache-gib (a cell over it is recorded as skipped, with its size);
+- beside each time: the analytic multiply-accumulates per key and per query of one layer, the
+  cache bytes a step reads per key and layer, the gate-table bytes an EG-MLA `kv` step also reads
+  per key (its keys' rows of E, which the KV-bytes report does not count), and the peak transient
+  memory of the step (peak RSS during the step minus RSS before it; the process runs with
+  MALLOC_MMAP_THRESHOLD_=65536 so freed transients go back to the OS and the peak is visible).
+
+Decode time does not depend on the cache's contents, so caches are filled with random values
+directly (no prefill). Variants are interleaved within each (batch, context) cell, `--rounds`
+rounds each (a step over --slow-ms is timed once); the median is reported. float32 weights
+and cache; torch's default threads.
+
+    python benchmarks/decode_cost.py                 # the full grid, about 25 minutes on 2 cores
+    python benchmarks/decode_cost.py --quick         # small presets, 2 contexts, batch 1: a minute
+
+Writes benchmarks/results/decode_cost.{json,md} (decode_cost_quick.* with --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # before torch allocates anything: re-exec
+    os.execve(sys.executable, [sys.executable, *sys.argv],
+              {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from egmla.config import EGMLAConfig, MHAConfig, MLAConfig, ModelConfig  # noqa: E402
+from egmla.models import Transformer  # noqa: E402
+from egmla.presets import preset  # noqa: E402
+from egmla.provenance import provenance  # noqa: E402
+
+# (label, preset, attention.impl or None)
+PAPER = [
+    ("MHA", "paper-mha", None), ("GQA-4", "paper-gqa4", None), ("MLA d_c 256", "paper-mla", "absorbed"),
+    ("EG-MLA latent d_c 64", "paper-egmla-latent64", "absorbed"),
+    *[(f"EG-MLA kv d_c {d} {how}", f"paper-egmla-kv{d}", impl)
+      for d in (256, 64, 16) for how, impl in (("rebuilt", "naive"), ("absorbed", "absorbed"))],
+]
+SMALL = [
+    ("MHA", "small-mha", None), ("GQA-2", "small-gqa2", None), ("MLA d_c 128", "small-mla", "absorbed"),
+    ("EG-MLA latent d_c 32", "small-egmla-latent", "absorbed"),
+    ("EG-MLA kv d_c 32 rebuilt", "small-egmla", "naive"),
+    ("EG-MLA kv d_c 32 absorbed", "small-egmla", "absorbed"),
+]
+FLOAT = torch.float32
+
+
+def rss_kib(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+
+
+def config_of(name: str, impl: str | None, max_len: int, n_layers: int | None = None) -> ModelConfig:
+    overrides = {"max_seq_len": max_len, **({"n_layers": n_layers} if n_layers else {})}
+    cfg = preset(name, **overrides)
+    if impl is not None:
+        cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, impl=impl))
+    return cfg
+
+
+def analytic(cfg: ModelConfig, model: Transformer) -> dict:
+    """One layer's decode step (T = 1): MACs per key and per query, bytes read per key."""
+    a, H, b = cfg.attention, cfg.n_heads, FLOAT.itemsize
+    if isinstance(a, MHAConfig):
+        hd, g = a.head_size(cfg), a.kv_heads(cfg)
+        return {"macs_per_key": 2 * H * hd, "macs_per_query": 0,
+                "cache_bytes_per_key": 2 * g * hd * b, "gate_bytes_per_key": 0}
+    assert isinstance(a, MLAConfig)
+    spec = model.cache_spec()
+    cache_bytes = sum(f.nbytes(FLOAT) for f in spec.layers[0].values())
+    if isinstance(a, EGMLAConfig) and a.gate_position == "kv":
+        attn = model.layers[0].attn
+        one, two = attn.step_macs(1, 1), attn.step_macs(1, 2)
+        key = "absorbed" if a.impl == "absorbed" else "rebuild"
+        per_key = two[key] - one[key]
+        if key == "rebuild":  # the rebuild reads no statistics
+            cache_bytes -= sum(f.nbytes(FLOAT) for f in spec.layers[0].values() if f.auxiliary)
+        return {"macs_per_key": per_key, "macs_per_query": one[key] - per_key,
+                "cache_bytes_per_key": cache_bytes + 4,  # + the int32 token id
+                "gate_bytes_per_key": a.d_e * b}
+    # MLA's (and the latent gate's) absorbed decode: an MQA over [c, k_rope] with value c
+    return {"macs_per_key": H * (2 * a.d_c + a.d_rope), "macs_per_query": H * a.d_nope * a.d_c
+            + H * a.d_v * a.d_c, "cache_bytes_per_key": cache_bytes, "gate_bytes_per_key": 0}
+
+
+def filled_cache(model: Transformer, batch: int, context: int):
+    """A contiguous cache holding context - 1 random tokens, ready for one decode step."""
+    cache = model.new_cache(batch, context)
+    g = torch.Generator().manual_seed(0)
+    for layer in cache.layers:
+        for name, t in layer.items():
+            if name == "norm_stats":  # (mu, 1/sigma) or (1/rms): a plausible positive scale
+                t[..., -1].uniform_(0.5, 2.0, generator=g)
+                if t.shape[-1] == 2:
+                    t[..., 0].normal_(0, 0.01, generator=g)
+            else:
+                t.normal_(generator=g)
+    for t in cache.sequence.values():
+        t.random_(0, model.config.vocab_size, generator=g)
+    cache.length = context - 1
+    return cache
+
+
+class Cell:
+    """One (variant, batch, context) measurement: a step function and its timings."""
+
+    def __init__(self, label, name, impl, batch, context, whole_model, max_cache_bytes):
+        self.label, self.name, self.impl = label, name, impl
+        self.batch, self.context, self.whole_model = batch, context, whole_model
+        cfg = config_of(name, impl, context + 16, None if whole_model else 1)
+        self.cfg, self.times, self.peak_mib, self.skipped = cfg, [], None, None
+        self.cache_bytes = model_cache_bytes(cfg, batch, context)
+        if whole_model and self.cache_bytes > max_cache_bytes:
+            self.skipped = f"cache {self.cache_bytes / 2**30:.1f} GiB > --max-cache-gib"
+            return
+        torch.manual_seed(0)
+        self.model = Transformer(cfg).eval()
+        self.cache = filled_cache(self.model, batch, context)
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, cfg.vocab_size, (batch, 1), generator=g)
+        self.x = torch.randn(batch, 1, cfg.d_model, generator=g)
+        self.positions = torch.full((1, 1), context - 1)
+        self.analytic = analytic(cfg, self.model)
+        self.auto_absorbed = self._auto_picks_absorbed()
+
+    def _auto_picks_absorbed(self) -> bool | None:
+        """What `impl: auto` would run for this step (EG-MLA kv only)."""
+        a = self.cfg.attention
+        if not isinstance(a, EGMLAConfig) or a.gate_position != "kv":
+            return None
+        with torch.device("meta"):
+            auto = Transformer(dataclasses.replace(
+                self.cfg, attention=dataclasses.replace(a, impl="auto"))).layers[0].attn
+        return auto._use_absorbed(1, self.context, cached=True)
+
+    def step(self) -> None:
+        if self.whole_model:
+            self.model(self.ids, cache=self.cache)
+            self.cache.length -= 1  # the next step rewrites the same position
+        else:
+            self.cache.begin(self.ids, self.positions)
+            self.model.layers[0].attn(self.x, self.positions, self.cache.layer(0), self.ids)
+
+    def measure(self, with_memory: bool) -> float:
+        if with_memory:
+            Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS
+            before = rss_kib("VmRSS")
+        start = time.perf_counter()
+        with torch.inference_mode():
+            self.step()
+        elapsed = time.perf_counter() - start
+        if with_memory:
+            self.peak_mib = max(0, rss_kib("VmHWM") - before) / 1024
+        self.times.append(elapsed)
+        return elapsed
+
+    def release(self) -> None:
+        for name in ("model", "cache"):
+            self.__dict__.pop(name, None)
+
+    def row(self) -> dict:
+        out = {"variant": self.label, "preset": self.name, "impl": self.impl or "-",
+               "batch": self.batch, "context": self.context,
+               "scope": "model" if self.whole_model else "layer",
+               "cache_bytes": self.cache_bytes}
+        if self.skipped:
+            return {**out, "skipped": self.skipped}
+        ms = statistics.median(self.times) * 1e3
+        return {**out, "ms": ms, "times_ms": [t * 1e3 for t in self.times],
+                "tokens_per_s": self.batch / (ms / 1e3), "peak_transient_mib": self.peak_mib,
+                "auto_picks_absorbed": self.auto_absorbed, **self.analytic}
+
+
+def model_cache_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
+    with torch.device("meta"):
+        spec = Transformer(cfg).cache_spec()
+    return spec.bytes_per_token(FLOAT) * batch * context
+
+
+def run_grid(shapes: dict, contexts, batches, rounds, slow_ms, max_cache_bytes) -> list[dict]:
+    rows = []
+    for family, variants in shapes.items():
+        for scope in ("layer", "model"):
+            for batch in batches:
+                for context in contexts:
+                    cells = [Cell(*v, batch, context, scope == "model", max_cache_bytes)
+                             for v in variants]
+                    live = [c for c in cells if not c.skipped]
+                    for r in range(rounds):
+                        for c in live:
+                            if r == 0 or c.times[0] * 1e3 < slow_ms:
+                                c.measure(with_memory=r == 0)
+                    for c in cells:
+                        rows.append({"shapes": family, **c.row()})
+                        c.release()
+                        print(format_row(rows[-1]), flush=True)
+    return rows
+
+
+def format_row(r: dict) -> str:
+    head = f"{r['shapes']:5} {r['scope']:5} B={r['batch']:<2} S={r['context']:<5} {r['variant']:28}"
+    if "skipped" in r:
+        return f"{head} skipped: {r['skipped']}"
+    return f"{head} {r['ms']:9.2f} ms  peak {r['peak_transient_mib']:8.1f} MiB"
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def _fmt_ms(x: float) -> str:
+    return f"{x:,.2f}" if x < 100 else f"{x:,.0f}"
+
+
+def render(rows: list[dict], meta: dict) -> str:
+    out = ["# Decode-step cost by attention variant and context length", "",
+           f"{meta['hardware'].get('cpu', 'CPU')} ({meta['hardware'].get('cpu_count')} cores), "
+           f"torch {meta['versions']['torch']}, float32, git {meta['git']['sha']}"
+           f"{' (dirty tree)' if meta['git']['dirty'] else ''}. Command: `{meta['command_line']}`. "
+           "Median of interleaved rounds (one round for steps over the --slow-ms limit).", ""]
+    contexts = sorted({r["context"] for r in rows})
+    for family in dict.fromkeys(r["shapes"] for r in rows):
+        fam = [r for r in rows if r["shapes"] == family]
+        variants = list(dict.fromkeys(r["variant"] for r in fam))
+        first = {v: next(r for r in fam if r["variant"] == v and "skipped" not in r) for v in variants}
+        out += [f"## {family} shapes", "",
+                "Analytic, one layer, one decode step (T = 1), per cached key: multiply-accumulates, "
+                "cache bytes read (float32; EG-MLA kv: + the int32 id, absorbed: + its norm "
+                "statistics), and the gate-table bytes a kv step also reads (not KV cache). "
+                "MACs per query: the part that does not grow with the context.", "",
+                "| variant | MACs / key | MACs / query | cache B / key | gate-table B / key |",
+                "|---|---:|---:|---:|---:|"]
+        for v in variants:
+            a = first[v]
+            out.append(f"| {v} | {a['macs_per_key']:,} | {a['macs_per_query']:,} | "
+                       f"{a['cache_bytes_per_key']:,} | {a['gate_bytes_per_key']:,} |")
+        for scope, title in (("layer", "attention layer alone, ms per decode step"),
+                             ("model", "whole model, ms per decode step")):
+            for batch in sorted({r["batch"] for r in fam}):
+                sel = {(r["variant"], r["context"]): r for r in fam
+                       if r["scope"] == scope and r["batch"] == batch}
+                if not sel:
+                    continue
+                out += ["", f"### {title}, batch {batch} (peak transient MiB in brackets)", "",
+                        "| variant | " + " | ".join(f"S={c:,}" for c in contexts) + " |",
+                        "|---|" + "---:|" * len(contexts)]
+                for v in variants:
+                    cells = []
+                    for c in contexts:
+                        r = sel.get((v, c))
+                        if r is None:
+                            cells.append("")
+                        elif "skipped" in r:
+                            cells.append("skipped")
+                        else:
+                            cells.append(f"{_fmt_ms(r['ms'])} [{r['peak_transient_mib']:,.0f}]")
+                    out.append(f"| {v} | " + " | ".join(cells) + " |")
+        out += ["", *absorption_summary(fam, contexts)]
+    return "\n".join(out) + "\n"
+
+
+def absorption_summary(fam: list[dict], contexts: list[int]) -> list[str]:
+    """kv absorbed against kv rebuilt and against MLA, per layer; and auto's choice."""
+    layer = {(r["variant"], r["batch"], r["context"]): r for r in fam
+             if r["scope"] == "layer" and "skipped" not in r}
+    pairs = sorted({v.removesuffix(" rebuilt") for v, _, _ in layer if v.endswith(" rebuilt")})
+    mla = next((v for v, _, _ in layer if v.startswith("MLA")), None)
+    if not pairs:
+        return []
+    lines = ["### EG-MLA kv: absorbed against rebuilt, per layer", "",
+             "Speedup = rebuilt ms / absorbed ms (above 1: absorption pays). vs MLA = absorbed ms / "
+             "MLA ms. auto: the computation `impl: auto` picks from its MAC count, and whether that "
+             "is the faster one measured here.", "",
+             "| variant | batch | " + " | ".join(f"S={c:,}" for c in contexts) + " |",
+             "|---|---:|" + "---:|" * len(contexts)]
+    for base in pairs:
+        for batch in sorted({b for _, b, _ in layer}):
+            cells = []
+            for c in contexts:
+                rb, ab = layer.get((f"{base} rebuilt", batch, c)), layer.get((f"{base} absorbed", batch, c))
+                ml = layer.get((mla, batch, c))
+                if not (rb and ab):
+                    cells.append("")
+                    continue
+                speed = rb["ms"] / ab["ms"]
+                faster_absorbed = speed > 1
+                auto = ab["auto_picks_absorbed"]
+                mark = ("auto: absorbed" if auto else "auto: rebuilt") + (
+                    "" if auto == faster_absorbed else " (slower)")
+                vs = f", {ab['ms'] / ml['ms']:.1f}x MLA" if ml else ""
+                cells.append(f"{speed:.2f}x{vs}; {mark}")
+            lines.append(f"| {base} | {batch} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", choices=["paper", "small"], default=["paper", "small"])
+    p.add_argument("--contexts", nargs="+", type=int, default=[256, 512, 1024, 2048, 4096, 8192])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell")
+    p.add_argument("--slow-ms", type=float, default=1500.0,
+                   help="a step slower than this (first round) is timed once")
+    p.add_argument("--max-cache-gib", type=float, default=6.0,
+                   help="skip whole-model cells whose float32 cache is larger")
+    p.add_argument("--quick", action="store_true", help="small presets, S 256 and 1024, batch 1")
+    p.add_argument("--out", type=Path, help="path prefix (default benchmarks/results/decode_cost)")
+    args = p.parse_args(argv)
+    for name in ("contexts", "batches"):
+        if min(getattr(args, name)) < 1:
+            p.error(f"--{name} must be positive integers")
+    if args.quick:
+        args.shapes, args.contexts, args.batches, args.rounds = ["small"], [256, 1024], [1], 2
+    out = args.out or ROOT / "benchmarks/results" / ("decode_cost_quick" if args.quick else "decode_cost")
+    families = {"paper": PAPER, "small": SMALL}
+    started, load_start = time.time(), os.getloadavg()
+    rows = run_grid({f: families[f] for f in args.shapes}, args.contexts, args.batches,
+                    args.rounds, args.slow_ms, args.max_cache_gib * 2**30)
+    meta = {**provenance(), "command_line": " ".join(["python", *sys.argv]),
+            "elapsed_s": round(time.time() - started, 1), "settings": vars(args) | {"out": str(out)},
+            "load_avg_start_end": [load_start, os.getloadavg()]}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"rows": rows, **meta}, indent=2, default=str) + "\n")
+    text = render(rows, meta)
+    out.with_suffix(".md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
