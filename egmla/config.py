@@ -153,10 +153,11 @@ class EGMLAConfig(MLAConfig):
     gate_position: Literal["kv", "latent"] = "kv"
     gate_norm: Literal["layernorm", "rmsnorm", "none"] = "layernorm"
     gate_group_size: int = 1  # consecutive layers sharing one gate table
-    # How the gate starts (docs/attention.md): `random` E ~ N(0, 1), W_UE ~ N(0, 1/d_e), a
-    # unit-scale gate; `matched` the same gate, and under `kv` the gate norm's gain set so the
-    # normed K/V start at MLA's scale (init_std * sqrt(d_c)); `small` both N(0, init_std^2).
-    gate_init: Literal["random", "matched", "small"] = "random"
+    # How the gate starts (docs/attention.md; benchmarks/results/gate_init.md): `small` (default,
+    # the lowest loss measured) E and W_UE ~ N(0, init_std^2); `random` E ~ N(0, 1),
+    # W_UE ~ N(0, 1/d_e), a unit-scale gate; `matched` that gate with, under `kv`, the gate norm's
+    # gain set so the normed K/V start at MLA's scale (init_std * sqrt(d_c)).
+    gate_init: Literal["small", "random", "matched"] = "small"
 
     def validate(self, model: ModelConfig) -> None:
         super().validate(model)

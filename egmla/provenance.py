@@ -19,7 +19,10 @@ PACKAGES = ("egmla", "torch", "numpy", "lightning", "hydra-core", "transformers"
 
 
 def git_info(repo: Path = REPO) -> dict[str, Any]:
-    """SHA of HEAD and whether the tree has uncommitted changes; None outside a checkout."""
+    """SHA of HEAD and whether the tree has uncommitted changes; None outside a checkout.
+
+    Recorded results (`benchmarks/results/`) do not make the tree dirty: a chain of benchmarks
+    run from one commit writes them as it goes, and the code that made them is still HEAD's."""
 
     def git(*args: str) -> str | None:
         try:
@@ -28,7 +31,7 @@ def git_info(repo: Path = REPO) -> dict[str, Any]:
             return None
         return out.stdout.strip() if out.returncode == 0 else None
 
-    status = git("status", "--porcelain")
+    status = git("status", "--porcelain", "--", ".", ":(exclude)benchmarks/results")
     return {"sha": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
 
 

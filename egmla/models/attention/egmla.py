@@ -64,14 +64,15 @@ class EGMLA(MLA):
         self.gate_init, self.init_std = a.gate_init, config.init_std
 
     def reset_parameters(self) -> None:
-        """The gate's init, by `gate_init` (docs/attention.md):
+        """The gate's init, by `gate_init` (docs/attention.md, where the three are compared):
 
+        - `small` (default): both N(0, init_std^2), as every other weight: g has std
+          init_std^2 sqrt(d_e) (3e-3 at d_e = 64), so under `kv` the gated vector sits below the
+          norm's eps, which then scales it linearly: the normed K/V start near MLA's scale;
         - `random`: E[id] ~ N(0, 1), W_UE ~ N(0, 1/d_e), so g = W_UE E[id] ~ N(0, 1), a gate of
           unit scale that differs per token;
         - `matched`: the `random` gate, and under `kv` the gate norm's gain at init_std * sqrt(d_c),
-          the scale MLA's K/V start at (W_UKV ~ N(0, init_std^2) on a unit-scale latent);
-        - `small`: both N(0, init_std^2), the model's default: g has std init_std^2 sqrt(d_e)
-          (3e-3 at d_e = 64), so under `kv` the gated vector sits below the norm's eps.
+          the scale MLA's K/V start at (W_UKV ~ N(0, init_std^2) on a unit-scale latent).
 
         A table shared by a group is re-drawn by each of its layers; it stays one tensor.
         """
