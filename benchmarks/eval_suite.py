@@ -31,6 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # measure the checkout this script is in
 RESULTS = ROOT / "benchmarks" / "results"
 TASKS = ROOT / "eval" / "tasks"
 TIMED = ["mqar_recall", "corpus_cloze", "corpus_perplexity", "rg_chain_sum"]

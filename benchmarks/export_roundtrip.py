@@ -21,13 +21,16 @@ from pathlib import Path
 
 import torch
 
-from egmla.config import ModelConfig
-from egmla.export import save_native
-from egmla.export.hf import save_hf, transformers_cache_spec
-from egmla.generate import generate
-from egmla.imports import load_pretrained
-from egmla.models.transformer import Transformer
-from egmla.provenance import provenance
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # measure the checkout this script is in
+
+from egmla.config import ModelConfig  # noqa: E402
+from egmla.export import save_native  # noqa: E402
+from egmla.export.hf import save_hf, transformers_cache_spec  # noqa: E402
+from egmla.generate import generate  # noqa: E402
+from egmla.imports import load_pretrained  # noqa: E402
+from egmla.models.transformer import Transformer  # noqa: E402
+from egmla.provenance import provenance  # noqa: E402
 
 MLA = {"d_c": 64, "d_nope": 32, "d_rope": 16, "d_v": 32}
 VARIANTS = {
@@ -38,7 +41,6 @@ VARIANTS = {
     "EG-MLA latent": {"type": "egmla", **MLA, "d_e": 64, "gate_position": "latent"},
 }
 NEW_TOKENS = 32
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def lm_eval_scores(module: str, model: str, model_args: str, limit: int, out: Path) -> dict:

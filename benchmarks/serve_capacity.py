@@ -30,12 +30,14 @@ import argparse
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(RESULTS.parents[1]))  # measure the checkout this script is in
 MODELS = ["small-mha", "small-gqa2", "small-mla", "small-egmla", "small-egmla-latent"]
 
 

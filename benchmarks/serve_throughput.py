@@ -33,6 +33,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -41,6 +42,7 @@ import torch
 from tqdm import tqdm
 
 RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(RESULTS.parents[1]))  # measure the checkout this script is in
 MODEL = "SmolLM2-135M-Instruct"
 SYSTEMS = ("ours", "generate", "generate_batch")
 

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(RESULTS.parents[1]))  # measure the checkout this script is in
 
 # Two sizes that fit a 2-core CPU. d_h = d_model / n_heads; latent widths follow d_h.
 SIZES = {

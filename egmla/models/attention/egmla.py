@@ -36,7 +36,7 @@ from torch import nn
 from egmla.cache import FieldSpec, LayerSpec
 from egmla.config import EGMLAConfig, ModelConfig
 from egmla.models.attention.mla import MLA
-from egmla.models.layers import RMSNorm, make_norm
+from egmla.models.layers import make_norm
 
 # The norm's per-token statistics: (mu, inv_sigma) for LayerNorm, (inv_sigma,) for RMSNorm. Kept
 # in float32 at least: inv_sigma can be large where the gated vector is small.
@@ -190,7 +190,7 @@ class EGMLA(MLA):
         if weight is None:
             weight = torch.ones(H * (n + v), dtype=like.dtype, device=like.device)
         gamma_k, gamma_v = weight.view(H, n + v).split([n, v], dim=1)
-        bias = getattr(norm, "bias", None) if not isinstance(norm, RMSNorm) else None
+        bias = getattr(norm, "bias", None)  # LayerNorm's beta; RMSNorm and none have none
         beta_v = None if bias is None else bias.view(H, n + v)[:, n:]
         return gamma_k, gamma_v, beta_v
 
