@@ -18,7 +18,8 @@ directly (no prefill). Variants are interleaved within each (batch, context) cel
 rounds each (a step over --slow-ms is timed once); the median is reported. float32 weights
 and cache; torch's default threads.
 
-    python benchmarks/decode_cost.py                 # the full grid, about 25 minutes on 2 cores
+    python benchmarks/decode_cost.py                 # the full grid: over an hour on 2 cores
+    python benchmarks/decode_cost.py --shapes paper --batches 1   # about 10 minutes
     python benchmarks/decode_cost.py --quick         # small presets, 2 contexts, batch 1: a minute
 
 Writes benchmarks/results/decode_cost.{json,md} (decode_cost_quick.* with --quick).

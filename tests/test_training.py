@@ -223,7 +223,11 @@ def test_two_processes_match_one_process_at_twice_the_batch(tmp_path):
     assert double.returncode == 0, double.stderr[-3000:]
     a, b = export_weights(tmp_path / "one"), export_weights(tmp_path / "two")
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
-    assert worst < 1e-5, worst
+    # One process and two sum the gradients in a different float32 order (gloo's all-reduce
+    # averages); Adam divides by sqrt(v), so for weights with tiny gradients (EG-MLA's gate table
+    # and W_UE start at init_std) the rounding is amplified to ~2e-5 after 6 steps. A real DDP bug
+    # (a missing all-reduce, a wrong batch split) moves weights by about lr = 3e-3.
+    assert worst < 5e-5, worst
 
 
 @pytest.mark.slow
