@@ -46,6 +46,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from egmla.cache import cache_spec_for  # noqa: E402
 from egmla.config import EGMLAConfig, MHAConfig, MLAConfig, ModelConfig  # noqa: E402
 from egmla.models import Transformer  # noqa: E402
 from egmla.presets import preset  # noqa: E402
@@ -193,9 +194,7 @@ class Cell:
 
 
 def model_cache_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
-    with torch.device("meta"):
-        spec = Transformer(cfg).cache_spec()
-    return spec.bytes_per_token(FLOAT) * batch * context
+    return cache_spec_for(cfg).bytes_per_token(FLOAT) * batch * context
 
 
 def run_grid(shapes: dict, contexts, batches, rounds, slow_ms, max_cache_bytes) -> list[dict]:
