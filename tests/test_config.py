@@ -62,6 +62,7 @@ def test_missing_required_key_is_named():
         ({"attention": {"type": "egmla", "gate_group_size": 3}}, "gate_group_size=3"),
         ({"attention": {"type": "egmla", "gate_position": "query"}}, "gate_position='query'"),
         ({"attention": {"type": "egmla", "gate_norm": "batchnorm"}}, "gate_norm='batchnorm'"),
+        ({"attention": {"type": "egmla", "gate_init": "zeros"}}, "gate_init='zeros'"),
     ],
 )
 def test_impossible_shapes_fail_at_construction(change, message):
