@@ -22,7 +22,10 @@ and cache; torch's default threads.
     python benchmarks/decode_cost.py --shapes paper --batches 1   # about 10 minutes
     python benchmarks/decode_cost.py --quick         # small presets, 2 contexts, batch 1: a minute
 
-Writes benchmarks/results/decode_cost.{json,md} (decode_cost_quick.* with --quick).
+Writes benchmarks/results/decode_cost.{json,md} (decode_cost_quick.* with --quick) at the end.
+After each (shapes, scope, batch, context) group the rows so far go to decode_cost.partial.json;
+run the same command again after an interruption and it resumes from there (--fresh starts over;
+other settings start over too). Each run segment's git SHA and load average are recorded.
 """
 
 from __future__ import annotations
@@ -197,15 +200,28 @@ def model_cache_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
     return cache_spec_for(cfg).bytes_per_token(FLOAT) * batch * context
 
 
-def run_grid(shapes: dict, contexts, batches, rounds, slow_ms, max_cache_bytes) -> list[dict]:
-    rows = []
+def run_grid(shapes: dict, contexts, batches, rounds, slow_ms, max_cache_bytes,
+             rows: list[dict], checkpoint) -> list[dict]:
+    """Measure every (shapes, scope, batch, context) group not already in `rows`.
+
+    After each group the rows so far go to `checkpoint(rows)`, so a run cut short resumes from
+    the last finished group.
+    """
+    done, warm_up = {group_key(r) for r in rows}, True
     for family, variants in shapes.items():
         for scope in ("layer", "model"):
             for batch in batches:
                 for context in contexts:
+                    if (family, scope, batch, context) in done:
+                        continue
                     cells = [Cell(*v, batch, context, scope == "model", max_cache_bytes)
                              for v in variants]
                     live = [c for c in cells if not c.skipped]
+                    if warm_up:  # the process's first steps pay one-time costs (thread pool, allocator)
+                        for c in live:
+                            c.measure(with_memory=False)
+                            c.times.clear()
+                        warm_up = False
                     for r in range(rounds):
                         for c in live:
                             if r == 0 or c.times[0] * 1e3 < slow_ms:
@@ -214,7 +230,19 @@ def run_grid(shapes: dict, contexts, batches, rounds, slow_ms, max_cache_bytes) 
                         rows.append({"shapes": family, **c.row()})
                         c.release()
                         print(format_row(rows[-1]), flush=True)
+                    checkpoint(rows)
     return rows
+
+
+def group_key(row: dict) -> tuple:
+    return row["shapes"], row["scope"], row["batch"], row["context"]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """A reader sees the previous file or the whole new one, never a part."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def format_row(r: dict) -> str:
@@ -231,11 +259,18 @@ def _fmt_ms(x: float) -> str:
     return f"{x:,.2f}" if x < 100 else f"{x:,.0f}"
 
 
+def _shas(meta: dict) -> str:
+    """The commit(s) the rows were measured at: one per run segment when a run was resumed."""
+    gits = [seg["git"] for seg in meta.get("segments", [])] or [meta["git"]]
+    shas = dict.fromkeys(f"{g['sha']}{' (dirty tree)' if g['dirty'] else ''}" for g in gits)
+    return " then ".join(shas) + (f" ({len(gits)} run segments)" if len(gits) > 1 else "")
+
+
 def render(rows: list[dict], meta: dict) -> str:
     out = ["# Decode-step cost by attention variant and context length", "",
            f"{meta['hardware'].get('cpu', 'CPU')} ({meta['hardware'].get('cpu_count')} cores), "
-           f"torch {meta['versions']['torch']}, float32, git {meta['git']['sha']}"
-           f"{' (dirty tree)' if meta['git']['dirty'] else ''}. Command: `{meta['command_line']}`. "
+           f"torch {meta['versions']['torch']}, float32, git {_shas(meta)}. "
+           f"Command: `{meta['command_line']}`. "
            "Median of interleaved rounds (one round for steps over the --slow-ms limit).", ""]
     contexts = sorted({r["context"] for r in rows})
     for family in dict.fromkeys(r["shapes"] for r in rows):
@@ -325,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip whole-model cells whose float32 cache is larger")
     p.add_argument("--quick", action="store_true", help="small presets, S 256 and 1024, batch 1")
     p.add_argument("--out", type=Path, help="path prefix (default benchmarks/results/decode_cost)")
+    p.add_argument("--fresh", action="store_true",
+                   help="ignore the <out>.partial.json of an earlier run cut short and start over")
     args = p.parse_args(argv)
     for name in ("contexts", "batches"):
         if min(getattr(args, name)) < 1:
@@ -333,16 +370,40 @@ def main(argv: list[str] | None = None) -> int:
         args.shapes, args.contexts, args.batches, args.rounds = ["small"], [256, 1024], [1], 2
     out = args.out or ROOT / "benchmarks/results" / ("decode_cost_quick" if args.quick else "decode_cost")
     families = {"paper": PAPER, "small": SMALL}
+    grid = {k: v for k, v in vars(args).items() if k not in ("out", "fresh")}
+    partial = out.with_name(out.name + ".partial.json")
+    rows, segments = [], []
+    if partial.exists() and not args.fresh:
+        saved = json.loads(partial.read_text())
+        if saved["grid"] == grid:
+            rows, segments = saved["rows"], saved["segments"]
+            print(f"resuming {partial}: {len({group_key(r) for r in rows})} groups already "
+                  f"measured (--fresh starts over)", flush=True)
+        else:
+            print(f"ignoring {partial}: it was started with other settings", flush=True)
     started, load_start = time.time(), os.getloadavg()
-    rows = run_grid({f: families[f] for f in args.shapes}, args.contexts, args.batches,
-                    args.rounds, args.slow_ms, args.max_cache_gib * 2**30)
-    meta = {**provenance(), "command_line": " ".join(["python", *sys.argv]),
-            "elapsed_s": round(time.time() - started, 1), "settings": vars(args) | {"out": str(out)},
-            "load_avg_start_end": [load_start, os.getloadavg()]}
+    segment = {"git": provenance()["git"], "started_unix": round(started),
+               "groups_before": len({group_key(r) for r in rows}), "load_avg_start": load_start}
+    segments.append(segment)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"rows": rows, **meta}, indent=2, default=str) + "\n")
+
+    def checkpoint(rows_so_far: list[dict]) -> None:
+        segment["load_avg_last"] = os.getloadavg()
+        segment["elapsed_s"] = round(time.time() - started, 1)
+        write_atomic(partial, json.dumps({"grid": grid, "segments": segments, "rows": rows_so_far},
+                                         indent=1, default=str) + "\n")
+
+    rows = run_grid({f: families[f] for f in args.shapes}, args.contexts, args.batches,
+                    args.rounds, args.slow_ms, args.max_cache_gib * 2**30, rows, checkpoint)
+    checkpoint(rows)
+    meta = {**provenance(), "command_line": " ".join(["python", *sys.argv]),
+            "elapsed_s": round(sum(s.get("elapsed_s", 0) for s in segments), 1),
+            "settings": vars(args) | {"out": str(out)}, "segments": segments,
+            "load_avg_start_end": [segments[0]["load_avg_start"], os.getloadavg()]}
     text = render(rows, meta)
-    out.with_suffix(".md").write_text(text)
+    write_atomic(out.with_suffix(".json"), json.dumps({"rows": rows, **meta}, indent=2, default=str) + "\n")
+    write_atomic(out.with_suffix(".md"), text)
+    partial.unlink()
     print(text)
     return 0
 
