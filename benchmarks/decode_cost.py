@@ -15,7 +15,9 @@ at batch 1 and 16 and S from 256 to 8,192:
 
 Decode time does not depend on the cache's contents, so caches are filled with random values
 directly (no prefill). Variants are interleaved within each (batch, context) cell, `--rounds`
-rounds each (a step over --slow-ms is timed once); the median is reported. float32 weights
+rounds each (a step over --slow-ms is timed once); the median is reported. Whole-model cells
+whose caches would not fit in memory together (--max-group-gib) are timed one variant after
+another instead (`interleaved: false` in their rows). float32 weights
 and cache; torch's default threads.
 
     python benchmarks/decode_cost.py                 # the full grid: over an hour on 2 cores
@@ -200,7 +202,7 @@ def model_cache_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
     return cache_spec_for(cfg).bytes_per_token(FLOAT) * batch * context
 
 
-def run_grid(shapes: dict, contexts, batches, rounds, slow_ms, max_cache_bytes,
+def run_grid(shapes: dict, contexts, batches, rounds, slow_ms, max_cache_bytes, max_group_bytes,
              rows: list[dict], checkpoint) -> list[dict]:
     """Measure every (shapes, scope, batch, context) group not already in `rows`.
 
@@ -214,22 +216,29 @@ def run_grid(shapes: dict, contexts, batches, rounds, slow_ms, max_cache_bytes,
                 for context in contexts:
                     if (family, scope, batch, context) in done:
                         continue
-                    cells = [Cell(*v, batch, context, scope == "model", max_cache_bytes)
-                             for v in variants]
-                    live = [c for c in cells if not c.skipped]
-                    if warm_up:  # the process's first steps pay one-time costs (thread pool, allocator)
-                        for c in live:
-                            c.measure(with_memory=False)
-                            c.times.clear()
-                        warm_up = False
-                    for r in range(rounds):
-                        for c in live:
-                            if r == 0 or c.times[0] * 1e3 < slow_ms:
-                                c.measure(with_memory=r == 0)
-                    for c in cells:
-                        rows.append({"shapes": family, **c.row()})
-                        c.release()
-                        print(format_row(rows[-1]), flush=True)
+                    whole = scope == "model"
+                    group_bytes = sum(model_cache_bytes(config_of(v[1], v[2], context), batch, context)
+                                      for v in variants) if whole else 0
+                    # Interleave the variants' rounds when their caches fit in memory together;
+                    # else build, time and free one variant at a time.
+                    together = group_bytes <= max_group_bytes
+                    batches_of_cells = [variants] if together else [[v] for v in variants]
+                    for chunk in batches_of_cells:
+                        cells = [Cell(*v, batch, context, whole, max_cache_bytes) for v in chunk]
+                        live = [c for c in cells if not c.skipped]
+                        if warm_up:  # the process's first steps pay one-time costs (threads, allocator)
+                            for c in live:
+                                c.measure(with_memory=False)
+                                c.times.clear()
+                            warm_up = False
+                        for r in range(rounds):
+                            for c in live:
+                                if r == 0 or c.times[0] * 1e3 < slow_ms:
+                                    c.measure(with_memory=r == 0)
+                        for c in cells:
+                            rows.append({"shapes": family, **c.row(), "interleaved": together})
+                            c.release()
+                            print(format_row(rows[-1]), flush=True)
                     checkpoint(rows)
     return rows
 
@@ -266,12 +275,23 @@ def _shas(meta: dict) -> str:
     return " then ".join(shas) + (f" ({len(gits)} run segments)" if len(gits) > 1 else "")
 
 
+def _sequential_note(rows: list[dict]) -> list[str]:
+    cells = sorted({(r["shapes"], r["batch"], r["context"]) for r in rows
+                    if not r.get("interleaved", True)})
+    if not cells:
+        return []
+    where = "; ".join(f"{f} B={b} S={c:,}" for f, b, c in cells)
+    return [f"Whole-model cells timed one variant after another (their caches do not fit in "
+            f"memory together), not interleaved: {where}."]
+
+
 def render(rows: list[dict], meta: dict) -> str:
     out = ["# Decode-step cost by attention variant and context length", "",
            f"{meta['hardware'].get('cpu', 'CPU')} ({meta['hardware'].get('cpu_count')} cores), "
            f"torch {meta['versions']['torch']}, float32, git {_shas(meta)}. "
            f"Command: `{meta['command_line']}`. "
-           "Median of interleaved rounds (one round for steps over the --slow-ms limit).", ""]
+           "Median of interleaved rounds (one round for steps over the --slow-ms limit).",
+           *_sequential_note(rows), ""]
     contexts = sorted({r["context"] for r in rows})
     for family in dict.fromkeys(r["shapes"] for r in rows):
         fam = [r for r in rows if r["shapes"] == family]
@@ -358,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="a step slower than this (first round) is timed once")
     p.add_argument("--max-cache-gib", type=float, default=6.0,
                    help="skip whole-model cells whose float32 cache is larger")
+    p.add_argument("--max-group-gib", type=float, default=3.0,
+                   help="whole-model cells of one (batch, context) whose caches add up to more are "
+                        "timed one variant at a time instead of interleaved (memory)")
     p.add_argument("--quick", action="store_true", help="small presets, S 256 and 1024, batch 1")
     p.add_argument("--out", type=Path, help="path prefix (default benchmarks/results/decode_cost)")
     p.add_argument("--fresh", action="store_true",
@@ -394,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
                                          indent=1, default=str) + "\n")
 
     rows = run_grid({f: families[f] for f in args.shapes}, args.contexts, args.batches,
-                    args.rounds, args.slow_ms, args.max_cache_gib * 2**30, rows, checkpoint)
+                    args.rounds, args.slow_ms, args.max_cache_gib * 2**30,
+                    args.max_group_gib * 2**30, rows, checkpoint)
     checkpoint(rows)
     meta = {**provenance(), "command_line": " ".join(["python", *sys.argv]),
             "elapsed_s": round(sum(s.get("elapsed_s", 0) for s in segments), 1),
