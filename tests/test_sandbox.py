@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -261,6 +262,145 @@ def test_fake_pass_markers_are_not_believed():
     assert v.status == "error" and not v.passed
     wrong = contained(f"print({forged!r})\ndef f(x):\n    return 0\n", ["assert f(1) == 2"])
     assert wrong.status == "failed"
+
+
+# Builtins the tests use stay the real ones: (the program's replacement, a test using the
+# builtin, a right f, a wrong f). Each replacement would make the wrong f pass, or break the
+# run, if the tests called it.
+SHADOWS = {
+    "abs": ("def abs(x):\n    return 0\n", "assert abs(f(2) - 2) < 1e-9",
+            "def f(x):\n    return x\n", "def f(x):\n    return x + 1\n"),
+    "range": ("def range(*a):\n    return []\n", "for i in range(3):\n    assert f(i) == i",
+              "def f(x):\n    return x\n", "def f(x):\n    return x + 1\n"),
+    "len": ("def len(x):\n    return 3\n", "assert len(f('abc')) == 3",
+            "def f(s):\n    return s\n", "def f(s):\n    return ''\n"),
+    "sorted": ("def sorted(*a, **k):\n    return [1, 2, 3]\n",
+               "assert sorted(f([3, 1, 2])) == [1, 2, 3]",
+               "def f(xs):\n    return xs\n", "def f(xs):\n    return []\n"),
+    "isinstance": ("def isinstance(*a):\n    return True\n", "assert isinstance(f(1), int)",
+                   "def f(x):\n    return x\n", "def f(x):\n    return 'x'\n"),
+    "print": ("def print(*a, **k):\n    import os\n    os._exit(0)\n",
+              "print('{\"status\": \"passed\"}')\nassert f(1) == 1",
+              "def f(x):\n    return x\n", "def f(x):\n    return 0\n"),
+    "AssertionError": ("def AssertionError(*a):\n    import os\n    os._exit(0)\n",
+                       "if f(1) != 1:\n    raise AssertionError('f(1) is not 1')",
+                       "def f(x):\n    return x\n", "def f(x):\n    return 0\n"),
+    "__import__": ("def __import__(*a, **k):\n    raise ImportError('shadowed')\n",
+                   "import math\nassert f(4) == math.sqrt(4)",
+                   "def f(x):\n    return x ** 0.5\n", "def f(x):\n    return x\n"),
+    "builtins.abs": ("import builtins\nbuiltins.abs = lambda x: 0\n", "assert abs(f(2) - 2) < 1e-9",
+                     "def f(x):\n    return x\n", "def f(x):\n    return x + 1\n"),
+}
+
+
+@pytest.mark.parametrize("name", SHADOWS)
+def test_a_program_cannot_replace_a_builtin_the_tests_use(name):
+    shadow, test, right, wrong = SHADOWS[name]
+    v = contained(shadow + wrong, [test])
+    assert v.status == "failed", v
+    if name == "AssertionError":
+        assert v.tests[0]["message"] == "f(1) is not 1"
+    # A helper named like a builtin is the program's own business: a right f passes.
+    assert contained(shadow + right, [test]).status == "passed"
+
+
+def test_a_function_under_test_named_like_a_builtin_reaches_the_tests():
+    """The rule's one exception (MBPP/126 asks for `sum(a, b)`): when the tests use no other
+    function of the program, its single builtin-named function is the one under test."""
+    gcd_sum = "def sum(a, b):\n    return sum_of(a, b)\ndef sum_of(a, b):\n    return {}\n"
+    assert contained(gcd_sum.format(6), ["assert sum(10, 15) == 6"]).passed
+    assert contained(gcd_sum.format(0), ["assert sum(10, 15) == 6"]).status == "failed"
+    # With another function of the program in use, `sum` is the builtin again.
+    mean = "def sum(xs):\n    return 0\ndef mean(xs):\n    return 2\n"
+    assert contained(mean, ["assert mean([1, 3]) == sum([1, 3]) / 2"]).passed
+    # Two builtin-named functions and nothing else: ambiguous, so both are the builtins.
+    two = "def sum(a, b):\n    return 6\ndef int(x):\n    return 6\n"
+    v = contained(two, ["assert sum(10, 15) == int('6')"])
+    assert v.status == "failed" and v.tests[0]["type"] == "TypeError"
+
+
+def test_only_modules_under_their_own_name_reach_the_tests():
+    test = ["assert math.isclose(f(), 1.0)"]
+    assert contained("import math\ndef f():\n    return 1.0\n", test).passed
+    v = contained("import cmath as math\ndef f():\n    return 1.0\n", test)
+    assert v.status == "failed" and v.tests[0]["type"] == "NameError"
+
+
+def test_import_this_and_printing_tests_leave_the_verdict_alone():
+    """`import this` prints the Zen on import; the judge imports its own copy when the tests use
+    it, and it, like any print of the judge's, goes to stderr, not to the verdict channel."""
+    v = contained("import this\ndef f(x):\n    return x\n",
+                  ["assert f(1) == 1", "assert this.s and f(2) == 2",
+                   "print('{\"status\": \"failed\"}' * 1000)"])
+    assert v.status == "passed" and "Beautiful is better than ugly" in v.stdout
+    wrong = contained("import this\ndef f(x):\n    return 0\n", ["assert this.s and f(1) == 1"])
+    assert wrong.status == "failed"
+
+
+def framed(message) -> bytes:
+    data = json.dumps(message).encode()
+    return struct.pack(">I", len(data)) + data
+
+
+FORGE_EVERYWHERE = """import os
+FORGED = {forged!r}
+def forge():
+    fds = set(range(64)) | {{int(fd) for fd in os.listdir('/proc/self/fd')}}
+    for fd in sorted(fds):
+        try:
+            os.write(fd, FORGED)
+        except OSError:
+            pass
+"""
+AT_IMPORT = [{"ready": True, "names": 5}, {"ready": True, "names": ["f"], "modules": 5},
+             {"ready": True, "names": ["f"], "modules": {"math": 5}}, {"ready": False, "error": 5},
+             {"ready": "yes"}, [1, 2], {"value": 1}]
+IN_A_CALL = [{"value": {"complex": [{"int": "9" * 4000}, 0]}}, {"value": {"dict": [[[1], 2]]}},
+             {"value": {"set": [[1]]}}, {"value": {"range": [0, 1, 0]}}, {"error": "x"},
+             {"error": {"type": 5}}, {}, {"trace": "forged"}]
+
+
+NESTED = b"[" * 100_000 + b"]" * 100_000  # json.loads: RecursionError
+
+
+@pytest.mark.parametrize("forged", [framed(m) for m in AT_IMPORT] +
+                         [struct.pack(">I", len(NESTED)) + NESTED, b"not even a frame"],
+                         ids=[json.dumps(m) for m in AT_IMPORT] + ["nested", "unframed"])
+def test_forged_frames_at_import_on_every_descriptor_give_the_programs_verdict(forged):
+    """The program shares the worker's process and can write into its channel; what it writes
+    there is its answer: `error`, never a pass and never a failure of the judge."""
+    program = FORGE_EVERYWHERE.format(forged=forged) + "forge()\ndef f(x):\n    return x\n"
+    v = contained(program, ["assert f(1) == 1"])
+    assert v.status == "error" and "protocol" in v.reason, v
+
+
+@pytest.mark.parametrize("forged", IN_A_CALL, ids=[json.dumps(m)[:40] for m in IN_A_CALL])
+def test_forged_replies_in_a_call_give_the_programs_verdict(forged):
+    program = FORGE_EVERYWHERE.format(forged=framed(forged)) + \
+        "def f(x):\n    forge()\n    return x\n"
+    v = contained(program, ["assert f(1) == 1"], trace=True)
+    assert v.status == "error" and "protocol" in v.reason, v
+
+
+def test_forged_frames_on_stdout_and_stderr_change_nothing():
+    forged = framed({"ready": True, "names": 5}) + json.dumps({"status": "passed"}).encode()
+    forge = f"import os\nfor fd in (1, 2):\n    os.write(fd, {forged!r})\n"
+    assert contained(forge + "def f(x):\n    return x\n", ["assert f(1) == 1"]).passed
+    assert contained(forge + "def f(x):\n    return 0\n", ["assert f(1) == 1"]).status == "failed"
+
+
+def test_cli_gives_the_programs_verdict_not_bad_input_for_hostile_output(tmp_path):
+    (tmp_path / "tests.py").write_text("assert f(1) == 1\n")
+    programs = {"this.py": ("import this\ndef f(x):\n    return x\n", 0, "passed"),
+                "forged.py": (FORGE_EVERYWHERE.format(forged=framed({"ready": True, "names": 5}))
+                              + "forge()\ndef f(x):\n    return x\n", 1, "error")}
+    for name, (source, code, status) in programs.items():
+        (tmp_path / name).write_text(source)
+        cmd = [sys.executable, "-m", "serve.sandbox", str(tmp_path / name),
+               "--tests", str(tmp_path / "tests.py"), "--timeout", "5", "--json"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert out.returncode == code, out.stderr
+        assert json.loads(out.stdout)["status"] == status
 
 
 def test_deep_recursion():

@@ -9,10 +9,12 @@ Each run is a fresh interpreter in its own session (`python -I -B -S`), started 
 trusted judge (`runner.py`) forks a worker that drops to an unprivileged uid, gets CPU, memory,
 file-size, open-file and process limits, a scratch directory and a four-variable environment,
 and runs the program; the judge runs the tests itself, calling the program's functions through
-proxies that carry plain data across (see runner.py). The wall-clock limit is enforced by the
-judge and again here, and the whole process tree is killed at the end of every run, normal or
-not. `protections()` says what this machine allows; each missing layer is a warning, never
-silent. docs/sandbox.md has the threat model.
+proxies that carry plain data across (see runner.py). The tests get only the program's names
+they use and never one that would hide a builtin, and the verdict comes back on a channel the
+program has no descriptor for. The wall-clock limit is enforced by the judge and again here,
+and the whole process tree is killed at the end of every run, normal or not. `protections()`
+says what this machine allows; each missing layer is a warning, never silent. docs/selfdebug.md
+("The sandbox") has the threat model.
 
 Statuses: passed; failed (a test's assertion, with expected and actual where the assert is
 `==`); error (the program raised: type, message, line; or it exited or crashed early);

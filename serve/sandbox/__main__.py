@@ -3,7 +3,8 @@
 TESTS.py is ordinary Python. Its top-level `assert` statements and bare expressions (such as
 `check(candidate)`) are the tests, one each, and so is every top-level `def test_*()`; the rest
 (imports, helpers, constants) is setup, run first. The tests see the program's top-level
-functions by name.
+functions that they use, by name, except that a builtin the tests use stays the builtin (a
+program's `def abs` does not replace it; see docs/selfdebug.md).
 
     python -m serve.sandbox solution.py --tests tests.py --timeout 5 --json
 

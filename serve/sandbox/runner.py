@@ -1,14 +1,26 @@
 """The trusted half of the sandbox, run inside it: `python -I -B -S runner.py`.
 
 Two processes. This one (the judge) reads the request on stdin, forks a worker that runs the
-untrusted program, and then runs the tests itself. Every name the program defines at top level
-reaches the tests as a proxy: calling it sends the arguments to the worker, which calls the real
-function and sends back the result as plain data (numbers, strings, bytes, lists, tuples, sets,
-dicts) or the exception it raised. So the tests, their asserts and the verdict all live in a
-process where no untrusted code ever ran; the worker gets no descriptor to the judge's stdout
-(the verdict channel), never sees the tests, runs under another uid where one is available, and
-cannot inspect the judge (which is not dumpable). The verdict is the one JSON object the judge
-writes to stdout; the worker's exit code and output are reported, never believed.
+untrusted program, and then runs the tests itself. The program's top-level functions that the
+tests use reach them as proxies: calling one sends the arguments to the worker, which calls the
+real function and sends back the result as plain data (numbers, strings, bytes, lists, tuples,
+sets, dicts) or the exception it raised. So the tests, their asserts and the verdict all live in
+a process where no untrusted code ever ran; the worker never sees the tests, runs under another
+uid where one is available, and cannot inspect the judge (which is not dumpable).
+
+Which names the tests get from the program (`tests_namespace`): only names the test code
+(setup and tests) reads as globals and does not define itself, never a dunder, and never the
+name of a builtin, so `def abs(x): return 0` changes `abs` for the program alone and the tests
+keep the real one. The one exception: when the tests use no other function of the program, a
+single function named like a builtin is the function under test (MBPP/126 asks for
+`sum(a, b)`) and the tests get it.
+
+The verdict is the one JSON object the judge writes, on a duplicate of its stdout taken before
+anything else ran; fd 1 itself then points at stderr, so output of the judge's own (a module's
+import-time print, a test's print) never mixes with it, and the worker gets no descriptor to it.
+Everything the worker sends is checked: a message the judge cannot use means the program broke
+the protocol (status `error`), never a failure of the judge. The worker's exit code and output
+are reported, never believed.
 
 Standard library only: this file runs under whichever interpreter the sandbox uid can execute.
 """
@@ -16,6 +28,7 @@ Standard library only: this file runs under whichever interpreter the sandbox ui
 from __future__ import annotations
 
 import ast
+import builtins
 import ctypes
 import json
 import math
@@ -25,6 +38,7 @@ import selectors
 import shutil
 import signal
 import struct
+import symtable
 import sys
 import tempfile
 import time
@@ -157,13 +171,16 @@ def short_repr(value) -> str:
 
 # ---- framed messages over pipes ----
 
+def write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
 def send(fd: int, message) -> None:
     data = json.dumps(message).encode()
     if len(data) > MAX_FRAME:
         raise Unsupported(f"message of {len(data)} bytes exceeds {MAX_FRAME}")
-    data = struct.pack(">I", len(data)) + data
-    while data:
-        data = data[os.write(fd, data):]
+    write_all(fd, struct.pack(">I", len(data)) + data)
 
 
 def recv_exact(fd: int, n: int) -> bytes:
@@ -342,6 +359,27 @@ class WorkerGone(Exception):
         self.status, self.reason = status, reason
 
 
+def broken_protocol(what: str) -> WorkerGone:
+    """The worker's process sent something the judge cannot use: the program wrote into the
+    sandbox's channel (it shares the worker's process, so it can). Its verdict, not ours."""
+    return WorkerGone("error", f"the program broke the sandbox's protocol: {what}")
+
+
+def error_info(info) -> dict:
+    """The worker's report of an exception, as strings and a line number."""
+    if not isinstance(info, dict) or not isinstance(info.get("type"), str):
+        raise broken_protocol("an exception report without a type")
+    line = info.get("line")
+    return {"type": info["type"][:200], "message": as_text(info.get("message"))[:2000],
+            "line": line if type(line) is int else None,
+            "traceback": as_text(info.get("traceback"))[-TRACE_CHARS:]}
+
+
+def as_text(value) -> str:
+    """A string the worker sent, or a short repr of whatever came instead."""
+    return value if isinstance(value, str) else "" if value is None else short_repr(value)
+
+
 class ProgramError(Exception):
     """The program raised inside a call made by a test."""
 
@@ -372,16 +410,16 @@ class Judge:
             if len(self.buffer) >= 4:
                 (size,) = struct.unpack(">I", self.buffer[:4])
                 if size > MAX_FRAME:
-                    raise WorkerGone("error", f"the worker sent a {size}-byte message")
+                    raise broken_protocol(f"a {size}-byte message")
                 if len(self.buffer) >= 4 + size:
                     frame = bytes(self.buffer[4:4 + size])
                     del self.buffer[:4 + size]
                     try:
                         message = json.loads(frame)
-                    except ValueError:
-                        raise WorkerGone("error", "the worker sent a malformed message") from None
+                    except (ValueError, RecursionError):
+                        raise broken_protocol("a message that is not JSON") from None
                     if not isinstance(message, dict):
-                        raise WorkerGone("error", "the worker sent a malformed message")
+                        raise broken_protocol("a message that is not a JSON object")
                     return message
             left = self.deadline - time.monotonic()
             if left <= 0:
@@ -445,18 +483,17 @@ class Judge:
             raise self.worker_died() from None
         reply = self.receive()
         if trace:
-            return str(reply.get("trace", ""))[:TRACE_CHARS + 100]
+            return as_text(reply.get("trace"))[:TRACE_CHARS + 100]
         if "unsupported" in reply:
-            raise Unsupported(f"{name} returned {str(reply['unsupported'])[:300]}")
+            raise Unsupported(f"{name} returned {as_text(reply['unsupported'])[:300]}")
         if "error" in reply:
-            info = reply["error"]
-            if not isinstance(info, dict) or not isinstance(info.get("type"), str):
-                raise WorkerGone("error", "the worker sent a malformed message")
-            raise ProgramError({k: info.get(k) for k in ("type", "message", "line", "traceback")})
+            raise ProgramError(error_info(reply["error"]))
+        if "value" not in reply:
+            raise broken_protocol("a reply with neither a value nor an error")
         try:
             return decode(reply["value"])
-        except (KeyError, ValueError, TypeError, RecursionError):
-            raise WorkerGone("error", "the worker sent a malformed value") from None
+        except Exception:  # noqa: BLE001 - whatever the bytes make decoding raise
+            raise broken_protocol("a malformed value") from None
 
     def proxy(self, name: str):
         def call(*args, **kwargs):
@@ -546,6 +583,64 @@ def add_trace(judge: Judge, case: dict) -> None:
         case["trace"] = f"(no trace: {e})"
 
 
+# ---- the tests' namespace ----
+
+BUILTIN_NAMES = frozenset(vars(builtins))
+
+
+def global_reads(source: str) -> tuple[set[str], set[str]]:
+    """(names `source` reads as globals, in any of its scopes; names it binds at top level).
+    Source that does not parse gives neither: compiling it reports the error later."""
+    try:
+        top = symtable.symtable(source, "<tests>", "exec")
+    except (SyntaxError, ValueError):
+        return set(), set()
+    reads, tables = set(), [top]
+    while tables:
+        table = tables.pop()
+        tables += table.get_children()
+        reads |= {s.get_name() for s in table.get_symbols()
+                  if s.is_referenced() and (table is top or s.is_global())}
+    binds = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
+    return reads, binds
+
+
+def tests_namespace(judge: Judge, ready: dict, sources: list[str]) -> dict:
+    """The tests' globals: a proxy for each of the program's functions the test code uses
+    (`sources`: the setup and the tests), and the standard-library modules the program imported
+    that the test code uses under their own name. Builtins stay the real ones (module docstring).
+
+        program `def abs(x): return 0` + `def mad(xs): ...`, test `abs(mad(xs) - 0.5) < 1e-6`
+        -> the test calls the proxy `mad` and the real `abs`
+    """
+    names, modules = ready.get("names", []), ready.get("modules", {})
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise broken_protocol("'names' is not a list of names")
+    if not (isinstance(modules, dict) and all(isinstance(m, str) for m in modules.values())):
+        raise broken_protocol("'modules' is not a table of module names")
+    reads, binds = set(), set()
+    for source in sources:
+        r, b = global_reads(source)
+        reads, binds = reads | r, binds | b
+    wanted = {n for n in reads - binds if not n.startswith("__")}
+    functions = wanted & set(names)
+    exposed = functions - BUILTIN_NAMES
+    if not exposed and len(functions) == 1:  # the function under test is named like a builtin
+        exposed = functions
+    scope: dict = {"__name__": "__tests__", "__assert_eq__": assert_eq}
+    for name in sorted(wanted - BUILTIN_NAMES - exposed):
+        # The judge imports its own copy, and only under the module's own name: the program's
+        # `import cmath as math` does not give the tests a `math`.
+        if modules.get(name) == name and name in sys.stdlib_module_names:
+            try:
+                scope[name] = __import__(name)
+            except Exception:  # noqa: BLE001 - not in this interpreter: the test sees no name
+                pass
+    for name in sorted(exposed):
+        scope[name] = judge.proxy(name)
+    return scope
+
+
 def judge_program(request: dict, pid: int, pipes: tuple, started: float) -> dict:
     deadline = started + float(request["timeout"])
     judge = Judge(pid, *pipes, deadline=deadline, max_output=int(request["max_output"]),
@@ -554,23 +649,14 @@ def judge_program(request: dict, pid: int, pipes: tuple, started: float) -> dict
     verdict: dict = {"tests": [], "program_error": None}
     try:
         ready = judge.receive()
-        if not ready.get("ready"):
-            info = ready.get("error") or {}
-            verdict["program_error"] = {k: info.get(k) for k in ("type", "message", "line",
-                                                                  "traceback")}
-            status = "memory" if info.get("type") == "MemoryError" else "error"
+        if ready.get("ready") is False:
+            verdict["program_error"] = error_info(ready.get("error"))
+            status = "memory" if verdict["program_error"]["type"] == "MemoryError" else "error"
             verdict.update(status=status, reason="the program raised before the tests ran")
+        elif ready.get("ready") is not True:
+            raise broken_protocol("its first message is not the ready message")
         else:
-            scope: dict = {"__name__": "__tests__"}
-            for name in ready.get("names", [])[:1000]:
-                if isinstance(name, str) and name.isidentifier():
-                    scope[name] = judge.proxy(name)
-            # Standard-library modules the program imported are visible to the tests too (the
-            # judge imports its own copy; a module the program wrote itself is never imported).
-            for name, module in dict(ready.get("modules", {})).items():
-                if str(name).isidentifier() and str(module) in sys.stdlib_module_names:
-                    scope[name] = __import__(str(module), fromlist=["_"])
-            scope["__assert_eq__"] = assert_eq
+            scope = tests_namespace(judge, ready, [request.get("setup", ""), *tests])
             setup_error = None
             try:
                 exec(compile_test(request.get("setup", ""), "<setup>"), scope)  # noqa: S102
@@ -693,6 +779,11 @@ def read_message(fd: int) -> dict:
 
 def main() -> None:
     started = time.monotonic()
+    # The verdict channel: a private duplicate of stdout (not inherited by the worker, which
+    # keeps only fds 0-4 of its own). fd 1 then points at stderr, so whatever else in this
+    # process writes to stdout (a module's import-time print, a test's print) stays out of it.
+    verdict_fd = os.dup(1)
+    os.dup2(2, 1)
     request = read_message(0)  # limits and the program; the tests are read after the fork
     program = request["program"]
     c = libc()
@@ -721,8 +812,8 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
     verdict["notes"] = notes
     verdict["judge_wall_s"] = round(time.monotonic() - started, 4)
-    sys.stdout.write(json.dumps(verdict))
     sys.stdout.flush()
+    write_all(verdict_fd, json.dumps(verdict).encode())
 
 
 if __name__ == "__main__":
