@@ -24,16 +24,21 @@ from omegaconf import DictConfig, OmegaConf
 
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    from egmla.training.report import print_summary
-    from egmla.training.run import train
+    from egmla.data.corpus import CorpusError
+    from egmla.training.config import TrainConfig
 
     raw = OmegaConf.to_container(cfg, resolve=True)
     try:
+        TrainConfig.from_dict(raw)  # a bad key or value fails here, before Lightning is imported
+        from egmla.training.report import print_summary
+        from egmla.training.run import train
+
         summary = train(raw, Path(HydraConfig.get().runtime.output_dir))
-    except (ValueError, FileNotFoundError) as err:  # bad config, data, tokenizer or run directory
+    except (ValueError, FileNotFoundError, CorpusError) as err:  # config, data, tokenizer, run dir
         if os.environ.get("EGMLA_DEBUG"):
             raise
-        print(f"train.py: error: {err}\n(set EGMLA_DEBUG=1 for the traceback)", file=sys.stderr)
+        message = str(err).replace("\n", " ")  # one line, whatever the source of the message
+        print(f"train.py: error: {message} (EGMLA_DEBUG=1 shows the traceback)", file=sys.stderr)
         sys.exit(2)
     print_summary(summary, raw.get("sample_prompt"))
     return summary["val_loss"]  # the value a Hydra sweeper minimizes

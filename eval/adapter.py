@@ -16,6 +16,11 @@ or from Python: `lm_eval.simple_evaluate(model=EgmlaLM("SmolLM2-135M-Instruct"),
 - `generate_until`: through the serving engine (`serve.LLM`): every request of a batch is in
   flight at once, with the task's stop strings.
 
+`model_args` are strict: an unknown key fails with its name and the accepted keys. `device`
+(lm-eval's `--device`) is where the model runs: the weights move there before the engine's KV
+cache is allocated, and a device this machine lacks (`cuda` without a GPU) is refused.
+`get_model_info` adds `model_device`, where the weights really are, to lm-eval's results config.
+
 Tokenization follows lm-eval's `hf` model: the tokenizer's default special tokens unless
 `add_bos_token` says otherwise, and BOS (else EOS) as the prefix of an empty context, so
 the two models score the same tokens on the same weights.
@@ -23,6 +28,7 @@ the two models score the same tokens on the same weights.
 
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
 from typing import Any
 
@@ -33,10 +39,36 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from egmla.imports import load_pretrained
 from serve import LLM, SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "auto": None, None: None}
+
+
+def _device(device: str | None) -> torch.device | None:
+    """The device asked for, refused here unless the model can run on it; None: not asked.
+
+    "cuda" means the current CUDA device: torch.device("cuda", torch.cuda.current_device()).
+    """
+    if device is None:
+        return None
+    try:
+        wanted = torch.device(device)
+    except (RuntimeError, TypeError):
+        wanted = None
+    if wanted is None or wanted.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: expected cpu, cuda or cuda:N")
+    if wanted.type == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: CUDA is not available on this machine "
+                         "(torch.cuda.is_available() is False); run on the CPU (--device cpu)")
+    index = torch.cuda.current_device() if wanted.index is None else wanted.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} "
+                         "CUDA device(s)")
+    return torch.device("cuda", index)
 
 
 @register_model("egmla")
@@ -46,26 +78,49 @@ class EgmlaLM(TemplateLM):
         pretrained: str | LLM = "SmolLM2-135M-Instruct",
         dtype: str | None = None,
         batch_size: int | str = 8,
+        max_batch_size: int | None = None,  # lm-eval's --max_batch_size: caps batch_size=auto
         max_length: int | None = None,
         add_bos_token: bool | None = None,
         kv_cache_memory: int = 512 * 2**20,
-        device: str | None = None,  # lm-eval passes --device; egmla runs where its weights load
-        **unused: Any,
+        device: str | None = None,  # lm-eval's --device; None: where the weights load (the CPU)
+        **unknown: Any,
     ) -> None:
         super().__init__()
+        if unknown:  # a misspelled model_args key must not be dropped silently
+            accepted = [k for k in inspect.signature(EgmlaLM.__init__).parameters
+                        if k not in ("self", "unknown")]
+            raise ValueError(f"model_args: unknown key(s) {', '.join(sorted(unknown))}; "
+                             f"accepted keys: {', '.join(accepted)}")
+        wanted = _device(device)  # checked before minutes of loading
         if isinstance(pretrained, LLM):
             self.llm = pretrained
+            where = self.llm.model.tok_emb.weight.device
+            if wanted is not None and wanted != where:
+                raise ValueError(
+                    f"device={device!r}: this LLM was built on {where} and its KV cache lives "
+                    f"there; build it from a model on {wanted}, or pass pretrained=<name or path>")
         else:
             if dtype not in DTYPES:
                 raise ValueError(f"dtype={dtype!r}: expected one of float32, bfloat16, float16, auto")
-            self.llm = LLM(str(pretrained), dtype=DTYPES[dtype], kv_cache_memory=int(kv_cache_memory))
+            model, tokenizer = load_pretrained(str(pretrained), dtype=DTYPES[dtype])
+            if wanted is not None:
+                model.to(wanted)  # before the engine allocates its KV cache beside the weights
+            self.llm = LLM(model, tokenizer, kv_cache_memory=int(kv_cache_memory))
         if self.llm.tokenizer is None:
             raise ValueError(f"{pretrained}: has no tokenizer; lm-eval tasks need one")
         self.model, self.tokenizer = self.llm.model, self.llm.tokenizer
-        self._batch_size = 8 if str(batch_size).startswith("auto") else int(batch_size)
+        self._device = self.model.tok_emb.weight.device
+        if str(batch_size).startswith("auto"):
+            self._batch_size = min(8, int(max_batch_size)) if max_batch_size else 8
+        else:
+            self._batch_size = int(batch_size)
         self._max_length = int(max_length) if max_length else self.model.config.max_seq_len
         self.add_bos_token = add_bos_token
         self.pretrained = str(pretrained) if not isinstance(pretrained, LLM) else self.llm.name
+
+    def get_model_info(self) -> dict[str, Any]:
+        """Merged by lm-eval into its results' config: where the model really ran."""
+        return {"model_device": str(self._device)}
 
     # ---- what TemplateLM asks for -------------------------------------------------------------
 

@@ -13,6 +13,23 @@ import os
 import sys
 
 
+def default_device(argv: list[str]) -> list[str]:
+    """`argv`, plus `--device cpu` for `--model egmla` when no device is given.
+
+    lm-eval's command line defaults to cuda:0 and records that in its results whatever the model
+    does; the egmla adapter honours the device it is given (and refuses cuda without a GPU), so
+    without this a plain run would be refused on a CPU machine. The CPU is where egmla's weights
+    load; `--device cuda` runs on the GPU. A `--config` file may set the device itself.
+    """
+    flags = {arg.split("=", 1)[0] for arg in argv}
+    models = [value for flag, value in zip(argv, argv[1:]) if flag in ("--model", "-M")]
+    models += [arg.split("=", 1)[1] for arg in argv if arg.startswith(("--model=", "-M="))]
+    given = any(len(f) > 3 and "--device".startswith(f) for f in flags)  # argparse takes --dev
+    if models == ["egmla"] and not given and not flags & {"--config", "-C"}:
+        return [*argv, "--device", "cpu"]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> int:
     import eval.adapter  # noqa: F401 - registers the "egmla" model with lm-eval
     from egmla.checkpoint import CheckpointError
@@ -20,8 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from lm_eval.__main__ import cli_evaluate
 
     install()  # a local task's data files are found next to its YAML, from any directory
-    if argv is not None:
-        sys.argv = ["lm_eval", *argv]
+    sys.argv = ["lm_eval", *default_device(sys.argv[1:] if argv is None else argv)]
     try:
         cli_evaluate()
     except (CheckpointError, ValueError, OSError, ImportError) as error:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -146,9 +147,12 @@ metric_list:
 """
 
 
-def write_local_task(directory: Path) -> None:
+def write_local_task(directory: Path, absolute: bool = False) -> None:
+    """The capitals task; `absolute`: its YAML names the JSONL by absolute path (in-process
+    lm-eval resolves a relative one against the working directory)."""
     directory.mkdir(parents=True)
-    (directory / "capitals.yaml").write_text(TASK_YAML)
+    data = directory / "capitals.jsonl" if absolute else "capitals.jsonl"
+    (directory / "capitals.yaml").write_text(TASK_YAML.replace("capitals.jsonl", str(data)))
     rows = [{"question": q, "choices": c, "answer": a} for q, c, a in CAPITALS]
     (directory / "capitals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -192,7 +196,8 @@ def run_cli(*args: str, cwd: Path, cache: Path) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 @pytest.mark.parametrize("case,named", [("missing checkpoint", "never-trained"),
                                         ("unknown task", "no_such_task_anywhere"),
-                                        ("hub data offline", "ai2_arc")])
+                                        ("hub data offline", "ai2_arc"),
+                                        ("unknown model_args", "temprature")])
 def test_cli_bad_input_is_one_clear_line(tmp_path, smollm2_cache, case, named):
     write_local_task(tmp_path / "tasks")
     pretrained, task = "SmolLM2-135M-Instruct", "capitals"
@@ -200,6 +205,8 @@ def test_cli_bad_input_is_one_clear_line(tmp_path, smollm2_cache, case, named):
         pretrained = str(tmp_path / "runs" / "never-trained" / "export")
     elif case == "unknown task":
         task = "no_such_task_anywhere"
+    elif case == "unknown model_args":
+        pretrained += ",temprature=0"
     else:
         task = "arc_easy"  # an lm-eval task whose data lives on the hub; tests run offline
     run = run_cli("--model_args", f"pretrained={pretrained}", "--tasks", task, "--limit", "2",
@@ -224,3 +231,88 @@ def test_offline_gsm8k_task_runs_through_the_adapter(lm):
     targets = {s["doc_id"]: s["target"] for s in samples}
     assert len(targets) == 2 and targets[0] == "18"  # Janet's ducks: 9 eggs sold at $2
     assert all(isinstance(s["resps"][0][0], str) and s["resps"][0][0] for s in samples)
+
+
+# ---- model_args and device, through lm-eval's own construction (simple_evaluate) ----------------
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tmp_path_factory) -> Path:
+    """A random 2-layer model with a small BPE tokenizer: loads in a moment, scores anything."""
+    from egmla.checkpoint import save_export
+    from egmla.data.tokenizer import train_bpe
+    from egmla.models import Transformer
+    from egmla.presets import preset
+
+    root = tmp_path_factory.mktemp("tiny-export")
+    texts = [f"{q}{c}." for q, choices, _ in CAPITALS for c in choices] * 10
+    tokenizer = train_bpe(texts, 300, root / "tokenizer")
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny-mha", vocab_size=300))
+    return save_export(model, root / "export", tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def capitals_tasks(tmp_path_factory):
+    from lm_eval.tasks import TaskManager
+
+    directory = tmp_path_factory.mktemp("tasks") / "capitals"
+    write_local_task(directory, absolute=True)
+    return TaskManager(include_path=str(directory), include_defaults=False)
+
+
+def evaluate(model_args: str, **kwargs) -> dict:
+    import lm_eval
+
+    return lm_eval.simple_evaluate(model="egmla", model_args=model_args, tasks=["capitals"],
+                                   limit=2, **kwargs)
+
+
+def test_unknown_model_args_are_named_with_the_accepted_ones():
+    # Fails before any weights load (SmolLM2 is never read here).
+    with pytest.raises(ValueError) as failure:
+        evaluate("pretrained=SmolLM2-135M-Instruct,temprature=0,max_len=64")
+    message = str(failure.value)
+    assert "unknown key(s) max_len, temprature" in message, message
+    assert "accepted keys: pretrained, dtype, batch_size" in message and "device" in message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+@pytest.mark.parametrize("device, named", [("cuda", "torch.cuda.is_available() is False"),
+                                           ("cuda:1", "torch.cuda.is_available() is False"),
+                                           ("gpu", "expected cpu, cuda or cuda:N")])
+def test_a_device_it_cannot_use_is_refused(device, named):
+    with pytest.raises(ValueError, match=re.escape(f"device={device!r}: ")) as failure:
+        evaluate("pretrained=SmolLM2-135M-Instruct", device=device)
+    assert named in str(failure.value)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device, used", [("cpu", "cpu"), pytest.param("cuda", "cuda:0", marks=CUDA)])
+def test_device_is_the_one_used_and_recorded(tiny_export, capitals_tasks, device, used):
+    out = evaluate(f"pretrained={tiny_export}", device=device, task_manager=capitals_tasks)
+    assert out["config"]["device"] == device  # what lm-eval records: what it passed to the model
+    assert out["config"]["model_device"] == used  # where the adapter's weights really are
+    assert 0 <= out["results"]["capitals"]["acc,none"] <= 1
+
+
+@CUDA
+def test_an_llm_built_elsewhere_is_not_moved_silently(smollm2_llm):
+    with pytest.raises(ValueError, match="this LLM was built on cpu"):
+        EgmlaLM(smollm2_llm, device="cuda")
+
+
+@pytest.mark.slow
+def test_cli_without_device_runs_and_records_the_cpu(tmp_path, tiny_export):
+    """lm-eval's command line defaults to cuda:0; `python -m eval.lm_eval` asks egmla for the CPU
+    (where it runs unless told otherwise), so the results record where it ran."""
+    write_local_task(tmp_path / "tasks")
+    run = run_cli("--model_args", f"pretrained={tiny_export}", "--tasks", "capitals", "--limit", "2",
+                  "--include_path", str(tmp_path / "tasks"), "--output_path", "out",
+                  cwd=tmp_path, cache=tmp_path / "cache")
+    assert run.returncode == 0, run.stderr[-2000:]
+    (results,) = (tmp_path / "out").rglob("results_*.json")
+    config = json.loads(results.read_text())["config"]
+    assert config["device"] == "cpu" and config["model_device"] == "cpu"

@@ -95,3 +95,37 @@ def test_unknown_attention_type_fails_naming_it():
 def test_bad_values_fail_naming_them(override, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig.from_dict(compose_config([override]))
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.lr=abc", "optim.lr: expected a float, got 'abc'"),
+        ("optim.lr=null", "optim.lr: expected a float, got null"),
+        ("trainer.max_steps=abc", "trainer.max_steps: expected an int, got 'abc'"),
+        ("trainer.max_steps=2.5", "trainer.max_steps: expected an int, got 2.5"),
+        ("data.batch_size=abc", "data.batch_size: expected an int, got 'abc'"),
+        ("data.tokenizer.vocab_size=true", "data.tokenizer.vocab_size: expected an int, got True"),
+        ("trainer.compile=1", "trainer.compile: expected a bool (true or false), got 1"),
+        ("trainer.deterministic=yes", "trainer.deterministic: expected a bool (true or false)"),
+        ("trainer.gradient_clip_val=abc", "trainer.gradient_clip_val: expected a float or null"),
+        ("optim.betas=[0.9,abc]", "optim.betas[1]: expected a float, got 'abc'"),
+        ("wandb=null", "wandb: missing section"),
+        ("model.d_model=abc", "model.d_model: expected an int, got 'abc'"),
+        ("+model.tie_embeddings=0", "model.tie_embeddings: expected a bool"),
+        ("model.attention.d_c=abc", "model.attention.d_c: expected an int, got 'abc'"),
+        ("model.attention.d_q=1.5", "model.attention.d_q: expected an int or null, got 1.5"),
+    ],
+)
+def test_wrongly_typed_values_fail_naming_key_and_type(override, message):
+    with pytest.raises(ConfigError) as failure:
+        TrainConfig.from_dict(compose_config(["model/attention=small_mla", override]))
+    assert str(failure.value).startswith(message), failure.value
+
+
+def test_ints_read_as_floats_and_names_and_null_where_optional():
+    config = TrainConfig.from_dict(compose_config([
+        "optim.lr=1", "name=123", "trainer.gradient_clip_val=null", "model/attention=small_mha",
+        "model.attention.n_kv_heads=2"]))
+    assert config.optim.lr == 1 and config.name == "123" and config.trainer.gradient_clip_val is None
+    assert config.model_config().attention.n_kv_heads == 2

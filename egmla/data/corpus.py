@@ -51,7 +51,8 @@ def _package_dir(package: str) -> Path:
     """The directory of an installed package, found without importing it."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise CorpusError(f"the embedded corpus needs package {package!r}: {INSTALL}")
+        raise CorpusError(f"the embedded corpus needs package {package!r}, which is not installed: "
+                          f"{INSTALL} (scripts/setup.sh installs it)")
     return Path(list(spec.submodule_search_locations)[0])
 
 

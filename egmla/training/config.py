@@ -2,35 +2,45 @@
 
 Hydra builds a plain dict from `configs/` (model x attention x data x optim x trainer x logger,
 plus an experiment); `TrainConfig.from_dict` turns it into dataclasses and fails on a
-misspelled key with its dotted path, e.g. `trainer: unknown key 'max_step'`.
+misspelled key with its dotted path (`trainer: unknown key 'max_step'`) and on a value of the
+wrong type with the key and the type its field declares (`optim.lr: expected a float, got
+'abc'`), the model section (`model.attention.d_c`) included.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from egmla.config import ConfigError, ModelConfig, _check, _check_literals, _strict_kwargs
+from egmla.config import (
+    ATTENTION_REGISTRY, ConfigError, ModelConfig, _check, _check_literals, _strict_kwargs,
+)
 
 
-def build(cls: type, data: Any, where: str) -> Any:
-    """Build dataclass `cls` from `data`, recursing into dataclass-typed fields; strict keys."""
+def build(cls: type, data: Any, where: str = "") -> Any:
+    """Build dataclass `cls` from `data`, recursing into dataclass-typed fields; strict keys and
+    types. `where` is the dotted path of `data` ("" for the top level)."""
     if data is None:
-        raise ConfigError(f"{where}: missing section")
-    kwargs = _strict_kwargs(cls, data, where)
+        raise ConfigError(f"{where or 'config'}: missing section")
+    kwargs = _strict_kwargs(cls, data, where or "config")
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name not in kwargs:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ConfigError(f"{where}: missing required key {f.name!r}")
+                raise ConfigError(f"{where or 'config'}: missing required key {f.name!r}")
             continue
-        sub = _dataclass_in(hints[f.name])
-        if sub is not None and kwargs[f.name] is not None:
-            kwargs[f.name] = build(sub, kwargs[f.name], f"{where}.{f.name}")
+        path = f"{where}.{f.name}" if where else f.name
+        value, hint = kwargs[f.name], hints[f.name]
+        sub = _dataclass_in(hint)
+        if sub is None:
+            kwargs[f.name] = typed(value, hint, path)
+        elif value is not None or type(None) not in typing.get_args(hint):
+            kwargs[f.name] = build(sub, value, path)  # null for a required section: named
     obj = cls(**kwargs)
-    _check_literals(obj, where)
+    _check_literals(obj, where or "config")
     return obj
 
 
@@ -38,6 +48,99 @@ def _dataclass_in(hint: Any) -> type | None:
     """The dataclass in `X` or `X | None`, if any."""
     candidates = typing.get_args(hint) or (hint,)
     return next((c for c in candidates if dataclasses.is_dataclass(c)), None)
+
+
+# --------------------------------------------------------------------------------------------
+# Types of leaf values. Hydra parses `optim.lr=abc` as the string 'abc' and `optim.lr=null` as
+# None; both are refused here, before any code does arithmetic on them. Two readings are
+# allowed: an int where a float is declared (`optim.lr=1`), and an int where a string is
+# declared, taken as its digits (`name=123` -> "123"). A bool is never an int, nor 0/1 a bool.
+
+
+def typed(value: Any, hint: Any, where: str) -> Any:
+    """`value` checked against the annotation `hint` (ints become str for str fields)."""
+    if hint is Any or typing.get_origin(hint) is Literal:  # Literals: _check_literals names them
+        return value
+    arms = _union_arms(hint)
+    if arms is not None:
+        if value is None and type(None) in arms:
+            return None
+        for arm in arms:
+            try:
+                return typed(value, arm, where)
+            except ConfigError:
+                continue
+        raise _type_error(value, hint, where)
+    origin = typing.get_origin(hint)
+    if origin is list:
+        if not isinstance(value, list):
+            raise _type_error(value, hint, where)
+        (item,) = typing.get_args(hint) or (Any,)
+        return [typed(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise _type_error(value, hint, where)
+        return value
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str and number and isinstance(value, int):
+        return str(value)  # name=123
+    fits = {bool: isinstance(value, bool), int: number and isinstance(value, int),
+            float: number, str: isinstance(value, str)}
+    if fits.get(hint):
+        return value
+    raise _type_error(value, hint, where)
+
+
+def _union_arms(hint: Any) -> tuple[Any, ...] | None:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.get_args(hint)
+    return None
+
+
+_NAMES = {int: "an int", float: "a float", bool: "a bool (true or false)", str: "a string",
+          dict: "a mapping", type(None): "null"}
+
+
+def _describe(hint: Any) -> str:
+    """'a float', 'an int or null', 'a list (each a float)' ..."""
+    arms = _union_arms(hint)
+    if arms is not None:
+        return " or ".join(_describe(a) for a in sorted(arms, key=lambda a: a is type(None)))
+    origin = typing.get_origin(hint)
+    if origin is list:
+        (item,) = typing.get_args(hint) or (Any,)
+        return f"a list (each {_describe(item)})"
+    return _NAMES.get(origin or hint, str(hint))
+
+
+def _type_error(value: Any, hint: Any, where: str) -> ConfigError:
+    shown = "null" if value is None else repr(value)
+    return ConfigError(f"{where}: expected {_describe(hint)}, got {shown}")
+
+
+def typed_model(data: Any) -> Any:
+    """The model section with its leaf types checked (`model.d_model`, `model.attention.d_c`).
+
+    Only types: unknown keys, a missing or unknown attention type and the shapes are left to
+    `ModelConfig.from_dict`, which names them.
+    """
+    if not isinstance(data, dict):
+        return data
+    out = _typed_known_fields(ModelConfig, data, "model", skip=("attention",))
+    attention = data.get("attention")
+    kind = attention.get("type") if isinstance(attention, dict) else None
+    if isinstance(kind, str) and kind in ATTENTION_REGISTRY:
+        rest = {k: v for k, v in attention.items() if k != "type"}
+        out["attention"] = {"type": kind, **_typed_known_fields(ATTENTION_REGISTRY[kind], rest,
+                                                                "model.attention")}
+    return out
+
+
+def _typed_known_fields(cls: type, data: dict[str, Any], where: str,
+                        skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)} - set(skip)
+    return {k: typed(v, hints[k], f"{where}.{k}") if k in fields else v for k, v in data.items()}
 
 
 @dataclass
@@ -162,7 +265,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        cfg = build(cls, data, "config")
+        cfg = build(cls, data)
         cfg.model_config()  # strict check of the model section now, not at first use
         cfg.data.validate()
         cfg.optim.validate()
@@ -170,8 +273,9 @@ class TrainConfig:
         return cfg
 
     def model_config(self) -> ModelConfig:
+        model = typed_model(self.model)  # its own paths: "model.attention.d_c: expected ..."
         try:
-            return ModelConfig.from_dict(self.model)
+            return ModelConfig.from_dict(model)
         except ConfigError as err:
             raise ConfigError(f"model: {err}".replace("model: model:", "model:")) from None
 
