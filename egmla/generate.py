@@ -33,7 +33,12 @@ def sample_next(
         raise ValueError(f"top_p={top_p}: must be in (0, 1]")
     if temperature == 0.0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    # Shift the maximum to 0 and keep the divisor a normal float32: a tiny temperature then sends
+    # the other logits to -inf (greedy in the limit) instead of overflowing them all to inf (or
+    # dividing by a flushed-to-zero subnormal) and making softmax NaN.
+    logits = logits.float()
+    divisor = max(temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / divisor
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -42,6 +42,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text}: must be a finite number >= 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m serve", description=__doc__,
@@ -66,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests accepted beyond --max-num-seqs before answering 503 (default %(default)s)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
     g.add_argument("--no-chunked-prefill", action="store_true", help="turn off chunked prefill")
+    g = p.add_argument_group("requests and shutdown")
+    g.add_argument("--max-request-bytes", type=parse_bytes, default="4MiB",
+                   help="largest request body accepted; larger ones get 413 (default %(default)s)")
+    g.add_argument("--shutdown-timeout", type=non_negative_float, default=10.0,
+                   help="on SIGTERM or Ctrl-C: seconds to let running requests finish (new ones get "
+                        "503) before the rest are ended; a second signal ends them at once "
+                        "(default %(default)s)")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
@@ -85,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     from serve.api import build_app
     from serve.async_engine import AsyncEngine
     from serve.llm import LLM
+    from serve.shutdown import DrainingServer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -105,9 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         "serving %s as %r: %d KV blocks of %d tokens (%.1f MiB)", args.model, name, c.num_blocks,
         c.block_size, llm.engine.cache.nbytes() / 2**20)
     engine = AsyncEngine(llm, max_queued_requests=args.max_queued_requests).start()
+    app = build_app(engine, name, max_request_bytes=args.max_request_bytes)
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level=args.log_level, timeout_graceful_shutdown=5),
+                            engine, args.shutdown_timeout)
     try:
-        uvicorn.run(build_app(engine, name), host=args.host, port=args.port,
-                    log_level=args.log_level)
+        server.run()
     finally:
         engine.close()
         summary = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"

@@ -6,16 +6,22 @@
     GET  /health                 200 while the engine thread is alive, else 503
     GET  /metrics                Prometheus text: TTFT, TPOT, requests, KV blocks, prefix hits
 
-Errors are OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`, with the status:
-400 for a bad field (named in `param`), 404 for an unknown model, 503 when the request queue is
-full or the engine stopped. Streams end with `data: [DONE]`; a client that disconnects has its
-request aborted and its KV blocks freed.
+Every error is OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`, with the
+status: 400 for a bad field (named in `param`; types are strict, so `"max_tokens": true` is an
+error, not 1), 404 for an unknown model or path, 405 for a wrong method, 413 for a body over the
+size limit, 500 when a step running the request raised (the engine frees its blocks and goes on
+serving the others), 503 when the request queue is full or the server is shutting down. Known
+OpenAI/vLLM fields that this server does not implement are refused unless they hold their
+neutral value; unknown fields are ignored (logged once). Streams end with `data: [DONE]`, after
+an error event if the request failed mid-stream; a client that disconnects has its request
+aborted and its KV blocks freed. Tokenization runs on a worker thread, off the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,22 +29,28 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException
 
-from serve.async_engine import AsyncEngine, EngineDead, QueueFull, RequestStream
+from serve.async_engine import (AsyncEngine, Draining, EngineDead, QueueFull, RequestFailed,
+                                RequestStream)
 from serve.engine import InvalidRequest, SamplingParams
+from serve.llm import check_text
 from serve.outputs import RequestUpdate
+
+log = logging.getLogger("serve")
 
 # ---- request bodies ----------------------------------------------------------------------------
 
 
 class _Common(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers do; known ones we cannot honour
-    # are refused by _refuse_unsupported rather than silently dropped.
-    model_config = ConfigDict(extra="ignore")
+    # Strict types (`max_tokens: true` or `stream: "yes"` are refused, not coerced) and no NaN or
+    # infinity. Unknown fields are ignored (logged once each), as OpenAI-compatible servers do;
+    # known ones we cannot honour are refused by _refuse_unsupported rather than dropped.
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: str
     temperature: float = 1.0
@@ -53,33 +65,57 @@ class _Common(BaseModel):
     top_k: int | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    # OpenAI fields accepted only at their neutral values.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
-    echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]]
+    content: str
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_of_parts(cls, content: Any) -> Any:
+        """OpenAI's list of content parts -> their text; parts of other types are refused."""
+        if not isinstance(content, list):
+            return content
+        texts = []
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content[{i}]: only parts of type 'text' are supported, got "
+                                 f"{kind!r}" if kind else f"content[{i}]: expected a content part "
+                                 f"object with a 'type'")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content[{i}].text: expected a string, got "
+                                 f"{type(part.get('text')).__name__}")
+            texts.append(part["text"])
+        return "".join(texts)
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # None: the rest of the context (or of the KV pool)
     max_completion_tokens: int | None = None
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
+
+
+# Fields of OpenAI's or vLLM's API this server does not implement: accepted only at the value
+# that means "off", refused otherwise (never silently ignored).
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+    "min_p": (0,), "min_tokens": (0,), "logit_bias": ({},), "logprobs": (False,),
+    "top_logprobs": (0,), "prompt_logprobs": (), "echo": (False,), "suffix": ("",),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "response_format": ({"type": "text"},), "use_beam_search": (False,), "length_penalty": (1,),
+    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+    "truncate_prompt_tokens": (), "allowed_token_ids": (), "bad_words": ([],),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+}
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -91,9 +127,12 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
 
-    def response(self) -> JSONResponse:
-        body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return JSONResponse({"error": body}, status_code=self.status)
+    def body(self) -> bytes:
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return json.dumps({"error": error}).encode()  # ASCII-escaped: any message encodes
+
+    def response(self) -> Response:
+        return Response(self.body(), status_code=self.status, media_type="application/json")
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -104,29 +143,101 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     # Union members add their type to the location (prompt.str, prompt.list[int], ...).
     field = ".".join(p for p in loc if not (p[:1].isalpha() and ("[" in p or p in {"str", "int"})))
+    message = str(first.get("msg")).removeprefix("Value error, ")
     if not field:
-        return APIError(400, f"the request body is invalid: {first.get('msg')}")
-    return APIError(400, f"{field}: {first.get('msg')}", param=field.split(".")[0])
+        return APIError(400, f"the request body is invalid: {message}")
+    return APIError(400, f"{field}: {message}", param=field.split(".")[0])
+
+
+def _is_neutral(value: Any, neutral: Any) -> bool:
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    if isinstance(value, (int, float)) and isinstance(neutral, (int, float)):
+        return value == neutral
+    return type(value) is type(neutral) and value == neutral
+
+
+class _UnknownFields:
+    """Logs each request field this server does not know, once per name."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def check(self, req: _Common) -> None:
+        for name in (req.model_extra or {}).keys() - UNSUPPORTED.keys() - self.seen:
+            self.seen.add(name)
+            log.warning("ignoring the unknown request field %r (reported once)", name)
 
 
 def _refuse_unsupported(req: _Common) -> None:
-    neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None,
-               "logprobs": None, "echo": False, "suffix": None, "top_logprobs": None, "tools": None}
-    for name, value in neutral.items():
-        have = getattr(req, name, value)
-        if have not in (value, None, False, {}, []):
-            raise APIError(400, f"{name}={have!r} is not supported by this server", param=name)
+    extra = req.model_extra or {}
+    for name, neutral in UNSUPPORTED.items():
+        if name in extra and extra[name] is not None and not any(
+                _is_neutral(extra[name], n) for n in neutral):
+            raise APIError(400, f"{name}={extra[name]!r} is not supported by this server",
+                           param=name)
     best_of = getattr(req, "best_of", None)
     if best_of is not None and best_of != req.n:
         raise APIError(400, f"best_of={best_of} is not supported (only best_of == n)", param="best_of")
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` is answered 413 before the app sees it
+    (by its Content-Length, or by counting a chunked body)."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers", ())).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._refuse(send)
+            if not message.get("more_body"):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # later messages: the disconnect
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Any) -> None:
+        body = APIError(413, f"the request body exceeds the server's limit of {self.max_bytes} "
+                        "bytes (--max-request-bytes)", code="request_too_large").body()
+        await send({"type": "http.response.start", "status": 413, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
 # ---- the app -----------------------------------------------------------------------------------
 
 
-def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
-    """The HTTP API over a started `AsyncEngine`; metrics go to a registry of this app's own."""
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+
+
+def build_app(engine: AsyncEngine, served_model_name: str,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The HTTP API over a started `AsyncEngine`; metrics go to a registry of this app's own.
+    Request bodies over `max_request_bytes` are answered 413."""
     app = FastAPI(title="egmla serve", description=__doc__)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    unknown = _UnknownFields()
     llm, context = engine.llm, engine.llm.model.config.max_seq_len
     registry = CollectorRegistry()
     latency = dict(registry=registry, buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
@@ -137,7 +248,7 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
 
     def observe(update: RequestUpdate) -> None:  # on the engine thread
         for out in update.outputs:
-            if out.finish_reason != "abort":
+            if out.finish_reason not in ("abort", "error"):
                 if out.ttft is not None:
                     ttft.observe(out.ttft)
                 if out.tpot is not None:
@@ -146,12 +257,23 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
     engine.on_finish.append(observe)
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(_: Request, exc: APIError) -> Response:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(_: Request, exc: RequestValidationError) -> Response:
         return _validation_error(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> Response:  # 404 and 405 from routing
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        return APIError(exc.status_code, str(exc.detail), code=codes.get(exc.status_code)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        log.exception("unexpected error in a request handler")
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                        type="server_error").response()
 
     def check_model(name: str) -> None:
         if name != served_model_name:
@@ -168,6 +290,18 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
             raise APIError(400, str(error), param=error.param) from None
         return params if req.ignore_eos else llm.with_eos(params)
 
+    def admit(req: _Common) -> None:
+        """The checks every request passes before any work is done for it."""
+        check_model(req.model)
+        unknown.check(req)
+        _refuse_unsupported(req)
+        stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
+        for i, text in enumerate(stop):
+            try:
+                check_text(text, "stop" if isinstance(req.stop, str) else f"stop[{i}]", "stop")
+            except InvalidRequest as error:
+                raise APIError(400, str(error), param=error.param) from None
+
     def submit(prompts: list[list[int]], params: SamplingParams, req: _Common, prompt_field: str
                ) -> list[RequestStream]:
         """Queue every prompt, or none: all are checked first, and a full queue midway takes
@@ -183,18 +317,25 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
             param = prompt_field if error.param == "prompt" else error.param
             code = "context_length_exceeded" if "context" in str(error) else None
             raise APIError(400, str(error), param=param, code=code) from None
-        except QueueFull as error:
+        except (QueueFull, Draining) as error:
             for stream in streams:
                 stream.abort()
+            if isinstance(error, Draining):
+                raise APIError(503, str(error), type="server_shutting_down") from None
             raise APIError(503, f"{error}; retry later", type="server_overloaded") from None
         except EngineDead as error:
             raise APIError(503, str(error), type="server_error") from None
         return streams
 
+    async def tokenize(encode, *args) -> Any:  # off the event loop: a long prompt takes seconds
+        return await asyncio.to_thread(encode, *args)
+
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health() -> Response:
         if not engine.alive:
             return APIError(503, f"the engine stopped: {engine.error!r}", type="server_error").response()
+        if engine.draining:
+            return APIError(503, "the server is shutting down", type="server_shutting_down").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -211,11 +352,10 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        check_model(req.model)
-        _refuse_unsupported(req)
+        admit(req)
         prompts = _completion_prompts(req.prompt)
         try:
-            encoded = [llm.encode(p) for p in prompts]
+            encoded = await tokenize(lambda: [llm.encode(p) for p in prompts])
         except InvalidRequest as error:
             raise APIError(400, str(error), param="prompt") from None
         if req.max_tokens is None:
@@ -227,14 +367,10 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
-        check_model(req.model)
-        _refuse_unsupported(req)
+        admit(req)
         messages = [m.model_dump() for m in req.messages]
-        for m in messages:
-            if not isinstance(m["content"], str):  # OpenAI's list of parts: keep the text ones
-                m["content"] = "".join(p.get("text", "") for p in m["content"] if p.get("type") == "text")
         try:
-            prompt = llm.encode_chat(messages)
+            prompt = await tokenize(llm.encode_chat, messages)
         except InvalidRequest as error:
             raise APIError(400, str(error), param="messages") from None
         except Exception as error:  # noqa: BLE001 - a template may reject a conversation any way
@@ -316,10 +452,14 @@ class _Reply:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not collect.done():  # the client left: closing the streams aborts the requests
                 collect.cancel()
+                await asyncio.gather(collect, return_exceptions=True)  # retrieve the cancellation
                 raise APIError(499, "client disconnected", type="client_closed")
             finals = collect.result()
         except EngineDead as error:
             raise APIError(503, str(error), type="server_error") from None
+        except RequestFailed as error:
+            kind = "server_error" if error.status == 500 else "server_shutting_down"
+            raise APIError(error.status, str(error), type=kind) from None
         finally:
             gone.cancel()
         choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0

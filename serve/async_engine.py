@@ -2,7 +2,9 @@
 
 The engine is not thread-safe, so one thread owns it: it takes new requests and aborts from a
 command queue, runs `engine.step()` while there is work, and hands each request's updates to
-the asyncio loop that asked for them. Callers never touch the engine directly:
+the asyncio loop that asked for them. A step that raises fails only the requests it ran (their
+callers get `RequestFailed`, their blocks are freed) and the thread goes on serving. Callers
+never touch the engine directly:
 
     engine = AsyncEngine(llm).start()
     async for update in engine.submit(prompt_ids, params, stop=["\\n"]):
@@ -18,7 +20,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from serve.engine import InvalidRequest, SamplingParams
+from serve.engine import InvalidRequest, SamplingParams, StepFailed
 from serve.llm import LLM
 from serve.outputs import RequestUpdate
 
@@ -30,7 +32,20 @@ class QueueFull(RuntimeError):
 
 
 class EngineDead(RuntimeError):
-    """The engine thread stopped after an error; no request can complete."""
+    """The engine thread stopped; no request can complete."""
+
+
+class Draining(RuntimeError):
+    """The server is shutting down: it finishes what it has and admits nothing new (HTTP 503)."""
+
+
+class RequestFailed(RuntimeError):
+    """This request ended without a result: a step it was in raised (`status` 500), or the
+    server aborted it while shutting down (503). The engine carries on with the others."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -100,6 +115,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="egmla-engine", daemon=True)
         self.error: BaseException | None = None
+        self.draining = False  # set by drain(): admit nothing new
 
     def start(self) -> AsyncEngine:
         self._thread.start()
@@ -114,6 +130,21 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    @property
+    def in_flight(self) -> int:
+        """Requests accepted and not yet answered."""
+        with self._lock:
+            return self._accepted
+
+    def drain(self) -> None:
+        """Admit nothing new (submit raises Draining); requests in flight go on."""
+        self.draining = True
+
+    def abort_all(self, message: str) -> None:
+        """End every request in flight now: their callers get RequestFailed(message, 503)."""
+        self._commands.put(("abort_all", None, message))
+        self._wake.set()
+
     # ---- caller side (any thread with a running asyncio loop) --------------------------------
 
     def submit(self, prompt: list[int], params: SamplingParams, stop: list[str] | None = None,
@@ -122,6 +153,8 @@ class AsyncEngine:
         the caller can answer before streaming anything."""
         if not self.alive:
             raise EngineDead(f"the engine stopped: {self.error!r}")
+        if self.draining:
+            raise Draining("the server is shutting down")
         self.engine.check_request(prompt, params)
         with self._lock:
             if self._accepted >= self.capacity:
@@ -139,23 +172,49 @@ class AsyncEngine:
     # ---- engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        outputs = self.llm.outputs
         try:
             while not self._stop.is_set():
-                self._drain_commands()
-                if self.engine.has_unfinished():
-                    self.engine.step()
-                for update in outputs.process():
-                    self._deliver(update)
-                self._publish()
-                if not self.engine.has_unfinished() and self._commands.empty():
-                    self._wake.wait(timeout=0.5)
-                    self._wake.clear()
+                try:
+                    self._iterate()
+                except StepFailed as error:  # the engine has ended those requests already
+                    log.error("%s", error, exc_info=error.__cause__)
+                    self._fail(error.request_ids, f"the engine failed while running this "
+                                                  f"request: {error.reason}")
+                except Exception as error:  # noqa: BLE001 - outside a step: state unknown
+                    log.exception("engine loop error; ending every request in flight")
+                    self._fail(list(self._streams), f"the engine failed: "
+                                                    f"{type(error).__name__}: {error}")
+                    self._wake.wait(timeout=0.1)  # no busy loop should the error persist
         except BaseException as error:  # every waiting caller must hear of it
             log.exception("engine thread stopped")
             self.error = error
             for handle in self._streams.values():
                 handle._put(EngineDead(f"the engine stopped: {error!r}"))
+
+    def _iterate(self) -> None:
+        self._drain_commands()
+        if self.engine.has_unfinished():
+            self.engine.step()
+        for update in self.llm.outputs.process():
+            self._deliver(update)
+        self._publish()
+        if not self.engine.has_unfinished() and self._commands.empty():
+            self._wake.wait(timeout=0.5)
+            self._wake.clear()
+
+    def _fail(self, request_ids: list[int], message: str, status: int = 500) -> None:
+        """End these requests without a result: free their blocks, tell their callers."""
+        self.engine.fail([rid for rid in request_ids if rid in self.engine.requests],
+                         "error" if status == 500 else "abort")
+        for rid in request_ids:
+            self.llm.outputs.forget(rid)
+            if rid in self.engine.requests and self.engine.is_finished(rid):
+                self.engine.release(rid)
+            handle = self._streams.pop(rid, None)
+            if handle is not None:
+                with self._lock:
+                    self._accepted -= 1
+                handle._put(RequestFailed(message, status))
 
     def _drain_commands(self) -> None:
         while True:
@@ -167,13 +226,16 @@ class AsyncEngine:
                 prompt, params, stop, stream = args
                 try:
                     handle.request_id = self.engine.add_request(prompt, params)
-                except InvalidRequest as error:  # submit() checked already; kept for safety
+                except Exception as error:  # noqa: BLE001 - submit() checked; kept for safety
                     with self._lock:
                         self._accepted -= 1
-                    handle._put(error)
+                    handle._put(error if isinstance(error, InvalidRequest)
+                                else RequestFailed(f"{type(error).__name__}: {error}"))
                     continue
                 self._streams[handle.request_id] = handle
                 self.llm.outputs.add(handle.request_id, stop, stream)
+            elif command == "abort_all":
+                self._fail(list(self._streams), args[0], status=503)
             elif handle.request_id in self._streams:  # abort of a request still running
                 self.llm.outputs.abort(handle.request_id)
 

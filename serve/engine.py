@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -34,8 +35,24 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
+SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
+class StepFailed(RuntimeError):
+    """A step raised: the requests it was running (`request_ids`) were failed and their blocks
+    freed; the engine goes on with the others. The original exception is `__cause__`."""
+
+    def __init__(self, request_ids: list[int], cause: BaseException) -> None:
+        super().__init__(f"a step failed ({type(cause).__name__}: {cause}); "
+                         f"{len(request_ids)} request(s) ended")
+        self.request_ids, self.reason = request_ids, f"{type(cause).__name__}: {cause}"
+
+
 @dataclass
 class SamplingParams:
+    """How one request samples. Checked here, at construction, for every caller (the HTTP
+    server and the Python API alike): a bad value is an `InvalidRequest` naming the field."""
+
     max_tokens: int = 16
     temperature: float = 0.0
     top_k: int | None = None
@@ -45,16 +62,42 @@ class SamplingParams:
     n: int = 1  # samples of one prompt; sample i draws with seed + i and shares the prompt's blocks
 
     def __post_init__(self) -> None:
+        for name in ("max_tokens", "n", "top_k", "seed"):
+            value = getattr(self, name)
+            if not (value is None and name in ("top_k", "seed")) and not _is_int(value):
+                raise InvalidRequest(f"{name}={value!r}: must be an integer", name)
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if value is None and name == "top_p":
+                continue
+            if not _is_number(value) or not math.isfinite(value):
+                raise InvalidRequest(f"{name}={value!r}: must be a finite number", name)
+        if not isinstance(self.stop_token_ids, (tuple, list)) or not all(
+                _is_int(t) for t in self.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids={self.stop_token_ids!r}: must be a list of "
+                                 "integers", "stop_token_ids")
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        low, high = SEED_RANGE
         rules = {  # field: (holds, what it must be)
             "n": (self.n >= 1, "must be >= 1"),
             "max_tokens": (self.max_tokens >= 1, "must be >= 1"),
             "temperature": (self.temperature >= 0, "must be >= 0"),
             "top_p": (self.top_p is None or 0 < self.top_p <= 1, "must be in (0, 1]"),
             "top_k": (self.top_k is None or self.top_k >= 1, "must be >= 1"),
+            "seed": (self.seed is None or low <= self.seed and self.seed + self.n - 1 <= high,
+                     f"seed and seed + n - 1 (the last sample's seed) must be in [{low}, {high}]"),
         }
         for name, (holds, rule) in rules.items():
             if not holds:
                 raise InvalidRequest(f"{name}={getattr(self, name)}: {rule}", name)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -110,6 +153,7 @@ class EngineStats:
     decode_tokens: int = 0
     sampled_tokens: int = 0  # tokens generated, finished or not
     aborted: int = 0  # samples aborted (client gone, or stopped by the caller)
+    failed: int = 0  # samples ended by a step that raised (StepFailed)
     cached_prompt_tokens: int = 0
     # finished (not aborted) requests' samples: running sums, so metrics survive release()
     finished: int = 0
@@ -144,6 +188,7 @@ class LLMEngine:
         self.requests: dict[int, list[int]] = {}  # request id -> its samples' seq ids
         self.stats = EngineStats()
         self._ids = itertools.count()
+        self._scheduled: list[Sequence] | None = None  # the running step's sequences
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -153,6 +198,12 @@ class LLMEngine:
         c, limit, total = self.config, self.model.config.max_seq_len, len(prompt) + params.max_tokens
         if not prompt:
             raise InvalidRequest("prompt is empty: a request needs at least one token", "prompt")
+        vocab = self.model.config.vocab_size
+        for name, ids in (("prompt", prompt), ("stop_token_ids", params.stop_token_ids)):
+            bad = next((i for i, t in enumerate(ids) if not (_is_int(t) and 0 <= t < vocab)), None)
+            if bad is not None:
+                raise InvalidRequest(f"{name}[{bad}]={ids[bad]!r}: token ids must be integers in "
+                                     f"[0, {vocab}) (the model's vocabulary)", name)
         if total > limit:
             raise InvalidRequest(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
                                  f"exceeds the model's context of {limit} tokens", "prompt")
@@ -219,15 +270,30 @@ class LLMEngine:
             self.blocks.free(seq_id)
         self._finish(seq, reason)
 
+    def fail(self, request_ids: list[int], reason: str = "error") -> None:
+        """End every live sample of these requests with finish_reason `reason` and free their
+        blocks. Safe on a state a raising step left half-updated: a sample forked but not yet
+        scheduled is dropped from its request."""
+        live = {s.seq_id: s for s in (*self.running, *self.waiting)}
+        for rid in request_ids:
+            for seq_id in list(self.requests.get(rid, ())):
+                seq = live.get(seq_id)
+                if seq is not None:
+                    self.finish_early(seq_id, reason)
+                elif seq_id not in self.finished:  # forked in the failed step, never scheduled
+                    self.requests[rid].remove(seq_id)
+                    if self.blocks.has(seq_id):
+                        self.blocks.free(seq_id)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def is_finished(self, request_id: int) -> bool:
-        """Every sample of the request has finished (an aborted prompt never forks)."""
+        """Every sample of the request has finished (an aborted or failed prompt never forks)."""
         seqs = [self.finished.get(s) for s in self.requests[request_id]]
         if any(s is None for s in seqs):
             return False
-        return len(seqs) == seqs[0].params.n or seqs[0].finish_reason == "abort"
+        return len(seqs) == seqs[0].params.n or seqs[0].finish_reason in ("abort", "error")
 
     def release(self, request_id: int) -> list[Sequence]:
         """Forget a finished request (a server calls this once it has answered); returns its
@@ -240,8 +306,11 @@ class LLMEngine:
         seq.finish_reason, seq.finish_time = reason, time.perf_counter()
         self.finished[seq.seq_id] = seq
         st = self.stats
-        if reason == "abort":
-            st.aborted += 1
+        if reason in ("abort", "error"):
+            if reason == "abort":
+                st.aborted += 1
+            else:
+                st.failed += 1
             return
         st.finished += 1
         st.output_tokens += len(seq.output)
@@ -315,12 +384,28 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
 
-    @torch.no_grad()
     def step(self) -> list[Sequence]:
-        """Schedule, run the step's forwards, sample; return the sequences that finished."""
+        """Schedule, run the step's forwards, sample; return the sequences that finished.
+
+        If anything in the step raises, the requests it scheduled (every live one, if the
+        scheduler itself raised) end with finish_reason "error", their blocks are freed, and
+        `StepFailed` is raised; the engine stays usable for the others."""
+        self._scheduled = None
+        try:
+            return self._step()
+        except Exception as error:
+            seqs = self._scheduled if self._scheduled is not None else [*self.running, *self.waiting]
+            failed = list(dict.fromkeys(s.request_id for s in seqs))
+            self.fail(failed)
+            raise StepFailed(failed, error) from error
+
+    @torch.no_grad()
+    def _step(self) -> list[Sequence]:
         rows = self._schedule()
+        self._scheduled = [seq for seq, _ in rows]
         if not rows:
             if self.waiting and not self.running:
+                self._scheduled = [self.waiting[0]]  # the request that can never run fails
                 raise RuntimeError("the next request cannot be scheduled: the block pool or the "
                                    "token budget is too small for it")
             return []

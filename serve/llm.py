@@ -41,6 +41,19 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
+def check_text(text: object, field: str, param: str | None = None) -> None:
+    """`text` is a string that encodes as UTF-8 (JSON can carry lone surrogates, which no
+    tokenizer takes); else InvalidRequest naming `field`."""
+    if not isinstance(text, str):
+        raise InvalidRequest(f"{field}: expected a string, got {type(text).__name__}",
+                             param or field)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidRequest(f"{field}: not valid Unicode text ({error.reason} at character "
+                             f"{error.start})", param or field) from None
+
+
 class LLM:
     def __init__(
         self,
@@ -72,11 +85,15 @@ class LLM:
     # ---- text <-> tokens ----------------------------------------------------------------------
 
     def encode(self, prompt: str | list[int]) -> list[int]:
-        """Text -> token ids (token ids pass through)."""
+        """Text -> token ids (token ids pass through; the engine checks their range)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequest("this model has no tokenizer: pass token ids, not text", "prompt")
+            check_text(prompt, "prompt")
             return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise InvalidRequest(f"prompt: expected text or a list of token ids, got "
+                                 f"{type(prompt).__name__}", "prompt")
         return list(prompt)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
@@ -84,6 +101,11 @@ class LLM:
         turn opened."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest(f"{self.name}: its tokenizer has no chat template", "messages")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+                raise InvalidRequest(f"messages[{i}]: expected a dict with a string 'content'",
+                                     "messages")
+            check_text(message["content"], f"messages[{i}].content", param="messages")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
@@ -116,6 +138,8 @@ class LLM:
             per_prompt = [self.with_eos(p) for p in params]
         else:
             per_prompt = [self.with_eos(params or SamplingParams())] * len(prompts)
+        for s in stop or ():
+            check_text(s, "stop")
         requests = [(p, self.encode(p)) for p in prompts]
         for (_, tokens), p in zip(requests, per_prompt):  # refuse a bad batch before queueing
             self.engine.check_request(tokens, p)
@@ -123,16 +147,28 @@ class LLM:
         for rid in ids:
             self.outputs.add(rid, stop or ())
         results = {}
-        while len(results) < len(ids):
-            if self.engine.has_unfinished():
-                self.engine.step()
-            results.update((u.request_id, u) for u in self.outputs.process() if u.finished)
+        try:
+            while len(results) < len(ids):
+                if self.engine.has_unfinished():
+                    self.engine.step()
+                results.update((u.request_id, u) for u in self.outputs.process() if u.finished)
+        except BaseException:  # a failed step (or an interrupt): leave nothing of this call behind
+            self._discard([rid for rid in ids if rid not in results])
+            raise
         return [
             RequestOutput(rid, p if isinstance(p, str) else None, tokens,
                           [CompletionOutput(o.index, o.text, o.token_ids, o.finish_reason)
                            for o in results[rid].outputs], results[rid].cached_tokens)
             for rid, (p, tokens) in zip(ids, requests)
         ]
+
+    def _discard(self, request_ids: list[int]) -> None:
+        """End these requests (if still live), free their blocks and forget them."""
+        self.engine.fail([rid for rid in request_ids if rid in self.engine.requests])
+        for rid in request_ids:
+            self.outputs.forget(rid)
+            if rid in self.engine.requests and self.engine.is_finished(rid):
+                self.engine.release(rid)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              params: SamplingParams | list[SamplingParams] | None = None,

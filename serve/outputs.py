@@ -136,3 +136,7 @@ class OutputProcessor:
         """Abort a tracked request; its final update comes from the next `process()`."""
         if request_id in self._tracked:
             self.engine.abort(request_id)
+
+    def forget(self, request_id: int) -> None:
+        """Stop following a request that ended outside `process()` (a failed step)."""
+        self._tracked.pop(request_id, None)

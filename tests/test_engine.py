@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_models import VARIANTS, build
 
-from serve.engine import EngineConfig, LLMEngine, SamplingParams
+from serve.engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams, StepFailed
 
 
 def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -151,12 +151,96 @@ def test_requests_that_can_never_run_are_refused_up_front(prompt_len, params, co
     assert not engine.has_unfinished()
 
 
-@pytest.mark.parametrize("bad, message", [({"max_tokens": 0}, "max_tokens=0"),
-                                          ({"temperature": -1}, "temperature=-1"),
-                                          ({"top_p": 0}, "top_p=0"), ({"n": 0}, "n=0")])
+@pytest.mark.parametrize("bad, message", [
+    ({"max_tokens": 0}, "max_tokens=0"), ({"temperature": -1}, "temperature=-1"),
+    ({"top_p": 0}, "top_p=0"), ({"n": 0}, "n=0"),
+    ({"max_tokens": True}, "max_tokens=True: must be an integer"),
+    ({"max_tokens": 4.0}, "max_tokens=4.0: must be an integer"),
+    ({"temperature": float("nan")}, "temperature=nan: must be a finite"),
+    ({"temperature": float("inf")}, "temperature=inf: must be a finite"),
+    ({"temperature": "0.5"}, "temperature='0.5'"),
+    ({"top_k": 0}, "top_k=0"), ({"seed": "1"}, "seed='1'"),
+    ({"seed": 2**64}, "seed=18446744073709551616"), ({"seed": -2**63 - 1}, "seed="),
+    ({"seed": 2**64 - 1, "n": 2}, r"seed \+ n - 1"),
+    ({"stop_token_ids": (1, "x")}, "stop_token_ids"),
+])
 def test_bad_sampling_params_name_the_field(bad, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InvalidRequest, match=message) as caught:
         SamplingParams(**bad)
+    assert caught.value.param == next(iter(bad)) or caught.value.param == "seed"
+
+
+def test_seeds_at_the_edges_of_the_64_bit_range_run():
+    """Every sample's seed (seed + i) reaches torch.Generator.manual_seed, which takes
+    [-2**63, 2**64 - 1]."""
+    model = build(VARIANTS["mha"], dtype=torch.float32)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64))
+    for seed, n in ((2**64 - 2, 2), (-2**63, 3), (2**64 - 1, 1)):
+        [samples] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=1.0,
+                                                                seed=seed, n=n))
+        assert [len(s) for s in (samples if n > 1 else [samples])] == [3] * n
+    assert engine.blocks.num_used() == 0
+
+
+@pytest.mark.parametrize("field, ids", [("prompt", [1, 256]), ("prompt", [-1]), ("prompt", [2**70]),
+                                        ("prompt", [1, True]), ("stop_token_ids", [300])])
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_field(field, ids):
+    model = build(VARIANTS["mha"], dtype=torch.float32)  # vocabulary of 256
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64))
+    prompt, params = (ids, SamplingParams()) if field == "prompt" else (
+        [1, 2], SamplingParams(stop_token_ids=tuple(ids)))
+    with pytest.raises(InvalidRequest, match=rf"{field}\[\d+\]=.*\[0, 256\)") as caught:
+        engine.add_request(prompt, params)
+    assert caught.value.param == field and not engine.has_unfinished()
+
+
+class FaultyForward:
+    """Makes the engine's forward raise on chosen calls (counted from 1), else runs it."""
+
+    def __init__(self, engine: LLMEngine, fail_on: set[int]) -> None:
+        self.forward, self.fail_on, self.calls = engine._forward, fail_on, 0
+        engine._forward = self
+
+    def __call__(self, rows):
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise RuntimeError(f"injected fault in forward call {self.calls}")
+        return self.forward(rows)
+
+
+@pytest.mark.parametrize("fail_on", [1, 3], ids=["in-prefill", "in-decode"])
+def test_a_failing_step_fails_only_its_requests_and_frees_their_blocks(fail_on):
+    model = build(VARIANTS["mla-absorbed"], dtype=torch.float32)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=2))
+    first = engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=6, n=2, seed=0,
+                                                                temperature=1.0))
+    FaultyForward(engine, {fail_on})
+    with pytest.raises(StepFailed, match=f"forward call {fail_on}") as caught:
+        while engine.has_unfinished():
+            engine.step()
+    assert caught.value.request_ids == [first]
+    assert engine.is_finished(first)
+    assert {s.finish_reason for s in engine.release(first)} == {"error"}
+    assert engine.blocks.num_used() == 0 and not engine.has_unfinished()
+    # the engine serves on: the next request gives the reference tokens
+    assert engine.generate([[7, 8, 9]], SamplingParams(max_tokens=5)) == [
+        reference_greedy(model, [7, 8, 9], 5)]
+    assert engine.stats.failed >= 1 and engine.blocks.num_used() == 0
+
+
+def test_a_failing_step_leaves_the_requests_it_did_not_run_alone():
+    model = build(VARIANTS["mha"], dtype=torch.float32)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=1))
+    a = engine.add_request([1, 2, 3], SamplingParams(max_tokens=8))
+    b = engine.add_request([4, 5, 6], SamplingParams(max_tokens=4))  # waits: one row per step
+    FaultyForward(engine, {1})
+    with pytest.raises(StepFailed) as caught:
+        engine.step()
+    assert caught.value.request_ids == [a]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.finished[b].output == reference_greedy(model, [4, 5, 6], 4)
+    assert engine.finished[a].finish_reason == "error" and engine.blocks.num_used() == 0
 
 
 def test_pool_sized_from_a_kv_memory_budget():

@@ -74,3 +74,42 @@ def test_one_sampling_params_per_prompt():
     assert outs[1].outputs[0].token_ids == alone  # seeded: the same sample batched or not
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         llm.generate([prompts[0]], each)
+
+
+def test_a_failed_step_raises_and_leaves_nothing_of_the_call_behind():
+    from egmla.models import Transformer
+    from egmla.presets import preset
+    from serve.engine import StepFailed
+
+    torch.manual_seed(0)
+    llm = LLM(Transformer(preset("tiny-mla")), num_blocks=64, block_size=4, max_num_seqs=1)
+    expected = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].outputs[0].token_ids
+    forward, calls = llm.engine._forward, []
+
+    def faulty(rows):  # the second forward of the call raises; the first request has run by then
+        calls.append(len(rows))
+        if len(calls) == 2:
+            raise RuntimeError("injected fault")
+        return forward(rows)
+
+    llm.engine._forward = faulty
+    with pytest.raises(StepFailed, match="injected fault"):
+        llm.generate([[1, 2, 3], [4, 5, 6]], SamplingParams(max_tokens=4))
+    llm.engine._forward = forward
+    assert not llm.engine.requests and not llm.engine.finished and not llm.engine.has_unfinished()
+    assert llm.engine.blocks.num_used() == 0
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].outputs[0].token_ids == expected
+
+
+@pytest.mark.slow
+def test_text_must_be_valid_unicode_and_a_tiny_temperature_samples_greedily(llm):
+    with pytest.raises(ValueError, match="prompt: not valid Unicode"):
+        llm.generate("bad \ud800 text")
+    with pytest.raises(ValueError, match=r"messages\[0\].content: not valid Unicode"):
+        llm.chat([{"role": "user", "content": "\udfff"}])
+    with pytest.raises(ValueError, match="stop: not valid Unicode"):
+        llm.generate("fine", stop=["\ud800"])
+    greedy = llm.generate("The capital of France is", SamplingParams(max_tokens=6))
+    tiny = llm.generate("The capital of France is",
+                        SamplingParams(max_tokens=6, temperature=1e-45, seed=0))
+    assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -36,12 +37,13 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @contextlib.contextmanager
-def serving(llm: LLM, name: str = MODEL, **engine_kwargs):
+def serving(llm: LLM, name: str = MODEL, app_kwargs: dict | None = None, **engine_kwargs):
     """A real uvicorn server for `llm` on a free loopback port; yields its base URL."""
     engine = AsyncEngine(llm, **engine_kwargs).start()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, name), log_level="warning"))
+    app = build_app(engine, name, **(app_kwargs or {}))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -328,3 +330,218 @@ def test_json_error_body_shape_is_openai(server):
     reply = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "a", "n": 0})
     error = json.loads(reply.text)["error"]
     assert reply.status_code == 400 and error["param"] == "n" and error["type"] == "invalid_request_error"
+
+
+# ---- hardening: no request stops the engine -------------------------------------------------
+
+
+def error_of(reply: httpx.Response) -> dict:
+    """The OpenAI-shaped error body of a reply (and a check that it has that shape)."""
+    assert reply.headers["content-type"].startswith("application/json"), reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+HOSTILE = [  # (endpoint, body changes, the field the 400 names)
+    ("completions", {"prompt": [1000000]}, "prompt"),
+    ("completions", {"prompt": [-1]}, "prompt"),
+    ("completions", {"prompt": [2**70]}, "prompt"),
+    ("completions", {"prompt": [[5, 6], [7, 2**70]]}, "prompt"),
+    ("completions", {"seed": 2**64}, "seed"),
+    ("completions", {"seed": 2**64 - 1, "n": 2}, "seed"),
+    ("completions", {"seed": -2**63 - 1}, "seed"),
+    ("completions", {"prompt": "\ud800"}, "prompt"),
+    ("completions", {"prompt": ["fine", "bad \udfff"]}, "prompt"),
+    ("completions", {"stop": ["\ud800"]}, "stop"),
+    ("completions", {"stop_token_ids": [2**70]}, "stop_token_ids"),
+    ("completions", {"max_tokens": True}, "max_tokens"),
+    ("completions", {"max_tokens": 2**70}, "prompt"),
+    ("completions", {"stream": "yes"}, "stream"),
+    ("completions", {"temperature": "0.5"}, "temperature"),
+    ("completions", {"top_k": 0}, "top_k"),
+    ("completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
+    ("completions", {"min_p": 0.1}, "min_p"),
+    ("completions", {"min_tokens": 5}, "min_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": 123}]}]}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+]
+
+
+def post_raw(url: str, endpoint: str, body: dict) -> httpx.Response:
+    """POST `body` as JSON with escapes kept (lone surrogates, integers past 64 bits)."""
+    path = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}[endpoint]
+    return httpx.post(url + path, content=json.dumps(body).encode(),
+                      headers={"Content-Type": "application/json"}, timeout=60)
+
+
+@pytest.mark.slow
+def test_hostile_requests_get_400_naming_the_field_and_the_engine_lives(server):
+    url, llm = server
+    normal = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    before = httpx.post(url + "/v1/completions", json=normal, timeout=60).json()["choices"][0]["text"]
+    for endpoint, change, param in HOSTILE:
+        base = ({"model": MODEL, "prompt": "Hello", "max_tokens": 4} if endpoint == "completions"
+                else {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        reply = post_raw(url, endpoint, {**base, **change})
+        assert reply.status_code == 400, (change, reply.text)
+        error = error_of(reply)
+        assert error["param"] == param and param in error["message"], (change, error)
+        assert httpx.get(url + "/health", timeout=60).status_code == 200, change
+    for neutral in ({"repetition_penalty": 1.0}, {"min_p": 0}, {"min_tokens": 0},
+                    {"temperature": 1e-45, "seed": 3}):  # accepted: off, or greedy in the limit
+        reply = httpx.post(url + "/v1/completions", json={**normal, **neutral}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == before, neutral
+    assert httpx.get(url + "/health", timeout=60).json() == {"status": "ok"}
+    after = httpx.post(url + "/v1/completions", json=normal, timeout=60).json()["choices"][0]["text"]
+    assert after == before
+    wait_until_idle(url, llm)
+
+
+def test_unknown_fields_are_ignored_and_logged_once(tiny_llm, caplog):
+    with serving(tiny_llm, "tiny") as url, caplog.at_level("WARNING", logger="serve"):
+        for _ in range(2):
+            reply = httpx.post(url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": [1, 2], "max_tokens": 2, "frobnicate": 1})
+            assert reply.status_code == 200
+    assert [r.getMessage() for r in caplog.records if "frobnicate" in r.getMessage()] == [
+        "ignoring the unknown request field 'frobnicate' (reported once)"]
+
+
+@pytest.fixture
+def tiny_llm():
+    torch.manual_seed(0)
+    return LLM(Transformer(preset("tiny-egmla")), num_blocks=64, block_size=4)
+
+
+def test_every_error_is_openai_shaped_404_405_413(tiny_llm):
+    with serving(tiny_llm, "tiny", app_kwargs={"max_request_bytes": 1000}) as url:
+        missing = httpx.get(url + "/v1/nothing-here", timeout=60)
+        assert missing.status_code == 404 and error_of(missing)["code"] == "not_found"
+        method = httpx.get(url + "/v1/completions", timeout=60)
+        assert method.status_code == 405 and error_of(method)["code"] == "method_not_allowed"
+        big = {"model": "tiny", "prompt": [1] * 600, "max_tokens": 2}  # over 1,000 bytes
+        for send in (dict(json=big),  # with a Content-Length
+                     dict(content=iter([json.dumps(big).encode()]))):  # chunked: counted
+            reply = httpx.post(url + "/v1/completions", **send, timeout=60)
+            assert reply.status_code == 413 and error_of(reply)["code"] == "request_too_large"
+        small = httpx.post(url + "/v1/completions", json={**big, "prompt": [1] * 100}, timeout=60)
+        assert small.status_code == 200
+        assert httpx.get(url + "/health", timeout=60).status_code == 200
+
+
+class FaultyForward:
+    """Makes the engine's forward raise on chosen calls (counted from 1), else runs it."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.forward, self.fail_on, self.calls = llm.engine._forward, set(), 0
+        llm.engine._forward = self
+
+    def __call__(self, rows):
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise RuntimeError("injected fault")
+        return self.forward(rows)
+
+
+def test_a_failing_step_answers_500_and_the_engine_serves_on(tiny_llm):
+    faulty = FaultyForward(tiny_llm)
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0}
+    with serving(tiny_llm, "tiny") as url:
+        expected = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        faulty.fail_on = {faulty.calls + 1}  # the prefill of the next request
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 500
+        error = error_of(reply)
+        assert error["type"] == "server_error" and "injected fault" in error["message"]
+        sampled = tiny_llm.engine.stats.sampled_tokens
+        faulty.fail_on = {faulty.calls + 3}  # prefill, one decode, then the second decode fails
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as stream:
+            events = [line.removeprefix("data: ") for line in stream.iter_lines() if line]
+        assert tiny_llm.engine.stats.sampled_tokens - sampled == 2  # it failed mid-generation
+        assert stream.status_code == 200 and events[-1] == "[DONE]"
+        assert "injected fault" in json.loads(events[-2])["error"]["message"]
+        assert httpx.get(url + "/health", timeout=60).json() == {"status": "ok"}
+        again = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert again.status_code == 200 and again.json()["choices"][0]["text"] == expected
+        wait_until_idle(url, tiny_llm)
+    assert tiny_llm.engine.stats.failed == 2 and not tiny_llm.engine.requests
+
+
+@pytest.mark.slow
+def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
+    """While a 3 MB prompt is tokenized (seconds), /health still answers: it comes back first."""
+    url, _ = server
+    done: dict[str, float] = {}
+
+    def long_completion():
+        reply = httpx.post(url + "/v1/completions", timeout=120,
+                           json={"model": MODEL, "prompt": "word " * 600_000, "max_tokens": 1})
+        done["completion"] = time.monotonic()
+        done["status"] = reply.status_code
+
+    thread = threading.Thread(target=long_completion)
+    thread.start()
+    time.sleep(0.5)  # the request is being tokenized now
+    assert httpx.get(url + "/health", timeout=60).status_code == 200
+    done["health"] = time.monotonic()
+    thread.join()
+    assert done["status"] == 400  # past the context, found once tokenized
+    assert done["health"] < done["completion"]
+
+
+@pytest.mark.slow
+def test_sigterm_drains_then_ends_long_streams_and_exits_0(smollm2_llm, smollm2_cache):
+    port, timeout = free_port(), 3.0
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "EGMLA_CACHE": str(smollm2_cache)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serve", "--model", MODEL, "--port", str(port), "--num-blocks", "512",
+         "--shutdown-timeout", str(timeout), "--log-level", "info"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=60).status_code == 200:
+                    break
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.1)
+        body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 600,
+                "ignore_eos": True, "stream": True}
+        ends: list[str] = []
+        started = threading.Barrier(5)
+
+        def stream():
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as reply:
+                lines = (line for line in reply.iter_lines() if line)
+                next(lines)
+                started.wait()
+                ends.append([*lines][-2:])
+
+        threads = [threading.Thread(target=stream) for _ in range(4)]
+        for t in threads:
+            t.start()
+        started.wait(timeout=120)  # all four are streaming
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        refused = httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=60)
+        assert refused.status_code == 503 and error_of(refused)["type"] == "server_shutting_down"
+        assert httpx.get(url + "/health", timeout=60).status_code == 503
+        rc = proc.wait(timeout=timeout + 30)
+        elapsed = time.monotonic() - signalled
+        for t in threads:
+            t.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = proc.stdout.read()
+    assert rc == 0, log
+    assert elapsed < timeout + 8, (elapsed, log)
+    assert "engine statistics:" in log and "ending 4 request(s) still in flight" in log
+    assert len(ends) == 4
+    for end in ends:  # each stream got its error event, then its end
+        assert end[-1] == "data: [DONE]" and "shutting down" in end[0]
