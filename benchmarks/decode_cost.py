@@ -51,9 +51,8 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from egmla.cache import cache_spec_for  # noqa: E402
-from egmla.config import EGMLAConfig, MHAConfig, MLAConfig, ModelConfig  # noqa: E402
-from egmla.models import Transformer  # noqa: E402
+from egmla.config import ModelConfig  # noqa: E402
+from egmla.models import Transformer, cache_spec_for  # noqa: E402
 from egmla.presets import preset  # noqa: E402
 from egmla.provenance import provenance  # noqa: E402
 
@@ -85,29 +84,13 @@ def config_of(name: str, impl: str | None, max_len: int, n_layers: int | None = 
     return cfg
 
 
-def analytic(cfg: ModelConfig, model: Transformer) -> dict:
-    """One layer's decode step (T = 1): MACs per key and per query, bytes read per key."""
-    a, H, b = cfg.attention, cfg.n_heads, FLOAT.itemsize
-    if isinstance(a, MHAConfig):
-        hd, g = a.head_size(cfg), a.kv_heads(cfg)
-        return {"macs_per_key": 2 * H * hd, "macs_per_query": 0,
-                "cache_bytes_per_key": 2 * g * hd * b, "gate_bytes_per_key": 0}
-    assert isinstance(a, MLAConfig)
-    spec = model.cache_spec()
-    cache_bytes = sum(f.nbytes(FLOAT) for f in spec.layers[0].values())
-    if isinstance(a, EGMLAConfig) and a.gate_position == "kv":
-        attn = model.layers[0].attn
-        one, two = attn.step_macs(1, 1), attn.step_macs(1, 2)
-        key = "absorbed" if a.impl == "absorbed" else "rebuild"
-        per_key = two[key] - one[key]
-        if key == "rebuild":  # the rebuild reads no statistics
-            cache_bytes -= sum(f.nbytes(FLOAT) for f in spec.layers[0].values() if f.auxiliary)
-        return {"macs_per_key": per_key, "macs_per_query": one[key] - per_key,
-                "cache_bytes_per_key": cache_bytes + 4,  # + the int32 token id
-                "gate_bytes_per_key": a.d_e * b}
-    # MLA's (and the latent gate's) absorbed decode: an MQA over [c, k_rope] with value c
-    return {"macs_per_key": H * (2 * a.d_c + a.d_rope), "macs_per_query": H * a.d_nope * a.d_c
-            + H * a.d_v * a.d_c, "cache_bytes_per_key": cache_bytes, "gate_bytes_per_key": 0}
+def analytic(model: Transformer, context: int) -> dict:
+    """One layer's decode step (T = 1), as the layer declares it: MACs per key and per query,
+    cache bytes read per key, lookup-table (gate) bytes read per key."""
+    cost = model.layers[0].attn.decode_cost(context, FLOAT)
+    return {"macs_per_key": cost["macs_per_key"], "macs_per_query": cost["macs_per_query"],
+            "cache_bytes_per_key": cost["cache_bytes_per_key"],
+            "gate_bytes_per_key": cost["lookup_bytes_per_key"]}
 
 
 def filled_cache(model: Transformer, batch: int, context: int):
@@ -147,13 +130,14 @@ class Cell:
         self.ids = torch.randint(0, cfg.vocab_size, (batch, 1), generator=g)
         self.x = torch.randn(batch, 1, cfg.d_model, generator=g)
         self.positions = torch.full((1, 1), context - 1)
-        self.analytic = analytic(cfg, self.model)
+        self.analytic = analytic(self.model, context)
         self.auto_absorbed = self._auto_picks_absorbed()
 
     def _auto_picks_absorbed(self) -> bool | None:
-        """What `impl: auto` would run for this step (EG-MLA kv only)."""
+        """Whether `impl: auto` would run the absorbed computation for this step (None: the
+        variant has no choice of computation)."""
         a = self.cfg.attention
-        if not isinstance(a, EGMLAConfig) or a.gate_position != "kv":
+        if "impl" not in {f.name for f in dataclasses.fields(a)}:
             return None
         with torch.device("meta"):
             auto = Transformer(dataclasses.replace(

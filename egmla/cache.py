@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from egmla.config import ModelConfig
-
 
 @dataclass(frozen=True)
 class FieldSpec:
@@ -92,14 +90,6 @@ class CacheSpec:
         """Analytic KV-cache bytes per token: every cached tensor, every layer."""
         return (self.layer_bytes_per_token(dtype) + self.auxiliary_bytes_per_token(dtype)
                 + self.sequence_bytes_per_token(dtype))
-
-
-def cache_spec_for(config: ModelConfig) -> CacheSpec:
-    """The cache spec of a config, read from the real layers built on the meta device (no memory)."""
-    from egmla.models.transformer import Transformer  # local: models import this module
-
-    with torch.device("meta"):
-        return Transformer(config).cache_spec()
 
 
 class CacheTensors:

@@ -58,15 +58,43 @@ def _check_literals(obj: Any, where: str) -> None:
 
 @dataclass
 class AttentionConfig:
-    """Base of the attention configs. `type` is the registry name, set by each subclass."""
+    """Base of the attention configs. `type` is the registry name, set by each subclass.
+
+    A variant declares here what other code would otherwise have to ask it by type: its
+    parameter counts, the label comparisons use, and how it exports (`native_architecture`, the
+    transformers architecture a native export targets, or None with `native_refusal` saying
+    why; `hf_layout`, the weight-name families of the remote-code export)."""
 
     type: ClassVar[str] = ""
+    native_architecture: ClassVar[str | None] = None
+    native_refusal: ClassVar[str] = ""
+    hf_layout: ClassVar[tuple[str, ...]] = ()
 
     def validate(self, model: ModelConfig) -> None:
         _check_literals(self, f"attention[{self.type}]")
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": self.type, **dataclasses.asdict(self)}
+
+    def layer_params(self, model: ModelConfig) -> int:
+        """Parameters of one attention layer, without per-token lookup tables."""
+        raise NotImplementedError
+
+    def table_groups(self, model: ModelConfig) -> list[range]:
+        """The layers sharing each per-token lookup table (EG-MLA's gate tables); none here."""
+        return []
+
+    def table_width(self) -> int:
+        """Width of each per-token lookup table (a vocab x width embedding)."""
+        return 0
+
+    def label(self, model: ModelConfig) -> str:
+        """The variant's name in comparisons (mha, gqa, mqa, mla, egmla-kv, ...)."""
+        return self.type
+
+    def as_reference(self) -> AttentionConfig:
+        """This attention computed the plain way (what exported modeling code runs)."""
+        return self
 
 
 @dataclass
@@ -77,8 +105,18 @@ class MHAConfig(AttentionConfig):
     """
 
     type: ClassVar[str] = "mha"
+    native_architecture: ClassVar[str | None] = "llama"
+    hf_layout: ClassVar[tuple[str, ...]] = ("llama",)
     n_kv_heads: int | None = None  # None: same as the model's n_heads (plain MHA)
     head_dim: int | None = None  # None: d_model // n_heads
+
+    def layer_params(self, model: ModelConfig) -> int:
+        d, h, hd, kv = model.d_model, model.n_heads, self.head_size(model), self.kv_heads(model)
+        return d * h * hd + 2 * d * kv * hd + h * hd * d
+
+    def label(self, model: ModelConfig) -> str:
+        kv_heads = self.kv_heads(model)
+        return "mha" if kv_heads == model.n_heads else "mqa" if kv_heads == 1 else "gqa"
 
     def kv_heads(self, model: ModelConfig) -> int:
         return self.n_kv_heads if self.n_kv_heads is not None else model.n_heads
@@ -115,6 +153,8 @@ class MLAConfig(AttentionConfig):
     """
 
     type: ClassVar[str] = "mla"
+    native_architecture: ClassVar[str | None] = "deepseek_v3"
+    hf_layout: ClassVar[tuple[str, ...]] = ("deepseek",)
     d_c: int = 256  # KV latent width (DeepSeek's kv_lora_rank)
     d_q: int | None = None  # query latent width (q_lora_rank); None: full-rank query
     d_nope: int = 64  # per-head query/key width without RoPE
@@ -131,6 +171,16 @@ class MLAConfig(AttentionConfig):
             f"attention.d_rope={self.d_rope}: must be even (RoPE) and >= 2",
         )
         _check(self.d_q is None or self.d_q >= 1, f"attention.d_q={self.d_q}: must be >= 1 or null")
+
+    def layer_params(self, model: ModelConfig) -> int:
+        d, h = model.d_model, model.n_heads
+        q_width = h * (self.d_nope + self.d_rope)
+        q = d * q_width if self.d_q is None else d * self.d_q + self.d_q + self.d_q * q_width
+        kv = d * (self.d_c + self.d_rope) + self.d_c + self.d_c * h * (self.d_nope + self.d_v)
+        return q + kv + h * self.d_v * d
+
+    def as_reference(self) -> MLAConfig:
+        return dataclasses.replace(self, impl="naive")
 
 
 @dataclass
@@ -149,6 +199,12 @@ class EGMLAConfig(MLAConfig):
     """
 
     type: ClassVar[str] = "egmla"
+    native_architecture: ClassVar[str | None] = None
+    native_refusal: ClassVar[str] = (
+        "EG-MLA has no native export: its embedding gate (a token-id table multiplied into the KV "
+        "path) has no counterpart in any architecture transformers or vLLM ship; use --format hf "
+        "(remote code) instead")
+    hf_layout: ClassVar[tuple[str, ...]] = ("deepseek", "gate")
     d_e: int = 256
     gate_position: Literal["kv", "latent"] = "kv"
     gate_norm: Literal["layernorm", "rmsnorm", "none"] = "layernorm"
@@ -170,6 +226,21 @@ class EGMLAConfig(MLAConfig):
 
     def n_gate_tables(self, model: ModelConfig) -> int:
         return model.n_layers // self.gate_group_size
+
+    def layer_params(self, model: ModelConfig) -> int:
+        gated = model.n_heads * (self.d_nope + self.d_v) if self.gate_position == "kv" else self.d_c
+        norm = {"layernorm": 2 * gated, "rmsnorm": gated, "none": 0}[self.gate_norm]
+        return super().layer_params(model) + self.d_e * gated + norm
+
+    def table_groups(self, model: ModelConfig) -> list[range]:
+        size = self.gate_group_size
+        return [range(g * size, (g + 1) * size) for g in range(self.n_gate_tables(model))]
+
+    def table_width(self) -> int:
+        return self.d_e
+
+    def label(self, model: ModelConfig) -> str:
+        return f"egmla-{self.gate_position}"
 
 
 ATTENTION_REGISTRY: dict[str, type[AttentionConfig]] = {
@@ -260,28 +331,9 @@ class ModelConfig:
 
     def num_params(self, include_gate_tables: bool = True) -> int:
         """Parameter count computed from the config (checked against the built module)."""
-        d, V, L = self.d_model, self.vocab_size, self.n_layers
-        per_layer = 2 * d + 3 * d * self.d_ff + _attention_params(self)  # 2 norms + SwiGLU
+        d, V, L, a = self.d_model, self.vocab_size, self.n_layers, self.attention
+        per_layer = 2 * d + 3 * d * self.d_ff + a.layer_params(self)  # 2 norms + SwiGLU
         total = V * d + L * per_layer + d + (0 if self.tie_embeddings else V * d)
-        if include_gate_tables and isinstance(self.attention, EGMLAConfig):
-            total += self.attention.n_gate_tables(self) * V * self.attention.d_e
+        if include_gate_tables:
+            total += len(a.table_groups(self)) * V * a.table_width()
         return total
-
-
-def _attention_params(cfg: ModelConfig) -> int:
-    """Parameters of one attention layer, excluding EG-MLA's (possibly shared) gate tables."""
-    a, d, h = cfg.attention, cfg.d_model, cfg.n_heads
-    if isinstance(a, MHAConfig):
-        hd, kv = a.head_size(cfg), a.kv_heads(cfg)
-        return d * h * hd + 2 * d * kv * hd + h * hd * d
-    assert isinstance(a, MLAConfig)
-    q_width = h * (a.d_nope + a.d_rope)
-    q = d * q_width if a.d_q is None else d * a.d_q + a.d_q + a.d_q * q_width
-    kv = d * (a.d_c + a.d_rope) + a.d_c + a.d_c * h * (a.d_nope + a.d_v)
-    out = h * a.d_v * d
-    total = q + kv + out
-    if isinstance(a, EGMLAConfig):
-        gated = h * (a.d_nope + a.d_v) if a.gate_position == "kv" else a.d_c
-        norm = {"layernorm": 2 * gated, "rmsnorm": gated, "none": 0}[a.gate_norm]
-        total += a.d_e * gated + norm
-    return total

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,13 +37,16 @@ from egmla.checkpoint import (
 )
 from egmla.config import MHAConfig, MLAConfig, ModelConfig
 from egmla.models.transformer import Transformer
+from egmla.weight_names import (
+    DEEPSEEK_ATTENTION,
+    LLAMA_ATTENTION,
+    ConversionError,
+    build_model,
+    rename_weights,
+)
 
 # Bump when a conversion changes, so cached exports made by an older egmla are rebuilt.
 CONVERSION_VERSION = 1
-
-
-class ConversionError(CheckpointError):
-    """A pretrained model cannot be converted exactly; the message names the feature or key."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,79 +100,6 @@ def _expect_type(hf_config: Any, model_type: str) -> None:
     _reject(found != model_type, f"model_type={found!r}: expected {model_type!r}")
 
 
-_TOP_LEVEL = {
-    "model.embed_tokens.weight": "tok_emb.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "lm_head.weight",
-}
-_BLOCK = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "mlp_norm.weight",
-    "mlp.gate_proj.weight": "mlp.w_gate.weight",
-    "mlp.up_proj.weight": "mlp.w_up.weight",
-    "mlp.down_proj.weight": "mlp.w_down.weight",
-}
-_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
-
-
-def _rename(
-    hf_state_dict: dict[str, torch.Tensor],
-    config: ModelConfig,
-    attention: dict[str, str],
-    skip_layer: Callable[[int, str], bool] = lambda i, rest: False,
-    shared: dict[str, list[str]] | None = None,
-) -> dict[str, torch.Tensor]:
-    """Map HF names to ours and check the result against the model `config` builds.
-
-    `shared` maps an HF key to the several egmla keys that hold the same tensor (a gate table
-    used by a group of layers). Every HF key must be used (or deliberately skipped) and every
-    egmla key filled, with the right shape; otherwise ConversionError names the key.
-    """
-    block = {**_BLOCK, **attention}
-    shared = shared or {}
-    out: dict[str, torch.Tensor] = {}
-    for key, tensor in hf_state_dict.items():
-        if key.endswith("rotary_emb.inv_freq"):  # a non-persistent buffer in older checkpoints
-            continue
-        match = _LAYER_KEY.fullmatch(key)
-        if key in _TOP_LEVEL:
-            out[_TOP_LEVEL[key]] = tensor
-        elif key in shared:
-            out.update(dict.fromkeys(shared[key], tensor))
-        elif match and skip_layer(int(match.group(1)), match.group(2)):
-            continue
-        elif match and match.group(2) in block:
-            out[f"layers.{match.group(1)}.{block[match.group(2)]}"] = tensor
-        else:
-            raise ConversionError(f"unexpected weight {key!r}: no egmla counterpart")
-    if config.tie_embeddings:
-        out["lm_head.weight"] = out.get("tok_emb.weight")  # tied: one tensor under both names
-
-    with torch.device("meta"):
-        expected = Transformer(config).state_dict()
-    missing = sorted(k for k in expected if out.get(k) is None)
-    _reject(missing, f"weights missing for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    for key, tensor in out.items():
-        if key not in expected:
-            raise ConversionError(f"weight {key!r} does not exist in the egmla model")
-        _reject(
-            tensor.shape != expected[key].shape,
-            f"{key}: shape {tuple(tensor.shape)} from the checkpoint, "
-            f"{tuple(expected[key].shape)} expected from the config",
-        )
-    return out
-
-
-def _build(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> Transformer:
-    """A model holding `state_dict`, in its dtype and on its device, in eval mode."""
-    reference = state_dict["tok_emb.weight"]
-    with torch.device(reference.device):
-        model = Transformer(config)
-    model = model.to(reference.dtype)
-    model.load_state_dict(state_dict, strict=True)
-    return model.eval()
-
-
 # --------------------------------------------------------------------------------------------
 # Llama (MHA / GQA)
 
@@ -189,20 +118,17 @@ def config_from_llama(hf_config: Any) -> ModelConfig:
     return ModelConfig(**fields, attention=attention)
 
 
-_LLAMA_ATTENTION = {f"self_attn.{p}_proj.weight": f"attn.w{p}.weight" for p in "qkvo"}
-
-
 def state_dict_from_llama(
     hf_state_dict: dict[str, torch.Tensor], config: ModelConfig
 ) -> dict[str, torch.Tensor]:
     """HF Llama weight names -> egmla names. No permutation: HF's q/k rows are half-split."""
-    return _rename(hf_state_dict, config, _LLAMA_ATTENTION)
+    return rename_weights(hf_state_dict, config, LLAMA_ATTENTION)
 
 
 def from_llama(hf_model: Any) -> Transformer:
     """A transformers LlamaForCausalLM -> an egmla Transformer with the same weights and dtype."""
     config = config_from_llama(hf_model.config)
-    return _build(config, state_dict_from_llama(hf_model.state_dict(), config))
+    return build_model(config, state_dict_from_llama(hf_model.state_dict(), config))
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,7 +136,7 @@ def from_llama(hf_model: Any) -> Transformer:
 
 # transformers' DeepSeek-V3 builds q_a_layernorm and kv_a_layernorm with its default eps, not
 # config.rms_norm_eps; egmla uses one norm_eps for every RMSNorm.
-_DEEPSEEK_LATENT_NORM_EPS = 1e-6
+DEEPSEEK_LATENT_NORM_EPS = 1e-6
 
 
 def config_from_deepseek_v3(hf_config: Any) -> ModelConfig:
@@ -225,10 +151,10 @@ def config_from_deepseek_v3(hf_config: Any) -> ModelConfig:
     )
     fields = _common_fields(hf_config)
     _reject(
-        fields["norm_eps"] != _DEEPSEEK_LATENT_NORM_EPS,
+        fields["norm_eps"] != DEEPSEEK_LATENT_NORM_EPS,
         f"rms_norm_eps={fields['norm_eps']}: DeepSeek-V3's latent norms always use eps="
-        f"{_DEEPSEEK_LATENT_NORM_EPS} and egmla has one norm_eps, so only rms_norm_eps="
-        f"{_DEEPSEEK_LATENT_NORM_EPS} converts exactly",
+        f"{DEEPSEEK_LATENT_NORM_EPS} and egmla has one norm_eps, so only rms_norm_eps="
+        f"{DEEPSEEK_LATENT_NORM_EPS} converts exactly",
     )
     n_kv = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     _reject(
@@ -244,18 +170,6 @@ def config_from_deepseek_v3(hf_config: Any) -> ModelConfig:
         d_v=hf_config.v_head_dim,
     )
     return ModelConfig(**fields, attention=attention)
-
-
-_DEEPSEEK_ATTENTION = {
-    "self_attn.q_proj.weight": "attn.wq.weight",
-    "self_attn.q_a_proj.weight": "attn.wq_a.weight",
-    "self_attn.q_a_layernorm.weight": "attn.q_norm.weight",
-    "self_attn.q_b_proj.weight": "attn.wq_b.weight",
-    "self_attn.kv_a_proj_with_mqa.weight": "attn.wkv_a.weight",
-    "self_attn.kv_a_layernorm.weight": "attn.kv_norm.weight",
-    "self_attn.kv_b_proj.weight": "attn.wkv_b.weight",
-    "self_attn.o_proj.weight": "attn.wo.weight",
-}
 
 
 def deinterleave_order(d_rope: int) -> torch.Tensor:
@@ -286,11 +200,10 @@ def state_dict_from_deepseek_v3(
                 f"model.layers.{index}.{rest}: mixture-of-experts weights are not supported")
         return False
 
-    out = _rename(hf_state_dict, config, _DEEPSEEK_ATTENTION, skip_layer)
+    out = rename_weights(hf_state_dict, config, DEEPSEEK_ATTENTION, skip_layer)
     if not rope_interleave:
         return out
-    a = config.attention
-    assert isinstance(a, MLAConfig)
+    a = config.attention  # the MLA config this importer built
     for i in range(config.n_layers):
         q = f"layers.{i}.attn.wq.weight" if a.d_q is None else f"layers.{i}.attn.wq_b.weight"
         out[q] = _deinterleave_query(out[q], config.n_heads, a.d_nope, a.d_rope)
@@ -304,7 +217,7 @@ def from_deepseek_v3(hf_model: Any) -> Transformer:
     """A dense transformers DeepseekV3ForCausalLM -> an egmla MLA Transformer, same weights."""
     config = config_from_deepseek_v3(hf_model.config)
     interleave = bool(getattr(hf_model.config, "rope_interleave", True))
-    return _build(config, state_dict_from_deepseek_v3(hf_model.state_dict(), config, interleave))
+    return build_model(config, state_dict_from_deepseek_v3(hf_model.state_dict(), config, interleave))
 
 
 CONVERTERS: dict[str, tuple[Callable[[Any], ModelConfig], Callable[[Any], Transformer]]] = {

@@ -6,7 +6,7 @@
 A row holds the run's attention variant, seed, parameters, KV-cache elements and bytes per token,
 validation loss, tokens trained and every metric found in the run: MQAR accuracy by slice
 (`mqar_acc/kv16`) and lm-eval results (`task/metric`). KV sizes are analytic, computed from the
-run's model config with `egmla.cache.cache_spec_for`, as `python -m eval.kv_bytes` does. Writes
+run's model config with `egmla.models.cache_spec_for`, as `python -m eval.kv_bytes` does. Writes
 comparison.{md,csv,png,json} into --out, all or none.
 """
 
@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from egmla.cache import cache_spec_for
+from egmla.models import cache_spec_for
 from egmla.config import ConfigError, ModelConfig
 from egmla.provenance import provenance
 from eval.kv_bytes import SHORT_NAME, UsageError, parse_dtype
@@ -83,14 +83,8 @@ def _number(value: Any) -> float | None:
 
 
 def variant(config: ModelConfig) -> str:
-    """mha, gqa, mqa, mla, egmla-kv or egmla-latent, from the attention config."""
-    attention = config.attention
-    if attention.type == "mha":
-        kv_heads = attention.kv_heads(config)
-        return "mha" if kv_heads == config.n_heads else "mqa" if kv_heads == 1 else "gqa"
-    if attention.type == "egmla":
-        return f"egmla-{attention.gate_position}"
-    return attention.type
+    """mha, gqa, mqa, mla, egmla-kv or egmla-latent: the label the attention config declares."""
+    return config.attention.label(config)
 
 
 def lm_eval_metrics(run_dir: Path) -> dict[str, float]:

@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
-from egmla.cache import CacheSpec, ContiguousCache, cache_spec_for
+from egmla.cache import CacheSpec, ContiguousCache
 from egmla.config import ConfigError, ModelConfig
+from egmla.models import cache_spec_for
 from egmla.presets import PRESETS, preset
 from egmla.provenance import git_info, hardware
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from egmla.cache import CacheSpec, ContiguousCache, FieldSpec, cache_spec_for
+from egmla.cache import CacheSpec, ContiguousCache, FieldSpec
 from egmla.config import EGMLAConfig, MHAConfig, ModelConfig
-from egmla.models import Transformer
+from egmla.models import Transformer, cache_spec_for
 from egmla.presets import PRESETS, preset
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]

@@ -8,8 +8,8 @@ import torch
 from test_engine import mixed_prompts, reference_greedy
 from test_models import build, random_ids, with_attention
 
-from egmla.cache import ContiguousCache, cache_spec_for
-from egmla.models import Transformer
+from egmla.cache import ContiguousCache
+from egmla.models import Transformer, cache_spec_for
 from egmla.presets import preset
 from serve.engine import EngineConfig, LLMEngine, SamplingParams
 from serve.paged_cache import PagedKVCache

@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_models import VARIANTS, build
 
-from egmla.cache import cache_spec_for
+from egmla.models import cache_spec_for
 from egmla.models import Transformer
 from egmla.presets import PRESETS, preset
 from serve.paged_cache import PagedKVCache

@@ -36,7 +36,7 @@ def test_every_experiment_composes_and_builds_its_model(experiment):
 
 
 def test_paper_experiments_reproduce_the_paper_cache_sizes():
-    from egmla.cache import cache_spec_for
+    from egmla.models import cache_spec_for
 
     expected = {"paper_mha": 18432, "paper_mla": 3840, "paper_egmla_kv256": 3840,
                 "paper_egmla_kv64": 1536, "paper_egmla_kv16": 960}

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from egmla.cache import cache_spec_for
+    from egmla.models import cache_spec_for
     from egmla.checkpoint import CheckpointError
     from egmla.config import ConfigError
     from egmla.export import export, load_source

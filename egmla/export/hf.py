@@ -29,11 +29,11 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from egmla.cache import CacheSpec, cache_spec_for
+from egmla.cache import CacheSpec
 from egmla.checkpoint import CheckpointError, atomic_directory, read_weights
-from egmla.config import ConfigError, EGMLAConfig, MHAConfig, MLAConfig, ModelConfig
-from egmla.imports import _BLOCK, _DEEPSEEK_ATTENTION, _LLAMA_ATTENTION, _TOP_LEVEL, _build, _rename
-from egmla.models.transformer import Transformer
+from egmla.config import ConfigError, ModelConfig
+from egmla.weight_names import BLOCK, DEEPSEEK_ATTENTION, LLAMA_ATTENTION, TOP_LEVEL, build_model, rename_weights
+from egmla.models.transformer import Transformer, cache_spec_for
 
 FORMAT = "hf"
 FORMAT_VERSION = 1
@@ -67,24 +67,20 @@ _GATE = {
 }
 
 
+# The weight-name families a variant's `hf_layout` lists, merged in that order.
+_LAYOUTS = {"llama": LLAMA_ATTENTION, "deepseek": DEEPSEEK_ATTENTION, "gate": _GATE}
+
+
 def _attention_keys(config: ModelConfig) -> dict[str, str]:
     """transformers name -> egmla name of every per-layer attention weight of this variant."""
-    if isinstance(config.attention, MHAConfig):
-        return _LLAMA_ATTENTION
-    return {**_DEEPSEEK_ATTENTION, **(_GATE if isinstance(config.attention, EGMLAConfig) else {})}
+    return {k: v for part in config.attention.hf_layout for k, v in _LAYOUTS[part].items()}
 
 
 def _gate_tables(config: ModelConfig) -> dict[str, list[str]]:
     """transformers gate table -> the egmla keys of every layer of its group (one tensor)."""
-    a = config.attention
-    if not isinstance(a, EGMLAConfig):
-        return {}
     return {
-        f"model.gate_embeddings.{g}.weight": [
-            f"layers.{i}.attn.gate_table.weight"
-            for i in range(g * a.gate_group_size, (g + 1) * a.gate_group_size)
-        ]
-        for g in range(a.n_gate_tables(config))
+        f"model.gate_embeddings.{g}.weight": [f"layers.{i}.attn.gate_table.weight" for i in layers]
+        for g, layers in enumerate(config.attention.table_groups(config))
     }
 
 
@@ -127,10 +123,10 @@ def rename_to_hf(
     a copy. Tensors are detached and contiguous, and none shares memory with another.
     """
     config = model.config
-    to_hf = {ours: hf for hf, ours in _TOP_LEVEL.items()}
+    to_hf = {ours: hf for hf, ours in TOP_LEVEL.items()}
     for hf, ours in (shared or {}).items():
         to_hf.update(dict.fromkeys(ours, hf))
-    block = {ours: hf for hf, ours in {**_BLOCK, **attention}.items()}
+    block = {ours: hf for hf, ours in {**BLOCK, **attention}.items()}
     out: dict[str, torch.Tensor] = {}
     for key, tensor in model.state_dict().items():
         if key == "lm_head.weight" and config.tie_embeddings:
@@ -152,10 +148,7 @@ def transformers_cache_spec(config: ModelConfig) -> CacheSpec:
     """What the exported modeling code's cache holds per token: egmla's cache for the rebuild
     computation (`impl: naive`). The modeling code rebuilds EG-MLA `kv` K/V from the latent and
     the ids at each step, so it keeps none of the norm statistics egmla's absorbed decode caches."""
-    a = config.attention
-    if isinstance(a, MLAConfig):
-        config = dataclasses.replace(config, attention=dataclasses.replace(a, impl="naive"))
-    return cache_spec_for(config)
+    return cache_spec_for(dataclasses.replace(config, attention=config.attention.as_reference()))
 
 
 def save_hf(
@@ -240,7 +233,7 @@ def load_hf(directory: str | os.PathLike, dtype: torch.dtype | None = None) -> T
     directory = Path(directory)
     config = read_hf_config(directory)
     weights = read_weights(directory / "model.safetensors")
-    state = _rename(weights, config, _attention_keys(config), shared=_gate_tables(config))
-    model = _build(config, state)
+    state = rename_weights(weights, config, _attention_keys(config), shared=_gate_tables(config))
+    model = build_model(config, state)
     return model if dtype is None else model.to(dtype)
 

@@ -39,15 +39,11 @@ from typing import Any
 import torch
 
 from egmla.checkpoint import CheckpointError
-from egmla.config import EGMLAConfig, MHAConfig, MLAConfig, ModelConfig
+from egmla.config import ModelConfig
 from egmla.export.hf import rename_to_hf
-from egmla.imports import (
-    _DEEPSEEK_ATTENTION,
-    _DEEPSEEK_LATENT_NORM_EPS,
-    _LLAMA_ATTENTION,
-    deinterleave_order,
-)
+from egmla.imports import DEEPSEEK_LATENT_NORM_EPS, deinterleave_order
 from egmla.models.transformer import Transformer
+from egmla.weight_names import DEEPSEEK_ATTENTION, LLAMA_ATTENTION
 
 
 class NativeExportError(CheckpointError):
@@ -64,28 +60,22 @@ def native_architecture(config: ModelConfig) -> str:
     Raises NativeExportError for EG-MLA and for anything else the architecture cannot hold.
     """
     a = config.attention
-    if isinstance(a, EGMLAConfig):  # before MLAConfig: EG-MLA is a subclass
+    arch = a.native_architecture
+    if arch is None:
+        raise NativeExportError(a.native_refusal or f"attention type {a.type!r} has no native "
+                                "transformers architecture")
+    if arch == "deepseek_v3" and config.norm_eps != DEEPSEEK_LATENT_NORM_EPS:
         raise NativeExportError(
-            "EG-MLA has no native export: its embedding gate (a token-id table multiplied into "
-            "the KV path) has no counterpart in any architecture transformers or vLLM ship; "
-            "use --format hf (remote code) instead"
+            f"norm_eps={config.norm_eps}: DeepSeek-V3's latent norms always use eps="
+            f"{DEEPSEEK_LATENT_NORM_EPS} in transformers, and egmla has one norm_eps, so "
+            f"only norm_eps={DEEPSEEK_LATENT_NORM_EPS} exports exactly"
         )
-    if isinstance(a, MLAConfig):
-        if config.norm_eps != _DEEPSEEK_LATENT_NORM_EPS:
-            raise NativeExportError(
-                f"norm_eps={config.norm_eps}: DeepSeek-V3's latent norms always use eps="
-                f"{_DEEPSEEK_LATENT_NORM_EPS} in transformers, and egmla has one norm_eps, so "
-                f"only norm_eps={_DEEPSEEK_LATENT_NORM_EPS} exports exactly"
-            )
-        return "deepseek_v3"
-    if isinstance(a, MHAConfig):
-        if config.d_model % config.n_heads:
-            raise NativeExportError(
-                f"d_model={config.d_model} is not divisible by n_heads={config.n_heads}: "
-                "LlamaConfig refuses that even with an explicit head_dim"
-            )
-        return "llama"
-    raise NativeExportError(f"attention type {a.type!r} has no native transformers architecture")
+    if arch == "llama" and config.d_model % config.n_heads:
+        raise NativeExportError(
+            f"d_model={config.d_model} is not divisible by n_heads={config.n_heads}: "
+            "LlamaConfig refuses that even with an explicit head_dim"
+        )
+    return arch
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,7 +133,6 @@ def native_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     out = _common_config(config, dtype)
     a = config.attention
     if arch == "llama":
-        assert isinstance(a, MHAConfig)
         return {
             "model_type": "llama",
             "architectures": ["LlamaForCausalLM"],
@@ -152,7 +141,6 @@ def native_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
             "head_dim": a.head_size(config),
             "mlp_bias": False,
         }
-    assert isinstance(a, MLAConfig)
     return {
         "model_type": "deepseek_v3",
         "architectures": ["DeepseekV3ForCausalLM"],
@@ -208,7 +196,6 @@ def _interleave_query(w: torch.Tensor, n_heads: int, d_nope: int, d_rope: int) -
 def _interleave_rope_rows(weights: dict[str, torch.Tensor], config: ModelConfig) -> None:
     """Undo state_dict_from_deepseek_v3's de-interleave, in place on the HF-named `weights`."""
     a = config.attention
-    assert isinstance(a, MLAConfig)
     kv_order = torch.cat((torch.arange(a.d_c), a.d_c + interleave_order(a.d_rope)))
     for i in range(config.n_layers):
         prefix = f"model.layers.{i}.self_attn"
@@ -229,7 +216,7 @@ def native_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     """
     config = model.config
     arch = native_architecture(config)
-    attention = _LLAMA_ATTENTION if arch == "llama" else _DEEPSEEK_ATTENTION
+    attention = LLAMA_ATTENTION if arch == "llama" else DEEPSEEK_ATTENTION
     out = rename_to_hf(model, attention, keep_tied_head=arch == "deepseek_v3")
     if arch == "deepseek_v3":
         _interleave_rope_rows(out, config)  # indexing makes new tensors: nothing shared

@@ -2,6 +2,6 @@
 
 from egmla.models.attention import EGMLA, MHA, MLA
 from egmla.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope
-from egmla.models.transformer import Transformer
+from egmla.models.transformer import Transformer, cache_spec_for
 
-__all__ = ["EGMLA", "MHA", "MLA", "RMSNorm", "Rotary", "SwiGLU", "Transformer", "apply_rope"]
+__all__ = ["EGMLA", "MHA", "MLA", "RMSNorm", "Rotary", "SwiGLU", "Transformer", "apply_rope", "cache_spec_for"]

@@ -15,13 +15,9 @@ import torch
 from torch import nn
 
 from egmla.cache import TOKEN_IDS, CacheSpec, ContiguousCache
-from egmla.config import EGMLAConfig, ModelConfig
-from egmla.models.attention.egmla import EGMLA
-from egmla.models.attention.mha import MHA
-from egmla.models.attention.mla import MLA
+from egmla.config import ModelConfig
+from egmla.models.attention import build_attention
 from egmla.models.layers import RMSNorm, SwiGLU
-
-ATTENTION_MODULES: dict[str, type[nn.Module]] = {"mha": MHA, "mla": MLA, "egmla": EGMLA}
 
 
 class Block(nn.Module):
@@ -43,22 +39,13 @@ class Transformer(nn.Module):
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(
-            Block(config, attention) for attention in self._build_attention(config)
+            Block(config, attention) for attention in build_attention(config)
         )
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.reset_parameters()
-
-    @staticmethod
-    def _build_attention(config: ModelConfig) -> list[nn.Module]:
-        a = config.attention
-        if not isinstance(a, EGMLAConfig):
-            return [ATTENTION_MODULES[a.type](config) for _ in range(config.n_layers)]
-        # One gate table per group of consecutive layers, registered in each layer of the group.
-        tables = [nn.Embedding(config.vocab_size, a.d_e) for _ in range(a.n_gate_tables(config))]
-        return [EGMLA(config, tables[i // a.gate_group_size]) for i in range(config.n_layers)]
 
     def reset_parameters(self) -> None:
         """N(0, init_std) weights and unit norms; residual outputs scaled by 1/sqrt(2 L); then each
@@ -101,8 +88,7 @@ class Transformer(nn.Module):
         """Parameters of the built module (shared and tied tensors counted once)."""
         total = sum(p.numel() for p in self.parameters())
         if not include_gate_tables:
-            tables = {id(b.attn.gate_table.weight): b.attn.gate_table.weight for b in self.layers
-                      if isinstance(b.attn, EGMLA)}
+            tables = {id(t): t for b in self.layers for t in b.attn.lookup_tables()}
             total -= sum(w.numel() for w in tables.values())
         return total
 
@@ -137,3 +123,9 @@ class Transformer(nn.Module):
             rows = torch.arange(B, device=x.device)
             x = x[rows if logits_at.dim() == 1 else rows[:, None], logits_at]  # (B, d) or (B, K, d)
         return self.lm_head(self.norm(x))
+
+
+def cache_spec_for(config: ModelConfig) -> CacheSpec:
+    """The cache spec of a config, read from the real layers built on the meta device (no memory)."""
+    with torch.device("meta"):
+        return Transformer(config).cache_spec()

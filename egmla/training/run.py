@@ -27,9 +27,9 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-from egmla.cache import cache_spec_for
 from egmla.config import ConfigError
 from egmla.data.tokenizer import tokenizer_fingerprint
+from egmla.models import cache_spec_for
 from egmla.provenance import provenance
 from egmla.training.callbacks import Export, ResumableCSVLogger, Throughput
 from egmla.training.config import TrainConfig

@@ -1,9 +1,44 @@
-"""Scaled dot-product attention shared by the variants, with the causal mask from positions."""
+"""What the attention variants share: the layer's base class and scaled dot-product attention
+with the causal mask from positions."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from egmla.config import ModelConfig
+
+
+class AttentionLayer(nn.Module):
+    """Base of the attention modules. Besides `forward(x, positions, cache=None, token_ids=None)`
+    and `cache_spec()`, a variant owns how its layers are built (`build_layers`: one module per
+    layer, with whatever they share), initialized beyond the model's generic pass
+    (`reset_parameters`) and counted (`lookup_tables`), so the model never asks which it is."""
+
+    needs_token_ids = False  # whether the model must cache every token's id for this layer
+
+    @classmethod
+    def build_layers(cls, config: ModelConfig) -> list[AttentionLayer]:
+        """The model's `n_layers` attention modules (independent ones by default)."""
+        return [cls(config) for _ in range(config.n_layers)]
+
+    def reset_parameters(self) -> None:
+        """Init beyond the model's default N(0, init_std) (`Transformer.reset_parameters`): none."""
+
+    def lookup_tables(self) -> list[nn.Parameter]:
+        """Per-token lookup tables (EG-MLA's gate tables), which parameter counts may leave out."""
+        return []
+
+    def decode_cost(self, context: int, dtype: torch.dtype = torch.float32) -> dict[str, int]:
+        """Analytic cost of one decode step of this layer (one query over `context` cached keys),
+        for the computation it runs then: multiply-accumulates per cached key and per query (the
+        part that does not grow with the context), the cache bytes it reads per key, and the
+        bytes of lookup-table rows it reads per key (weights, not cache)."""
+        raise NotImplementedError
+
+    def _cache_bytes_per_key(self, dtype: torch.dtype, auxiliary: bool = True) -> int:
+        return sum(f.nbytes(dtype) for f in self.cache_spec().values() if auxiliary or not f.auxiliary)
 
 
 def attend(

@@ -63,6 +63,17 @@ class EGMLA(MLA):
         self.stats_width = stats
         self.gate_init, self.init_std = a.gate_init, config.init_std
 
+    @classmethod
+    def build_layers(cls, config: ModelConfig) -> list[EGMLA]:
+        """One gate table per group of consecutive layers, the same module in each layer of it."""
+        a = config.attention
+        assert isinstance(a, EGMLAConfig)
+        tables = [nn.Embedding(config.vocab_size, a.d_e) for _ in range(a.n_gate_tables(config))]
+        return [cls(config, tables[i // a.gate_group_size]) for i in range(config.n_layers)]
+
+    def lookup_tables(self) -> list[nn.Parameter]:
+        return [self.gate_table.weight]
+
     def reset_parameters(self) -> None:
         """The gate's init, by `gate_init` (docs/attention.md, where the three are compared):
 
@@ -137,6 +148,17 @@ class EGMLA(MLA):
             "rebuild": S * H * (n + v) * (C + E) + T * S * H * (n + r + v),
             "absorbed": T * H * (n + v) * C * E + T * S * H * (2 * C * E + C + r),
         }
+
+    def decode_cost(self, context: int, dtype: torch.dtype = torch.float32) -> dict[str, int]:
+        if self.gate_position == "latent":
+            return super().decode_cost(context, dtype)
+        absorbed = self._use_absorbed(1, context, cached=True)
+        key = "absorbed" if absorbed else "rebuild"
+        one, two = self.step_macs(1, 1)[key], self.step_macs(1, 2)[key]
+        return {"macs_per_key": two - one, "macs_per_query": 2 * one - two,
+                # the rebuild reads no statistics; every token's int32 id is read besides
+                "cache_bytes_per_key": self._cache_bytes_per_key(dtype, auxiliary=absorbed) + 4,
+                "lookup_bytes_per_key": self.d_e * dtype.itemsize}
 
     def supports_absorbed(self) -> bool:
         return self.gate_position == "latent" or self.impl != "naive"

@@ -7,14 +7,12 @@ from torch import nn
 
 from egmla.cache import FieldSpec, LayerCache, LayerSpec
 from egmla.config import MHAConfig, ModelConfig
-from egmla.models.attention.common import attend
+from egmla.models.attention.common import AttentionLayer, attend
 from egmla.models.layers import Rotary, apply_rope
 
 
-class MHA(nn.Module):
+class MHA(AttentionLayer):
     """Caches K and V per layer: 2 * n_kv * d_h elements per token."""
-
-    needs_token_ids = False
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -28,11 +26,12 @@ class MHA(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
         self.rope = Rotary(self.head_dim, config.rope_theta)
 
-    def reset_parameters(self) -> None:
-        """Init beyond the model's default N(0, init_std) (see `Transformer.reset_parameters`): none."""
-
     def cache_spec(self) -> LayerSpec:
         return {"k": FieldSpec((self.n_kv, self.head_dim)), "v": FieldSpec((self.n_kv, self.head_dim))}
+
+    def decode_cost(self, context: int, dtype: torch.dtype = torch.float32) -> dict[str, int]:
+        return {"macs_per_key": 2 * self.n_heads * self.head_dim, "macs_per_query": 0,
+                "cache_bytes_per_key": self._cache_bytes_per_key(dtype), "lookup_bytes_per_key": 0}
 
     def forward(
         self,

@@ -22,14 +22,12 @@ from torch import nn
 
 from egmla.cache import FieldSpec, LayerCache, LayerSpec
 from egmla.config import MLAConfig, ModelConfig
-from egmla.models.attention.common import attend
+from egmla.models.attention.common import AttentionLayer, attend
 from egmla.models.layers import RMSNorm, Rotary, apply_rope
 
 
-class MLA(nn.Module):
+class MLA(AttentionLayer):
     """Caches c (d_c) and k_rope (d_rope) per layer: d_c + d_rope elements per token."""
-
-    needs_token_ids = False
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -52,9 +50,6 @@ class MLA(nn.Module):
         self.rope = Rotary(a.d_rope, config.rope_theta)
         self.scale = (a.d_nope + a.d_rope) ** -0.5
 
-    def reset_parameters(self) -> None:
-        """Init beyond the model's default N(0, init_std) (see `Transformer.reset_parameters`): none."""
-
     def cache_spec(self) -> LayerSpec:
         return {"c": FieldSpec((self.d_c,)), "k_rope": FieldSpec((self.d_rope,))}
 
@@ -74,6 +69,14 @@ class MLA(nn.Module):
         B, S, _ = c.shape
         kv = self.wkv_b(c).view(B, S, self.n_heads, self.d_nope + self.d_v)
         return kv.split([self.d_nope, self.d_v], dim=-1)
+
+    def decode_cost(self, context: int, dtype: torch.dtype = torch.float32) -> dict[str, int]:
+        H, C, n, r, v = self.n_heads, self.d_c, self.d_nope, self.d_rope, self.d_v
+        cost = {"cache_bytes_per_key": self._cache_bytes_per_key(dtype), "lookup_bytes_per_key": 0}
+        if self._use_absorbed(1, context, cached=True):  # an MQA over [c, k_rope] with value c
+            return {"macs_per_key": H * (2 * C + r), "macs_per_query": H * (n + v) * C, **cost}
+        # K/V up-projected from every cached latent, then attention over them
+        return {"macs_per_key": H * (n + v) * C + H * (n + r + v), "macs_per_query": 0, **cost}
 
     def supports_absorbed(self) -> bool:
         return True
