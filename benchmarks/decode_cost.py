@@ -20,7 +20,7 @@ whose caches would not fit in memory together (--max-group-gib) are timed one va
 another instead (`interleaved: false` in their rows). float32 weights
 and cache; torch's default threads.
 
-    python benchmarks/decode_cost.py                 # the full grid: over an hour on 2 cores
+    python benchmarks/decode_cost.py                 # the full grid: about 30 min on 2 quiet cores
     python benchmarks/decode_cost.py --shapes paper --batches 1   # about 10 minutes
     python benchmarks/decode_cost.py --quick         # small presets, 2 contexts, batch 1: a minute
 
