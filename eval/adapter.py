@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from egmla.imports import load_pretrained
 from serve import LLM, SamplingParams
+from serve.engine import DEFAULT_KV_CACHE_MEMORY
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "auto": None, None: None}
@@ -81,7 +82,7 @@ class EgmlaLM(TemplateLM):
         max_batch_size: int | None = None,  # lm-eval's --max_batch_size: caps batch_size=auto
         max_length: int | None = None,
         add_bos_token: bool | None = None,
-        kv_cache_memory: int = 512 * 2**20,
+        kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
         device: str | None = None,  # lm-eval's --device; None: where the weights load (the CPU)
         **unknown: Any,
     ) -> None:

@@ -100,16 +100,32 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+DEFAULT_KV_CACHE_MEMORY = 512 * 2**20  # bytes
+
+
 @dataclass
 class EngineConfig:
+    """Every engine setting, with its default: `LLM(model, **engine_args)` and the servers build
+    one of these from their keywords, so the defaults live here only."""
+
     block_size: int = 16
     num_blocks: int | None = None  # blocks in the pool; None: as many as kv_cache_memory holds
-    kv_cache_memory: int = 512 * 2**20  # bytes for the paged KV pool when num_blocks is None
+    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY  # bytes for the paged KV pool when num_blocks is None
     max_num_seqs: int = 64  # rows in one step
     max_num_batched_tokens: int = 512  # token budget of one step
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     cache_dtype: torch.dtype | None = None  # None: the model's dtype
+
+    @classmethod
+    def from_args(cls, **engine_args) -> EngineConfig:
+        """An EngineConfig from keyword arguments; an unknown one is a ValueError naming it."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {', '.join(unknown)}; accepted: "
+                             f"{', '.join(sorted(known))}")
+        return cls(**engine_args)
 
 
 @dataclass

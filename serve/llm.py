@@ -59,15 +59,14 @@ class LLM:
         self,
         model: str | os.PathLike | Transformer,
         tokenizer: Any = None,
-        block_size: int = 16,
-        kv_cache_memory: int = 512 * 2**20,  # bytes for the paged KV pool
-        num_blocks: int | None = None,  # overrides kv_cache_memory
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
         dtype: torch.dtype | None = None,
+        **engine_args: Any,
     ) -> None:
+        """`model`: a Transformer (with `tokenizer`), an export directory or a known name, loaded
+        in `dtype` (default: the export's). `engine_args` are `EngineConfig`'s fields
+        (block_size, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
+        enable_prefix_caching, enable_chunked_prefill, cache_dtype), with its defaults."""
+        config = EngineConfig.from_args(**engine_args)  # a misspelled argument fails before loading
         if isinstance(model, Transformer):
             self.model, self.tokenizer = model, tokenizer
         else:
@@ -75,11 +74,7 @@ class LLM:
             self.tokenizer = tokenizer or loaded_tokenizer
         self.model.eval()
         self.name = str(model) if not isinstance(model, Transformer) else "egmla"
-        self.engine = LLMEngine(self.model, EngineConfig(
-            block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill))
+        self.engine = LLMEngine(self.model, config)
         self.outputs = OutputProcessor(self.engine, self.decode)
 
     # ---- text <-> tokens ----------------------------------------------------------------------
