@@ -315,8 +315,7 @@ def build_app(engine: AsyncEngine, served_model_name: str,
                 streams.append(engine.submit(prompt, params, stop, stream=req.stream))
         except InvalidRequest as error:
             param = prompt_field if error.param == "prompt" else error.param
-            code = "context_length_exceeded" if "context" in str(error) else None
-            raise APIError(400, str(error), param=param, code=code) from None
+            raise APIError(400, str(error), param=param, code=error.code) from None
         except (QueueFull, Draining) as error:
             for stream in streams:
                 stream.abort()

@@ -28,11 +28,12 @@ from serve.paged_cache import PagedKVCache
 
 
 class InvalidRequest(ValueError):
-    """A request the engine refuses; `param` names the offending field (for HTTP errors)."""
+    """A request the engine refuses; `param` names the offending field and `code` is the
+    OpenAI error code where one applies (`context_length_exceeded`), for HTTP errors."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed accepts
@@ -222,7 +223,8 @@ class LLMEngine:
                                      f"[0, {vocab}) (the model's vocabulary)", name)
         if total > limit:
             raise InvalidRequest(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
-                                 f"exceeds the model's context of {limit} tokens", "prompt")
+                                 f"exceeds the model's context of {limit} tokens", "prompt",
+                                 code="context_length_exceeded")
         if params.n > c.max_num_seqs:
             raise InvalidRequest(f"n={params.n}: exceeds max_num_seqs={c.max_num_seqs}", "n")
         # The n samples share the prompt's full blocks and each need blocks of their own after.

@@ -430,6 +430,8 @@ def test_every_error_is_openai_shaped_404_405_413(tiny_llm):
             assert reply.status_code == 413 and error_of(reply)["code"] == "request_too_large"
         small = httpx.post(url + "/v1/completions", json={**big, "prompt": [1] * 100}, timeout=60)
         assert small.status_code == 200
+        long = httpx.post(url + "/v1/completions", json={**big, "prompt": [1] * 255}, timeout=60)
+        assert long.status_code == 400 and error_of(long)["code"] == "context_length_exceeded"
         assert httpx.get(url + "/health", timeout=60).status_code == 200
 
 
