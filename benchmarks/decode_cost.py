@@ -149,7 +149,7 @@ class Cell:
             self.model(self.ids, cache=self.cache)
             self.cache.length -= 1  # the next step rewrites the same position
         else:
-            self.cache.begin(self.ids, self.positions)
+            self.cache.begin({"token_ids": self.ids}, self.positions)
             self.model.layers[0].attn(self.x, self.positions, self.cache.layer(0), self.ids)
 
     def measure(self, with_memory: bool) -> float:

@@ -18,7 +18,9 @@ not elements) and 4 bytes for the int32 token id stored once per token of the se
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -92,6 +94,63 @@ class CacheSpec:
                 + self.sequence_bytes_per_token(dtype))
 
 
+# --------------------------------------------------------------------------------------------
+# The cache contract: what a model's forward does with the cache it is passed. ContiguousCache
+# (below) and serve's PagedStep implement it; the models are written against these alone.
+
+
+@runtime_checkable
+class LayerView(Protocol):
+    """One layer's part of a cache step: what an attention layer sees."""
+
+    def update(self, **new: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Write the step's new tokens' fields (exactly the layer's spec); return each field for
+        every key the step's queries may see, (B, S, ...)."""
+        ...
+
+    @property
+    def key_positions(self) -> torch.Tensor:
+        """Positions of those keys: (S,) shared by all rows, or (B, S) for ragged rows (padding
+        past any query position)."""
+        ...
+
+    def sequence_field(self, name: str) -> torch.Tensor:
+        """A per-sequence field (`CacheSpec.sequence`) for those keys, (B, S, ...)."""
+        ...
+
+
+@runtime_checkable
+class CacheStep(Protocol):
+    """A cache as a model's forward uses it, once per step:
+
+        cache.begin({"token_ids": ids}, positions)  # the step's per-sequence values
+        view = cache.layer(i)                       # each layer writes and reads through its view
+        cache.advance()                             # commit the step
+    """
+
+    def begin(self, sequence: Mapping[str, torch.Tensor], positions: torch.Tensor) -> None:
+        """Start a step: check room, and write every per-sequence field the spec lists from
+        `sequence` (a field the spec lists and `sequence` lacks is an error)."""
+        ...
+
+    def layer(self, index: int) -> LayerView: ...
+
+    def advance(self) -> None: ...
+
+    def next_positions(self, T: int) -> torch.Tensor:
+        """The positions of a step of T tokens when the caller gives none."""
+        ...
+
+
+def write_sequence_fields(spec: CacheSpec, sequence: Mapping[str, torch.Tensor], write) -> None:
+    """Call `write(name, values)` for every per-sequence field of `spec`, from `sequence`."""
+    for name in spec.sequence:
+        if name not in sequence:
+            raise KeyError(f"the cache holds the per-sequence field {name!r}; the step gave "
+                           f"{sorted(sequence)}")
+        write(name, sequence[name])
+
+
 class CacheTensors:
     """Every tensor a cache allocates for `spec`: per layer and field, and per-sequence fields,
     each of shape (*leading, *field.shape). `nbytes()` measures the storage actually allocated.
@@ -140,9 +199,8 @@ class LayerCache:
     def key_positions(self) -> torch.Tensor:
         return self._cache.key_positions
 
-    def token_ids(self) -> torch.Tensor:
-        """Token ids of every cached position plus the current step's, (B, T_total) int64."""
-        return self._cache.token_ids()
+    def sequence_field(self, name: str) -> torch.Tensor:
+        return self._cache.sequence_field(name)
 
 
 class ContiguousCache(CacheTensors):
@@ -167,13 +225,17 @@ class ContiguousCache(CacheTensors):
         self.length = 0
         self._step = 0  # tokens in the step being written (set by `begin`)
 
-    def begin(self, token_ids: torch.Tensor, positions: torch.Tensor | None = None) -> None:
-        """Start a step of `token_ids` (B, T): check space, record per-sequence fields.
+    def begin(self, sequence: Mapping[str, torch.Tensor], positions: torch.Tensor | None = None
+              ) -> None:
+        """Start a step of T tokens: check space, write the per-sequence fields (B, T).
 
-        `positions` must be the cache's next T positions (rows of equal length); a paged cache
-        uses them to place ragged rows.
+        `sequence` holds the step's per-sequence values ({"token_ids": ids} from the model; at
+        least one, which gives B and T). `positions` must be the cache's next T positions (rows
+        of equal length); a paged cache uses them to place ragged rows.
         """
-        B, T = token_ids.shape
+        if not sequence:
+            raise ValueError("begin needs the step's per-sequence values (its token ids)")
+        B, T = next(iter(sequence.values())).shape[:2]
         if B != self.batch_size:
             raise ValueError(f"batch of {B} sequences for a cache of batch_size={self.batch_size}")
         if self.length + T > self.max_len:
@@ -188,8 +250,11 @@ class ContiguousCache(CacheTensors):
                     f"got {positions.flatten()[:4].tolist()}..."
                 )
         self._step = T
-        if "token_ids" in self.sequence:
-            self.sequence["token_ids"][:, self.length : self.length + T] = token_ids
+
+        def write(name: str, values: torch.Tensor) -> None:
+            self.sequence[name][:, self.length : self.length + T] = values
+
+        write_sequence_fields(self.spec, sequence, write)
 
     def advance(self) -> None:
         """Commit the step begun with `begin`."""
@@ -215,5 +280,8 @@ class ContiguousCache(CacheTensors):
     def key_positions(self) -> torch.Tensor:
         return torch.arange(self.length + self._step, device=self.device)
 
-    def token_ids(self) -> torch.Tensor:
-        return self.sequence["token_ids"][:, : self.length + self._step].long()
+    def sequence_field(self, name: str) -> torch.Tensor:
+        return self.sequence[name][:, : self.length + self._step]
+
+    def next_positions(self, T: int) -> torch.Tensor:
+        return torch.arange(self.length, self.length + T, device=self.device)

@@ -6,9 +6,9 @@ per-sequence field (EG-MLA's token ids). One implementation serves MHA (k, v), M
 and EG-MLA (c, k_rope + token ids) with no per-variant code.
 
 A forward step over a ragged batch (rows of different lengths, new tokens of different counts)
-goes through `PagedStep`, which implements the model's cache protocol:
+goes through `PagedStep`, which implements the model's cache protocol (`egmla.cache.CacheStep`):
 
-- `begin(token_ids, positions)`: write the per-sequence fields of the new tokens;
+- `begin(sequence, positions)`: write the per-sequence fields of the new tokens;
 - `layer(i).update(**fields)`: scatter the new tokens' fields into their slots, then gather each
   row's whole history into a padded (B, S_max, ...) tensor;
 - `key_positions` (B, S_max): each history slot's position, padding set past any query so the
@@ -19,11 +19,11 @@ Slot of position p in a sequence = block_table[p // block_size] * block_size + p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from egmla.cache import CacheSpec, CacheTensors
+from egmla.cache import CacheSpec, CacheTensors, write_sequence_fields
 
 # Key position of padding slots: larger than any query position, so `key <= query` is false.
 PAD_POSITION = 2**62
@@ -102,11 +102,13 @@ class PagedStep:
         rows = values.flatten(0, 1).index_select(0, self._rows)
         pool.index_copy_(0, self._targets, rows.to(pool.dtype))
 
-    def begin(self, token_ids: torch.Tensor, positions: torch.Tensor | None = None) -> None:
-        if token_ids.shape != self.new_slots.shape:
-            raise ValueError(f"token_ids {tuple(token_ids.shape)} != step {tuple(self.new_slots.shape)}")
-        if "token_ids" in self.cache.sequence:
-            self._write(self.cache.sequence["token_ids"], token_ids)
+    def begin(self, sequence: Mapping[str, torch.Tensor], positions: torch.Tensor | None = None
+              ) -> None:
+        for name, values in sequence.items():
+            if values.shape[:2] != self.new_slots.shape:
+                raise ValueError(f"{name} {tuple(values.shape)} != step {tuple(self.new_slots.shape)}")
+        write_sequence_fields(self.cache.spec, sequence,
+                              lambda name, values: self._write(self.cache.sequence[name], values))
 
     def advance(self) -> None:
         """Nothing to commit: the engine's block manager tracks lengths."""
@@ -114,9 +116,12 @@ class PagedStep:
     def layer(self, index: int) -> _PagedLayer:
         return _PagedLayer(self, index)
 
-    def token_ids(self) -> torch.Tensor:
-        ids = self.cache.sequence["token_ids"].index_select(0, self.flat_slots)
-        return ids.view(self.slots.shape).long()  # (B, S)
+    def next_positions(self, T: int) -> torch.Tensor:
+        raise ValueError("a paged step has ragged rows: the caller passes their positions")
+
+    def sequence_field(self, name: str) -> torch.Tensor:
+        pool = self.cache.sequence[name]
+        return pool.index_select(0, self.flat_slots).view(*self.slots.shape, *pool.shape[1:])
 
 
 class _PagedLayer:
@@ -138,5 +143,5 @@ class _PagedLayer:
     def key_positions(self) -> torch.Tensor:
         return self._step.key_positions
 
-    def token_ids(self) -> torch.Tensor:
-        return self._step.token_ids()
+    def sequence_field(self, name: str) -> torch.Tensor:
+        return self._step.sequence_field(name)

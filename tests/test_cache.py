@@ -101,3 +101,35 @@ def test_bad_batch_is_rejected():
     cache = model.new_cache(2, 8)
     with pytest.raises(ValueError, match="batch of 3 sequences"):
         model(torch.zeros(3, 2, dtype=torch.long), cache=cache)
+
+
+def test_both_caches_implement_the_written_contract():
+    """ContiguousCache and serve's PagedStep satisfy egmla.cache's protocols (the model is
+    annotated against these, not against either class)."""
+    from egmla.cache import CacheStep, LayerView
+    from serve.paged_cache import PagedKVCache
+
+    spec = cache_spec_for(preset("tiny-egmla"))
+    contiguous = ContiguousCache(spec, batch_size=1, max_len=8)
+    paged = PagedKVCache(spec, num_blocks=4, block_size=4).step([[0, 1]], [0], [3])
+    for step in (contiguous, paged):
+        assert isinstance(step, CacheStep) and isinstance(step.layer(0), LayerView)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_every_per_sequence_field_of_the_spec_is_written_or_refused(kind):
+    """The per-sequence fields are written by iterating the spec: a second field is stored like
+    the first, and a field the step does not give is an error naming it (never left unwritten)."""
+    from serve.paged_cache import PagedKVCache
+
+    spec = CacheSpec(layers=({"c": FieldSpec((2,))},),
+                     sequence={"token_ids": FieldSpec((), torch.int32),
+                               "segment": FieldSpec((), torch.int32)})
+    step = (ContiguousCache(spec, batch_size=1, max_len=8) if kind == "contiguous"
+            else PagedKVCache(spec, num_blocks=2, block_size=4).step([[1]], [0], [3]))
+    ids, segments = torch.tensor([[5, 6, 7]]), torch.tensor([[1, 1, 2]])
+    step.begin({"token_ids": ids, "segment": segments}, torch.arange(3)[None])
+    assert step.layer(0).sequence_field("segment").tolist() == [[1, 1, 2]]
+    assert step.layer(0).sequence_field("token_ids").tolist() == [[5, 6, 7]]
+    with pytest.raises(KeyError, match="'segment'"):
+        step.begin({"token_ids": ids}, torch.arange(3)[None])

@@ -14,9 +14,10 @@ import math
 import torch
 from torch import nn
 
-from egmla.cache import TOKEN_IDS, CacheSpec, ContiguousCache
+from egmla.cache import TOKEN_IDS, CacheSpec, CacheStep, ContiguousCache
 from egmla.config import ModelConfig
 from egmla.models.attention import build_attention
+from egmla.models.attention.common import TOKEN_IDS_FIELD
 from egmla.models.layers import RMSNorm, SwiGLU
 
 
@@ -69,7 +70,7 @@ class Transformer(nn.Module):
     def cache_spec(self) -> CacheSpec:
         layers = tuple(block.attn.cache_spec() for block in self.layers)
         needs_ids = any(block.attn.needs_token_ids for block in self.layers)
-        return CacheSpec(layers=layers, sequence={"token_ids": TOKEN_IDS} if needs_ids else {})
+        return CacheSpec(layers=layers, sequence={TOKEN_IDS_FIELD: TOKEN_IDS} if needs_ids else {})
 
     def new_cache(
         self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None
@@ -96,7 +97,7 @@ class Transformer(nn.Module):
         self,
         token_ids: torch.Tensor,
         positions: torch.Tensor | None = None,
-        cache: ContiguousCache | None = None,
+        cache: CacheStep | None = None,
         logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """token_ids (B, T) -> logits (B, T, vocab), or only at the indices in `logits_at`.
@@ -108,12 +109,12 @@ class Transformer(nn.Module):
         """
         B, T = token_ids.shape
         if positions is None:  # a paged (ragged) step always passes its positions
-            start = cache.length if cache is not None else 0
-            positions = torch.arange(start, start + T, device=token_ids.device)
+            positions = (cache.next_positions(T) if cache is not None
+                         else torch.arange(T, device=token_ids.device))
         if positions.dim() == 1:
             positions = positions[None]  # (1, T): broadcasts over the batch, RoPE computed once
         if cache is not None:
-            cache.begin(token_ids, positions)
+            cache.begin({TOKEN_IDS_FIELD: token_ids}, positions)
         x = self.tok_emb(token_ids)  # (B, T, d)
         for i, block in enumerate(self.layers):
             x = block(x, positions, cache.layer(i) if cache is not None else None, token_ids)

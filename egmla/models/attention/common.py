@@ -10,6 +10,10 @@ from torch import nn
 from egmla.config import ModelConfig
 
 
+# The per-sequence cache field holding every token's id (EG-MLA `kv` reads its keys' ids).
+TOKEN_IDS_FIELD = "token_ids"
+
+
 class AttentionLayer(nn.Module):
     """Base of the attention modules. Besides `forward(x, positions, cache=None, token_ids=None)`
     and `cache_spec()`, a variant owns how its layers are built (`build_layers`: one module per

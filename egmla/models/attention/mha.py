@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from egmla.cache import FieldSpec, LayerCache, LayerSpec
+from egmla.cache import FieldSpec, LayerSpec, LayerView
 from egmla.config import MHAConfig, ModelConfig
 from egmla.models.attention.common import AttentionLayer, attend
 from egmla.models.layers import Rotary, apply_rope
@@ -37,7 +37,7 @@ class MHA(AttentionLayer):
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        cache: LayerCache | None = None,
+        cache: LayerView | None = None,
         token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # B batch, T new tokens, S cached + new tokens, H query heads, G kv heads, D head dim

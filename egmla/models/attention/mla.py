@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from egmla.cache import FieldSpec, LayerCache, LayerSpec
+from egmla.cache import FieldSpec, LayerSpec, LayerView
 from egmla.config import MLAConfig, ModelConfig
-from egmla.models.attention.common import AttentionLayer, attend
+from egmla.models.attention.common import TOKEN_IDS_FIELD, AttentionLayer, attend
 from egmla.models.layers import RMSNorm, Rotary, apply_rope
 
 
@@ -92,7 +92,7 @@ class MLA(AttentionLayer):
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        cache: LayerCache | None = None,
+        cache: LayerView | None = None,
         token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # B batch, T new tokens, S cached + new tokens, H heads, C = d_c, n = d_nope, r = d_rope
@@ -110,7 +110,7 @@ class MLA(AttentionLayer):
             fields = cache.update(**fields)  # every cached token's fields, (B, S, .)
             key_positions = cache.key_positions
             if self.needs_token_ids:
-                key_ids = cache.token_ids()  # (B, S)
+                key_ids = cache.sequence_field(TOKEN_IDS_FIELD).long()  # (B, S)
 
         S = fields["c"].shape[1]
         if self._use_absorbed(T, S, cached=cache is not None):
