@@ -32,6 +32,7 @@ import torch
 from safetensors import SafetensorError
 
 from egmla.config import ConfigError, ModelConfig
+from egmla.dtypes import dtype_name, parse_dtype
 from egmla.models.transformer import Transformer
 
 FORMAT_VERSION = 1
@@ -72,7 +73,7 @@ def save_export(
             f"{directory}: exists and was not written by egmla; refusing to overwrite it"
         )
     dtype = _float_dtype(model)
-    meta: dict[str, Any] = {"egmla_format_version": FORMAT_VERSION, "dtype": _dtype_name(dtype)}
+    meta: dict[str, Any] = {"egmla_format_version": FORMAT_VERSION, "dtype": dtype_name(dtype)}
     if extra is not None:
         meta["extra"] = extra
     config_text = json.dumps({**model.config.to_dict(), **meta}, indent=2)  # fails before writing
@@ -143,10 +144,6 @@ def _float_dtype(model: torch.nn.Module) -> torch.dtype:
     return dtypes.pop()
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
-
-
 # --------------------------------------------------------------------------------------------
 # Loading
 
@@ -203,9 +200,10 @@ def load_export(
     if not weights.is_file():
         raise CheckpointError(f"{weights}: missing; the export at {directory} has no weights")
     if dtype is None:
-        dtype = getattr(torch, meta.get("dtype", "float32"), None)
-        if not isinstance(dtype, torch.dtype):
-            raise CheckpointError(f"{directory / CONFIG_FILE}: unknown dtype {meta.get('dtype')!r}")
+        try:
+            dtype = parse_dtype(meta.get("dtype", "float32"))
+        except ValueError:
+            raise CheckpointError(f"{directory / CONFIG_FILE}: unknown dtype {meta.get('dtype')!r}") from None
     device = torch.device(device or "cpu")
     with torch.device(device):
         model = Transformer(config)  # random init, overwritten below; keeps tied/shared modules

@@ -39,12 +39,10 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from egmla.dtypes import WEIGHT_DTYPES, parse_dtype
 from egmla.imports import load_pretrained
 from serve import LLM, SamplingParams
 from serve.engine import DEFAULT_KV_CACHE_MEMORY
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "auto": None, None: None}
 
 
 def _device(device: str | None) -> torch.device | None:
@@ -101,9 +99,10 @@ class EgmlaLM(TemplateLM):
                     f"device={device!r}: this LLM was built on {where} and its KV cache lives "
                     f"there; build it from a model on {wanted}, or pass pretrained=<name or path>")
         else:
-            if dtype not in DTYPES:
-                raise ValueError(f"dtype={dtype!r}: expected one of float32, bfloat16, float16, auto")
-            model, tokenizer = load_pretrained(str(pretrained), dtype=DTYPES[dtype])
+            if dtype not in (*WEIGHT_DTYPES, "auto", None):
+                raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(WEIGHT_DTYPES)}, auto")
+            weights = None if dtype in ("auto", None) else parse_dtype(dtype)
+            model, tokenizer = load_pretrained(str(pretrained), dtype=weights)
             if wanted is not None:
                 model.to(wanted)  # before the engine allocates its KV cache beside the weights
             self.llm = LLM(model, tokenizer, kv_cache_memory=int(kv_cache_memory))

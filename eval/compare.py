@@ -25,10 +25,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from egmla.models import cache_spec_for
 from egmla.config import ConfigError, ModelConfig
+from egmla.dtypes import short_name
+from egmla.models import cache_spec_for
 from egmla.provenance import provenance
-from eval.kv_bytes import SHORT_NAME, UsageError, parse_dtype
+from eval.kv_bytes import UsageError, parse_dtype
 
 RUN_FILES = ("config.json", "run_info.json", "summary.json")
 COLUMNS = ["run", "variant", "seed", "params", "params_without_gate_tables", "kv_dtype",
@@ -135,7 +136,7 @@ def load_row(run_dir: Path, dtype_name: str = "bf16") -> dict[str, Any]:
         "seed": config.get("seed"),
         "params": info.get("params"),
         "params_without_gate_tables": info.get("params_without_gate_tables"),
-        "kv_dtype": SHORT_NAME[dtype],
+        "kv_dtype": short_name(dtype),
         "kv_elements_per_token": spec.elements_per_token(),
         "kv_bytes_per_token": spec.bytes_per_token(dtype),
         "steps": summary.get("global_step"),
@@ -364,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = build_parser().parse_args(argv)
-        dtype = SHORT_NAME[parse_dtype(args.dtype)]
+        dtype = short_name(parse_dtype(args.dtype))
         rows = select_metric(load_rows(args.paths, dtype), args.metric)
         out = Path(args.out)
         if out.exists() and not out.is_dir():

@@ -30,6 +30,8 @@ import torch
 
 from egmla.cache import CacheSpec, ContiguousCache
 from egmla.config import ConfigError, ModelConfig
+from egmla.dtypes import REPORT_DTYPES, short_name
+from egmla.dtypes import parse_dtype as parse_dtype_name
 from egmla.models import cache_spec_for
 from egmla.presets import PRESETS, preset
 from egmla.provenance import git_info, hardware
@@ -43,14 +45,6 @@ GROUPS = {
     "all": list(PRESETS),
     "none": [],
 }
-DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16,
-    "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
-}
-SHORT_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-              torch.float8_e4m3fn: "fp8"}
 
 
 class UsageError(ValueError):
@@ -61,10 +55,11 @@ class UsageError(ValueError):
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    """'bf16' / 'bfloat16' -> torch.bfloat16; anything not in DTYPES raises UsageError."""
-    if name.lower() not in DTYPES:
-        raise UsageError(f"unknown dtype {name!r}; accepted: {', '.join(DTYPES)}")
-    return DTYPES[name.lower()]
+    """'bf16' / 'bfloat16' -> torch.bfloat16; anything not in REPORT_DTYPES raises UsageError."""
+    try:
+        return parse_dtype_name(name, REPORT_DTYPES, aliases=True)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 def parse_length(text: str) -> int:
@@ -248,10 +243,10 @@ def build_report(configs: list[tuple[str, ModelConfig]], contexts: list[int],
             paged = [measure_paged(spec, dtype, n, block_size) for n in lengths]
             bad = [m for m in measurements if not m["match"]]
             bad += [{"cache": "paged", **m} for m in paged if not m["match"]]
-            mismatches += [{"name": name, "dtype": SHORT_NAME[dtype], **m} for m in bad]
+            mismatches += [{"name": name, "dtype": short_name(dtype), **m} for m in bad]
             measured = {m["tokens"]: m["nbytes"] for m in measurements}
             measured_paged = {m["tokens"]: m["nbytes"] for m in paged}
-            row["dtypes"][SHORT_NAME[dtype]] = {
+            row["dtypes"][short_name(dtype)] = {
                 "torch_dtype": str(dtype),
                 "layer_bytes_per_token": spec.layer_bytes_per_token(dtype),
                 "auxiliary_bytes_per_token": spec.auxiliary_bytes_per_token(dtype),
@@ -270,7 +265,7 @@ def build_report(configs: list[tuple[str, ModelConfig]], contexts: list[int],
         rows.append(row)
     return {
         "schema": "egmla.kv_bytes/1",
-        "settings": {"contexts": contexts, "dtypes": [SHORT_NAME[d] for d in dtypes],
+        "settings": {"contexts": contexts, "dtypes": [short_name(d) for d in dtypes],
                      "batch_size": 1, "measured_lengths": lengths,
                      "measure_len": measure_len, "measure_max": measure_max,
                      "block_size": block_size},

@@ -18,7 +18,7 @@ import sys
 
 UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
          "g": 2**30, "gb": 10**9, "gib": 2**30}
-DTYPES = ("float32", "bfloat16", "float16")
+from egmla.dtypes import WEIGHT_DTYPES as DTYPES
 
 
 def parse_bytes(text: str) -> int:
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from egmla.checkpoint import CheckpointError
+    from egmla.dtypes import parse_dtype
     from serve.api import build_app
     from serve.async_engine import AsyncEngine
     from serve.llm import LLM
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=not args.no_prefix_caching,
                   enable_chunked_prefill=not args.no_chunked_prefill,
-                  dtype=getattr(torch, args.dtype) if args.dtype else None)
+                  dtype=parse_dtype(args.dtype) if args.dtype else None)
     except (CheckpointError, ValueError, OSError) as error:
         print(f"error: cannot load --model {args.model}: {error}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ Nothing is written unless the export succeeds; errors are one line and exit stat
 (EGMLA_DEBUG=1 shows the traceback). See docs/export.md.
 """
 
-DTYPES = ("float32", "bfloat16", "float16")
+from egmla.dtypes import WEIGHT_DTYPES as DTYPES
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -48,15 +48,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch
 
-    from egmla.models import cache_spec_for
     from egmla.checkpoint import CheckpointError
     from egmla.config import ConfigError
+    from egmla.dtypes import dtype_name, parse_dtype
     from egmla.export import export, load_source
     from egmla.export.hf import transformers_cache_spec
+    from egmla.models import cache_spec_for
 
-    dtype = getattr(torch, args.dtype) if args.dtype else None
+    dtype = parse_dtype(args.dtype) if args.dtype else None
     try:
         out = export(args.checkpoint, args.out, format=args.format, dtype=dtype,
                      overwrite=args.overwrite)
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     size = sum(p.stat().st_size for p in files)
     print(f"wrote {out} ({args.format} format, {len(files)} files, {size / 2**20:.1f} MiB)")
     print(f"  attention      {config.attention.type}, {config.n_layers} layers, "
-          f"{model.num_params():,} parameters, {str(weight_dtype).removeprefix('torch.')}")
+          f"{model.num_params():,} parameters, {dtype_name(weight_dtype)}")
     spec = transformers_cache_spec(config) if args.format == "hf" else cache_spec_for(config)
     print(f"  KV cache       {spec.bytes_per_token(weight_dtype):,} bytes per token (what the "
           "exported model caches)")

@@ -40,6 +40,7 @@ import torch
 
 from egmla.checkpoint import CheckpointError
 from egmla.config import ModelConfig
+from egmla.dtypes import dtype_name
 from egmla.export.hf import rename_to_hf
 from egmla.imports import DEEPSEEK_LATENT_NORM_EPS, deinterleave_order
 from egmla.models.transformer import Transformer
@@ -85,7 +86,7 @@ def native_architecture(config: ModelConfig) -> str:
 def _dtype_name(dtype: torch.dtype) -> str:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise NativeExportError(f"dtype={dtype!r}: a native export needs a floating-point dtype")
-    return str(dtype).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
+    return dtype_name(dtype)
 
 
 def _common_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:

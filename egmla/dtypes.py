@@ -1,0 +1,44 @@
+"""Floating-point dtype names, parsed and printed in one place (command lines, exports, reports).
+
+    parse_dtype("bf16", aliases=True) -> torch.bfloat16      dtype_name(torch.bfloat16) -> "bfloat16"
+    short_name(torch.bfloat16) -> "bf16"
+
+torch is imported inside the functions only, so a command line can list `WEIGHT_DTYPES` in its
+`--help` without loading torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16")  # what weights and KV caches load in
+REPORT_DTYPES = (*WEIGHT_DTYPES, "float8_e4m3fn")  # what the KV-bytes report sizes caches in
+SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16" (the name torch and transformers' configs use)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def short_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bf16"."""
+    return SHORT_NAMES[dtype_name(dtype)]
+
+
+def parse_dtype(name: str, accepted: Sequence[str] = WEIGHT_DTYPES, aliases: bool = False
+                ) -> torch.dtype:
+    """"bfloat16" (or, with `aliases`, "bf16") -> torch.bfloat16, case-insensitive; a name not in
+    `accepted` is a ValueError listing the accepted names."""
+    import torch
+
+    names = [n for full in accepted for n in ((SHORT_NAMES[full], full) if aliases else (full,))]
+    key = str(name).lower()
+    full = next((f for f in accepted if key in (f, SHORT_NAMES[f] if aliases else f)), None)
+    if full is None:
+        raise ValueError(f"unknown dtype {name!r}; accepted: {', '.join(names)}")
+    return getattr(torch, full)
