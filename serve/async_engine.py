@@ -251,10 +251,9 @@ class AsyncEngine:
             handle._put(update)
 
     def _publish(self) -> None:
-        e, s = self.engine, self.engine.stats
+        e, s, blocks = self.engine, self.engine.stats, self.engine.blocks.stats()
         self.snapshot = Snapshot(
-            running=len(e.running), waiting=len(e.waiting), blocks_used=e.blocks.num_used(),
-            blocks_total=e.config.num_blocks,
-            prefix_hit_rate=e.blocks.prefix_hit_tokens / max(1, e.blocks.prefix_query_tokens),
+            running=len(e.running), waiting=len(e.waiting), blocks_used=blocks.used_blocks,
+            blocks_total=e.config.num_blocks, prefix_hit_rate=blocks.hit_rate,
             preemptions=s.preemptions, prompt_tokens=s.prefill_tokens,
             generation_tokens=s.sampled_tokens)

@@ -24,7 +24,9 @@ The engine's contract, per sequence:
    and advances `num_tokens`. It returns the COW pairs (src, dst) the caller must copy in the
    tensor cache BEFORE the forward writes, or None when the pool is short (nothing changed: preempt
    a sequence and retry).
-3. The forward writes the new tokens' KV into `slot_mapping(seq, start, end)`.
+3. The forward writes the new tokens' KV into their slots, which the paged cache computes from
+   `block_table(seq)` (serve/paged_cache.py); `slot_mapping(seq, start, end)` is the same mapping
+   position by position, for tests and inspection.
 4. `commit(seq, tokens)` after the forward: registers every newly full block in the prefix cache.
    Registration waits for the data, so a prefix hit never points at a block not yet written.
 5. `free(seq)` when the sequence finishes, aborts or is preempted.
@@ -369,18 +371,24 @@ class BlockManager:
                 fill[block_id] = max(fill.get(block_id, 0), n)
         return fill
 
+    def slot_counts(self) -> tuple[int, int]:
+        """(reserved, used) token slots of the distinct blocks live sequences hold, in one pass
+        over the sequences (the engine adds both up every step)."""
+        fill = self._block_fill()
+        return len(fill) * self.block_size, sum(fill.values())
+
     def reserved_slots(self) -> int:
-        return len(self._block_fill()) * self.block_size
+        return self.slot_counts()[0]
 
     def used_slots(self) -> int:
-        return sum(self._block_fill().values())
+        return self.slot_counts()[1]
 
     def fragmentation(self) -> float:
         """Unused / reserved slots over the distinct blocks live sequences hold (0 when none)."""
         return self.stats().fragmentation
 
     def stats(self) -> BlockStats:
-        fill = self._block_fill()
+        reserved, used = self.slot_counts()
         return BlockStats(
             num_blocks=self.pool.num_blocks,
             used_blocks=self.pool.num_used(),
@@ -388,8 +396,8 @@ class BlockManager:
             cached_evictable=self.pool.num_cached_evictable(),
             prefix_query_tokens=self.prefix_query_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens,
-            reserved_slots=len(fill) * self.block_size,
-            used_slots=sum(fill.values()),
+            reserved_slots=reserved,
+            used_slots=used,
         )
 
     def _seq(self, seq_id: SeqId) -> _SeqBlocks:

@@ -432,8 +432,9 @@ class LLMEngine:
             logits = self._forward([rows[i] for i in group])  # (len(group), V)
             last_logits.update(zip(group, logits))
         self.stats.steps += 1
-        self.stats.reserved_slot_steps += self.blocks.reserved_slots()
-        self.stats.used_slot_steps += self.blocks.used_slots()
+        reserved, used = self.blocks.slot_counts()
+        self.stats.reserved_slot_steps += reserved
+        self.stats.used_slot_steps += used
         done = []
         for b, (seq, n) in enumerate(rows):
             prefill = len(seq.tokens) - seq.num_computed > 1
