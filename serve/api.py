@@ -295,8 +295,7 @@ def build_app(engine: AsyncEngine, served_model_name: str,
         check_model(req.model)
         unknown.check(req)
         _refuse_unsupported(req)
-        stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
-        for i, text in enumerate(stop):
+        for i, text in enumerate(_stops(req)):
             try:
                 check_text(text, "stop" if isinstance(req.stop, str) else f"stop[{i}]", "stop")
             except InvalidRequest as error:
@@ -306,7 +305,7 @@ def build_app(engine: AsyncEngine, served_model_name: str,
                ) -> list[RequestStream]:
         """Queue every prompt, or none: all are checked first, and a full queue midway takes
         back the ones already queued."""
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        stop = _stops(req)
         streams: list[RequestStream] = []
         try:
             for prompt in prompts:
@@ -390,6 +389,10 @@ def build_app(engine: AsyncEngine, served_model_name: str,
         return await reply.respond(streams, request)
 
     return app
+
+
+def _stops(req: _Common) -> list[str]:
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
 
 
 def _completion_prompts(prompt: str | list) -> list[str | list[int]]:

@@ -204,12 +204,8 @@ class AsyncEngine:
 
     def _fail(self, request_ids: list[int], message: str, status: int = 500) -> None:
         """End these requests without a result: free their blocks, tell their callers."""
-        self.engine.fail([rid for rid in request_ids if rid in self.engine.requests],
-                         "error" if status == 500 else "abort")
+        self.llm.outputs.discard(request_ids, "error" if status == 500 else "abort")
         for rid in request_ids:
-            self.llm.outputs.forget(rid)
-            if rid in self.engine.requests and self.engine.is_finished(rid):
-                self.engine.release(rid)
             handle = self._streams.pop(rid, None)
             if handle is not None:
                 with self._lock:
@@ -251,9 +247,9 @@ class AsyncEngine:
             handle._put(update)
 
     def _publish(self) -> None:
-        e, s, blocks = self.engine, self.engine.stats, self.engine.blocks.stats()
-        self.snapshot = Snapshot(
-            running=len(e.running), waiting=len(e.waiting), blocks_used=blocks.used_blocks,
-            blocks_total=e.config.num_blocks, prefix_hit_rate=blocks.hit_rate,
+        e, s = self.engine, self.engine.stats
+        self.snapshot = Snapshot(  # counters only: this runs after every step
+            running=len(e.running), waiting=len(e.waiting), blocks_used=e.blocks.num_used(),
+            blocks_total=e.config.num_blocks, prefix_hit_rate=e.blocks.hit_rate,
             preemptions=s.preemptions, prompt_tokens=s.prefill_tokens,
             generation_tokens=s.sampled_tokens)

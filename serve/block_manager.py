@@ -202,6 +202,10 @@ class _SeqBlocks:
     extra: ExtraKey = None
 
 
+def hit_rate(hits: int, queries: int) -> float:
+    return hits / queries if queries else 0.0
+
+
 @dataclass(frozen=True)
 class BlockStats:
     num_blocks: int
@@ -219,7 +223,7 @@ class BlockStats:
 
     @property
     def hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+        return hit_rate(self.prefix_hit_tokens, self.prefix_query_tokens)
 
     @property
     def fragmentation(self) -> float:
@@ -238,6 +242,11 @@ class BlockManager:
         self.prefix_hit_tokens = 0
 
     # ---- queries ---------------------------------------------------------------------------
+
+    @property
+    def hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache / looked up, from counters (no walk)."""
+        return hit_rate(self.prefix_hit_tokens, self.prefix_query_tokens)
 
     def has(self, seq_id: SeqId) -> bool:
         return seq_id in self._seqs

@@ -148,7 +148,7 @@ class LLM:
                     self.engine.step()
                 results.update((u.request_id, u) for u in self.outputs.process() if u.finished)
         except BaseException:  # a failed step (or an interrupt): leave nothing of this call behind
-            self._discard([rid for rid in ids if rid not in results])
+            self.outputs.discard([rid for rid in ids if rid not in results])
             raise
         return [
             RequestOutput(rid, p if isinstance(p, str) else None, tokens,
@@ -156,14 +156,6 @@ class LLM:
                            for o in results[rid].outputs], results[rid].cached_tokens)
             for rid, (p, tokens) in zip(ids, requests)
         ]
-
-    def _discard(self, request_ids: list[int]) -> None:
-        """End these requests (if still live), free their blocks and forget them."""
-        self.engine.fail([rid for rid in request_ids if rid in self.engine.requests])
-        for rid in request_ids:
-            self.outputs.forget(rid)
-            if rid in self.engine.requests and self.engine.is_finished(rid):
-                self.engine.release(rid)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              params: SamplingParams | list[SamplingParams] | None = None,

@@ -137,6 +137,13 @@ class OutputProcessor:
         if request_id in self._tracked:
             self.engine.abort(request_id)
 
-    def forget(self, request_id: int) -> None:
-        """Stop following a request that ended outside `process()` (a failed step)."""
-        self._tracked.pop(request_id, None)
+    def discard(self, request_ids: list[int], reason: str = "error") -> None:
+        """End these requests now, outside `process()` (a failed step, a shutdown, a caller
+        that gave up): live samples finish with `reason`, their blocks are freed, and the
+        requests are released from the engine and forgotten here, with no final update."""
+        engine = self.engine
+        engine.fail([rid for rid in request_ids if rid in engine.requests], reason)
+        for rid in request_ids:
+            self._tracked.pop(rid, None)
+            if rid in engine.requests and engine.is_finished(rid):
+                engine.release(rid)
