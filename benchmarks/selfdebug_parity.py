@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from serve.selfdebug.report import load_traces, summarize
+from eval.selfdebug.report import load_traces, summarize
 
 VOLATILE = {"wall_s", "sandbox_s", "generate_s", "cached_tokens", "visible_reason"}
 

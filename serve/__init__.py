@@ -7,19 +7,7 @@
 The OpenAI-compatible HTTP server: `python -m serve --model ...` (serve/api.py, docs/serving.md).
 """
 
-from __future__ import annotations
-
-import importlib
-
-# Imported on first use, so that `serve.sandbox` and the self-debug reports start without torch.
-_LAZY = {"EngineConfig": "serve.engine", "LLMEngine": "serve.engine",
-         "SamplingParams": "serve.engine", "LLM": "serve.llm", "CompletionOutput": "serve.llm",
-         "RequestOutput": "serve.llm"}
+from serve.engine import EngineConfig, LLMEngine, SamplingParams
+from serve.llm import LLM, CompletionOutput, RequestOutput
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'serve' has no attribute {name!r}")

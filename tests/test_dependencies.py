@@ -61,10 +61,24 @@ TRAINING_ONLY = {"lightning", "pytorch_lightning", "hydra", "omegaconf", "submit
 
 def outside_training() -> list[Path]:
     files = [p for p in (ROOT / "egmla").rglob("*.py") if "training" not in p.parts]
-    return files + sorted((ROOT / "eval").rglob("*.py")) + sorted((ROOT / "serve").rglob("*.py"))
+    return files + [p for top in ("eval", "serve", "sandbox") for p in sorted((ROOT / top).rglob("*.py"))]
 
 
 @pytest.mark.parametrize("path", outside_training(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_only_training_imports_lightning_or_hydra(path):
     """Anywhere in a file, functions included: data, eval and serve stay framework-free."""
     assert imported_roots(path.read_text()) & TRAINING_ONLY == set()
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "sandbox").rglob("*.py")),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_sandbox_uses_only_the_standard_library(path):
+    """The judge runs untrusted code: nothing but Python itself, so nothing to trust beyond it."""
+    assert imported_roots(path.read_text()) - set(sys.stdlib_module_names) - {"sandbox", "__future__"} == set()
+
+
+def test_the_sandbox_and_the_selfdebug_report_start_without_torch():
+    code = "import sys, sandbox, sandbox.__main__, eval.selfdebug.report\nprint('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            cwd=ROOT)
+    assert result.stdout.strip() == "False"

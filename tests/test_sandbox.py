@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from serve.sandbox import Limits, Protections, protections, run
+from sandbox import Limits, Protections, protections, run
 
 TIMEOUT = 3.0
 MARGIN = 3.0  # interpreter start-up and tree kill on a busy 2-core machine
@@ -396,7 +396,7 @@ def test_cli_gives_the_programs_verdict_not_bad_input_for_hostile_output(tmp_pat
                               + "forge()\ndef f(x):\n    return x\n", 1, "error")}
     for name, (source, code, status) in programs.items():
         (tmp_path / name).write_text(source)
-        cmd = [sys.executable, "-m", "serve.sandbox", str(tmp_path / name),
+        cmd = [sys.executable, "-m", "sandbox", str(tmp_path / name),
                "--tests", str(tmp_path / "tests.py"), "--timeout", "5", "--json"]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         assert out.returncode == code, out.stderr
@@ -447,7 +447,7 @@ def test_cli_prints_one_json_verdict(tmp_path):
     (tmp_path / "prog.py").write_text(GOOD)
     (tmp_path / "tests.py").write_text("import math\n\ndef test_one():\n    assert f(0) == 1\n\n"
                                        "assert f(1) == 2\nassert f(2) == math.pi\n")
-    cmd = [sys.executable, "-m", "serve.sandbox", str(tmp_path / "prog.py"),
+    cmd = [sys.executable, "-m", "sandbox", str(tmp_path / "prog.py"),
            "--tests", str(tmp_path / "tests.py"), "--timeout", "5", "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1, out.stderr
@@ -463,7 +463,7 @@ def test_cli_prints_one_json_verdict(tmp_path):
 NON_ROOT_CHECKS = """
 import json, sys, warnings
 sys.path.insert(0, sys.argv[1])
-from serve.sandbox import protections, run
+from sandbox import protections, run
 victim = sys.argv[2]
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")

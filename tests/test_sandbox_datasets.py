@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from serve.sandbox import Limits, run
-from serve.selfdebug.datasets import load_humaneval, load_mbpp
+from sandbox import Limits, run
+from eval.selfdebug.datasets import load_humaneval, load_mbpp
 
 LIMITS = Limits(timeout_s=20)
 

@@ -3,7 +3,9 @@
 - no import loop among the project's modules, function-local imports included;
 - no module outside `egmla/models/attention/` and `egmla/config.py` branches on an attention
   variant (an `isinstance` on a variant class, or a variant's type name compared): what differs
-  per variant is declared by the variant.
+  per variant is declared by the variant;
+- `serve/` holds only serving: every module in it is reached from the server or `from serve import
+  LLM`, and none imports the evaluation, the sandbox or the training stack.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("egmla", "eval", "serve")
+PACKAGES = ("egmla", "eval", "serve", "sandbox")
 SCRIPTS = ("train.py", "benchmarks")
 # The exported remote-code files run inside transformers, apart from egmla (egmla/export/hf_code).
 STANDALONE = ("egmla/export/hf_code",)
@@ -67,10 +69,15 @@ def imports_of(rel: str, tree: ast.Module, known: set[str]) -> set[str]:
     return found
 
 
-def test_no_import_loops():
+def import_graph() -> dict[str, set[str]]:
     trees = sources(*PACKAGES)
     known = {module_name(rel) for rel in trees}
-    graph = {module_name(rel): imports_of(rel, tree, known) for rel, tree in trees.items()}
+    return {module_name(rel): imports_of(rel, tree, known) for rel, tree in trees.items()}
+
+
+def test_no_import_loops():
+    graph = import_graph()
+    known = set(graph)
     # a package's __init__ importing its own submodules is how packages are made, not a loop
     graph = {m: {d for d in deps if not (d.startswith(m + ".") and m in known)}
              for m, deps in graph.items()}
@@ -89,6 +96,21 @@ def test_no_import_loops():
         if module not in state:
             visit(module, [module])
     assert not loops, "\n".join(loops)
+
+
+def test_serve_holds_only_serving_code():
+    graph = import_graph()
+    serving = {m for m in graph if m == "serve" or m.startswith("serve.")}
+    reached, todo = set(), ["serve", "serve.__main__"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += [d for d in graph[module] if d in serving]
+    assert serving - reached == set(), "modules in serve/ that serving never uses"
+    foreign = {m: sorted(d for d in graph[m] if d.split(".")[0] in ("eval", "sandbox")
+                         or d.startswith("egmla.training")) for m in serving}
+    assert not any(foreign.values()), foreign
 
 
 def variant_branches(tree: ast.Module) -> list[str]:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from serve.selfdebug.datasets import MBPP_FILE, DatasetError, load_mbpp
+from eval.selfdebug.datasets import MBPP_FILE, DatasetError, load_mbpp
 
 
 def test_mbpp_is_the_unmodified_427_problem_copy_with_its_attribution():
@@ -37,7 +37,7 @@ def test_reference_solutions_pass_their_hidden_tests():
     interpreter for all 427, each problem in its own namespace; the sandbox comes later)."""
     script = (
         "import json, sys\n"
-        "from serve.selfdebug.datasets import load_mbpp\n"
+        "from eval.selfdebug.datasets import load_mbpp\n"
         "failed = []\n"
         "for p in load_mbpp():\n"
         "    scope = {}\n"

@@ -14,8 +14,8 @@ from collections import Counter
 
 import pytest
 
-from serve.selfdebug import datasets
-from serve.selfdebug.datasets import (
+from eval.selfdebug import datasets
+from eval.selfdebug.datasets import (
     DATASETS,
     MBPP_FILE,
     DatasetError,
@@ -81,7 +81,7 @@ def test_canonical_solutions_pass_and_wrong_ones_fail_the_visible_tests():
     completed with `return None` fails the visible tests of all 164 (one fresh interpreter)."""
     script = (
         "import json\n"
-        "from serve.selfdebug.datasets import load_humaneval\n"
+        "from eval.selfdebug.datasets import load_humaneval\n"
         "def run(program, p, tests):\n"
         "    scope = {}\n"
         "    exec(program, scope)\n"

@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from serve.sandbox import run
-from serve.selfdebug.datasets import load_humaneval, load_mbpp
-from serve.selfdebug.loop import (Completion, EngineBackend, OpenAIBackend, SelfDebug, Settings,
+from sandbox import run
+from eval.selfdebug.datasets import load_humaneval, load_mbpp
+from eval.selfdebug.loop import (Completion, EngineBackend, OpenAIBackend, SelfDebug, Settings,
                                   extract_code, feedback_message, program_for)
 
 ADD = load_humaneval()[53]  # def add(x: int, y: int): 2 visible examples
@@ -117,7 +117,7 @@ def test_resampling_spends_at_most_the_self_debug_tokens(tmp_path):
 
 
 def test_a_killed_run_resumes_without_redoing_finished_problems(tmp_path):
-    from serve.selfdebug.__main__ import resume
+    from eval.selfdebug.__main__ import resume
 
     problems = load_humaneval()[53:56]
     replies = {p.prompt.split("def ")[1].split("(")[0] + "(": [fenced("def nothing(): pass\n")]
@@ -142,7 +142,7 @@ def test_a_killed_run_resumes_without_redoing_finished_problems(tmp_path):
 
 
 def cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "serve.selfdebug", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "eval.selfdebug", *args], capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -187,7 +187,7 @@ def test_the_server_gives_the_in_process_results(smollm2_llm, tmp_path):
 
 
 def test_plain_samples_give_pass_at_k(tmp_path):
-    from serve.selfdebug.report import summarize
+    from eval.selfdebug.report import summarize
 
     model = Scripted({"def add(": [fenced("def add(x: int, y: int):\n    return x + y\n")]})
     loop = SelfDebug(model, Settings(samples=3), tmp_path / "t.jsonl", progress=lambda m: None)
@@ -200,7 +200,7 @@ def test_plain_samples_give_pass_at_k(tmp_path):
 
 @pytest.mark.slow
 def test_a_request_past_the_context_is_a_counted_failure_not_a_crash(smollm2_llm):
-    from serve.selfdebug.loop import Request
+    from eval.selfdebug.loop import Request
 
     backend = EngineBackend(smollm2_llm)
     huge = [{"role": "user", "content": "word " * 9000}]
@@ -219,7 +219,7 @@ def test_the_command_runs_writes_its_report_and_resumes(smollm2_llm, smollm2_cac
             "--limit", "2", "--max-rounds", "1", "--max-tokens", "24", "--resample-max-samples",
             "2"]
     env = {**os.environ, "EGMLA_CACHE": str(smollm2_cache)}
-    first = subprocess.run([sys.executable, "-m", "serve.selfdebug", *args], capture_output=True,
+    first = subprocess.run([sys.executable, "-m", "eval.selfdebug", *args], capture_output=True,
                            text=True, timeout=600, env=env)
     assert first.returncode == 0, first.stderr[-2000:]
     assert "Self-debug: pass@1 after each repair round" in first.stdout
@@ -231,7 +231,7 @@ def test_the_command_runs_writes_its_report_and_resumes(smollm2_llm, smollm2_cac
     assert summary["meta"]["model"] == "SmolLM2-135M-Instruct"
     assert summary["meta"]["provenance"]["git"]["sha"]
     assert (out / "passrate_vs_tokens.png").read_bytes()[:4] == b"\x89PNG"
-    again = subprocess.run([sys.executable, "-m", "serve.selfdebug", *args], capture_output=True,
+    again = subprocess.run([sys.executable, "-m", "eval.selfdebug", *args], capture_output=True,
                            text=True, timeout=600, env=env)
     assert again.returncode == 0 and "resuming: 4 finished attempts" in again.stderr
     assert (out / "traces.jsonl").read_text().count("\n") == 4  # nothing redone

@@ -1,4 +1,4 @@
-"""serve.selfdebug.report: pass@k against brute force, the bootstrap's coverage and pairing, a
+"""eval.selfdebug.report: pass@k against brute force, the bootstrap's coverage and pairing, a
 hand-computed summary (early stopping, first visible pass kept), trace reading, files and CLI."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from serve.selfdebug import report
-from serve.selfdebug.report import bootstrap_ci, load_traces, pass_at_k, summarize, write_report
+from eval.selfdebug import report
+from eval.selfdebug.report import bootstrap_ci, load_traces, pass_at_k, summarize, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -279,7 +279,7 @@ def test_plot_writes_a_png_even_without_curves(tmp_path):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "serve.selfdebug.report", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "eval.selfdebug.report", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, check=False)
 
 

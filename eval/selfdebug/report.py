@@ -1,6 +1,6 @@
 """Self-debugging report: hidden-test pass rate against tokens spent, from a JSONL trace.
 
-    python -m serve.selfdebug.report runs/selfdebug/traces.jsonl --out runs/selfdebug/report
+    python -m eval.selfdebug.report runs/selfdebug/traces.jsonl --out runs/selfdebug/report
 
 The trace holds one JSON object per (task_id, method, sample). Self-debug: pass@1 after each
 repair round, a problem that stopped early (at a visible pass) keeping its last program and its
@@ -492,8 +492,8 @@ def write_report(records: list[dict[str, Any]], out_dir: str | Path,
 
 EPILOG = """\
 examples:
-  python -m serve.selfdebug.report runs/selfdebug/traces.jsonl
-  python -m serve.selfdebug.report traces.jsonl --out report/ --bootstrap 10000 --seed 1
+  python -m eval.selfdebug.report runs/selfdebug/traces.jsonl
+  python -m eval.selfdebug.report traces.jsonl --out report/ --bootstrap 10000 --seed 1
 
 outputs (into --out, default: the trace file's directory): summary.md (also printed),
 summary.json (the numbers, the trace path and provenance: command, git SHA, versions, hardware,
@@ -510,7 +510,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     title, _, text = __doc__.split("\n\n")[:3]
-    p = _Parser(prog="python -m serve.selfdebug.report", description=f"{title}\n\n{text}",
+    p = _Parser(prog="python -m eval.selfdebug.report", description=f"{title}\n\n{text}",
                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("traces", metavar="TRACES.jsonl",
                    help="the evaluation's trace: one JSON object per (task_id, method, sample)")
@@ -552,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     from egmla.provenance import provenance
 
     meta = {"traces": str(traces.resolve()),
-            "provenance": provenance(["python", "-m", "serve.selfdebug.report", *argv])}
+            "provenance": provenance(["python", "-m", "eval.selfdebug.report", *argv])}
     files = build_files(summary, meta)
     for name, data in files.items():
         write_atomic(out / name, data)

@@ -1,4 +1,4 @@
-"""`python -m serve.selfdebug`: self-debugging code evaluation, with resampling at equal tokens.
+"""`python -m eval.selfdebug`: self-debugging code evaluation, with resampling at equal tokens.
 
 Each problem: generate a program, run its visible tests in the sandbox, give the model the
 failure (--feedback simple | unittest | trace) and let it repair, up to --max-rounds; the final
@@ -6,9 +6,9 @@ program is scored on the hidden tests (every round's program is, for pass@1 per 
 unless --no-resample, the same problems are resampled from scratch at --resample-temperature
 until a sample passes the visible tests or the tokens self-debug spent on that problem run out.
 
-    python -m serve.selfdebug --dataset humaneval --model SmolLM2-135M-Instruct --out runs/sd
+    python -m eval.selfdebug --dataset humaneval --model SmolLM2-135M-Instruct --out runs/sd
     python -m serve --model SmolLM2-135M-Instruct --port 8000 &
-    python -m serve.selfdebug --dataset mbpp --base-url http://127.0.0.1:8000/v1 \\
+    python -m eval.selfdebug --dataset mbpp --base-url http://127.0.0.1:8000/v1 \\
         --model SmolLM2-135M-Instruct --out runs/sd-mbpp
 
 OUT gets config.json, traces.jsonl (one line per problem and method, appended as each
@@ -25,8 +25,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from serve.selfdebug.datasets import DATASETS, DatasetError, load_dataset
-from serve.selfdebug.loop import (
+from eval.selfdebug.datasets import DATASETS, DatasetError, load_dataset
+from eval.selfdebug.loop import (
     FEEDBACK,
     BackendError,
     EngineBackend,
@@ -35,13 +35,13 @@ from serve.selfdebug.loop import (
     Settings,
     completed,
 )
-from serve.selfdebug.report import write_atomic
+from eval.selfdebug.report import write_atomic
 
 TRACES = "traces.jsonl"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m serve.selfdebug", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m eval.selfdebug", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", required=True, help=f"one of: {', '.join(DATASETS)}")
     p.add_argument("--model", required=True,
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
               f"in {out / TRACES}; run the same command again to resume", file=sys.stderr)
         return 1
     from egmla.provenance import provenance
-    from serve.selfdebug.report import write_report
+    from eval.selfdebug.report import write_report
 
     meta = {**config, "traces": str(out / TRACES), "provenance": provenance(sys.argv)}
     print(write_report(records, out, meta)["md"].read_text())  # summarized once, printed as saved
@@ -158,7 +158,7 @@ def resume(path: Path) -> list[dict]:
     """The finished attempts of an earlier run; a line cut off by a kill is dropped for good."""
     if not path.exists():
         return []
-    from serve.selfdebug.report import load_traces
+    from eval.selfdebug.report import load_traces
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

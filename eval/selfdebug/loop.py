@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from serve.sandbox import Limits, SandboxError, Verdict, run
-from serve.selfdebug.datasets import Problem
+from sandbox import Limits, SandboxError, Verdict, run
+from eval.selfdebug.datasets import Problem
 
 FEEDBACK = ("simple", "unittest", "trace")
 SYSTEM = ("You are an expert Python programmer. Answer with one complete Python program in a "

@@ -1,4 +1,4 @@
-"""`python -m serve.sandbox PROGRAM.py --tests TESTS.py`: run a program against tests, safely.
+"""`python -m sandbox PROGRAM.py --tests TESTS.py`: run a program against tests, safely.
 
 TESTS.py is ordinary Python. Its top-level `assert` statements and bare expressions (such as
 `check(candidate)`) are the tests, one each, and so is every top-level `def test_*()`; the rest
@@ -6,7 +6,7 @@ TESTS.py is ordinary Python. Its top-level `assert` statements and bare expressi
 functions that they use, by name, except that a builtin the tests use stays the builtin (a
 program's `def abs` does not replace it; see docs/selfdebug.md).
 
-    python -m serve.sandbox solution.py --tests tests.py --timeout 5 --json
+    python -m sandbox solution.py --tests tests.py --timeout 5 --json
 
 Exit status: 0 when every test passed, 1 when the verdict is anything else, 2 for bad input.
 """
@@ -20,7 +20,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from serve.sandbox import Limits, SandboxError, protections, run
+from sandbox import Limits, SandboxError, protections, run
 
 
 def split_tests(source: str, filename: str) -> tuple[str, list[str]]:
@@ -41,7 +41,7 @@ def split_tests(source: str, filename: str) -> tuple[str, list[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m serve.sandbox", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m sandbox", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("program", type=Path, nargs="?", help="the untrusted program (Python source)")
     p.add_argument("--tests", type=Path, help="the tests (Python source; required with PROGRAM)")
