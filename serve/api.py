@@ -309,7 +309,7 @@ def build_app(engine: AsyncEngine, served_model_name: str,
         streams: list[RequestStream] = []
         try:
             for prompt in prompts:
-                engine.engine.check_request(prompt, params)
+                engine.check_request(prompt, params)
             for prompt in prompts:
                 streams.append(engine.submit(prompt, params, stop, stream=req.stream))
         except InvalidRequest as error:
@@ -377,8 +377,7 @@ def build_app(engine: AsyncEngine, served_model_name: str,
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if max_tokens is None:  # the rest of the context, within what the KV pool can hold
-            pool = engine.engine.config.num_blocks * engine.engine.config.block_size
-            max_tokens = max(1, min(context, pool) - len(prompt))
+            max_tokens = max(1, engine.max_request_tokens - len(prompt))
         try:
             params = sampling(req, max_tokens)
         except APIError as error:
@@ -538,10 +537,10 @@ class _EngineCollector:
         gauges = {
             "egmla_num_requests_running": ("Sequences in the running batch", s.running),
             "egmla_num_requests_waiting": ("Sequences waiting to be scheduled", s.waiting),
-            "egmla_kv_blocks_used": ("KV-cache blocks held by sequences", s.blocks_used),
-            "egmla_kv_blocks_total": ("KV-cache blocks in the pool", s.blocks_total),
+            "egmla_kv_blocks_used": ("KV-cache blocks held by sequences", s.kv_blocks_used),
+            "egmla_kv_blocks_total": ("KV-cache blocks in the pool", s.kv_blocks_total),
             "egmla_prefix_cache_hit_rate": ("Prompt blocks found in the prefix cache / looked up",
-                                            s.prefix_hit_rate),
+                                            s.prefix_cache_hit_rate),
         }
         for name, (help_text, value) in gauges.items():
             yield GaugeMetricFamily(name, help_text, value=value)

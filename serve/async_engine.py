@@ -18,9 +18,8 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
-from serve.engine import InvalidRequest, SamplingParams, StepFailed
+from serve.engine import EngineMetrics, InvalidRequest, SamplingParams, StepFailed
 from serve.llm import LLM
 from serve.outputs import RequestUpdate
 
@@ -46,20 +45,6 @@ class RequestFailed(RuntimeError):
     def __init__(self, message: str, status: int = 500) -> None:
         super().__init__(message)
         self.status = status
-
-
-@dataclass
-class Snapshot:
-    """Engine state published after every step, for metrics read from other threads."""
-
-    running: int = 0
-    waiting: int = 0
-    blocks_used: int = 0
-    blocks_total: int = 0
-    prefix_hit_rate: float = 0.0
-    preemptions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
 
 
 class RequestStream:
@@ -105,7 +90,8 @@ class AsyncEngine:
         update (the server's latency histograms)."""
         self.llm, self.engine = llm, llm.engine
         self.capacity = self.engine.config.max_num_seqs + max_queued_requests
-        self.snapshot = Snapshot(blocks_total=self.engine.config.num_blocks)
+        # the engine's metrics after its latest step, for readers on other threads (/metrics)
+        self.snapshot: EngineMetrics = self.engine.snapshot(now=False)
         self.on_finish: list[Callable[[RequestUpdate], None]] = []
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, RequestStream] = {}  # engine request id -> its stream
@@ -147,6 +133,15 @@ class AsyncEngine:
 
     # ---- caller side (any thread with a running asyncio loop) --------------------------------
 
+    def check_request(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest if this request could never run (reads only fixed settings)."""
+        self.engine.check_request(prompt, params)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + output) one request can hold here."""
+        return self.engine.max_request_tokens
+
     def submit(self, prompt: list[int], params: SamplingParams, stop: list[str] | None = None,
                stream: bool = False) -> RequestStream:
         """Queue a request. Raises InvalidRequest (bad request), QueueFull or EngineDead now, so
@@ -155,7 +150,7 @@ class AsyncEngine:
             raise EngineDead(f"the engine stopped: {self.error!r}")
         if self.draining:
             raise Draining("the server is shutting down")
-        self.engine.check_request(prompt, params)
+        self.check_request(prompt, params)
         with self._lock:
             if self._accepted >= self.capacity:
                 raise QueueFull(f"the server holds {self._accepted} requests, its limit")
@@ -247,9 +242,4 @@ class AsyncEngine:
             handle._put(update)
 
     def _publish(self) -> None:
-        e, s = self.engine, self.engine.stats
-        self.snapshot = Snapshot(  # counters only: this runs after every step
-            running=len(e.running), waiting=len(e.waiting), blocks_used=e.blocks.num_used(),
-            blocks_total=e.config.num_blocks, prefix_hit_rate=e.blocks.hit_rate,
-            preemptions=s.preemptions, prompt_tokens=s.prefill_tokens,
-            generation_tokens=s.sampled_tokens)
+        self.snapshot = self.engine.snapshot(now=False)  # counters only: this runs every step

@@ -5,9 +5,14 @@ Every step the scheduler fills a token budget: running decodes first (one token 
 prefills in arrival order, long prompts cut into chunks (chunked prefill). When the block pool
 cannot hold a decode, the most recently arrived running sequence is preempted by recompute: its
 blocks are freed and it goes back to the head of the queue, to be prefilled again (prompt plus
-what it had generated; full blocks may still be found in the prefix cache). The scheduled rows
-run as a few ragged forwards over `PagedKVCache`, grouped so that little is spent on padding
-(`_forward_groups`).
+what it had generated; full blocks may still be found in the prefix cache). The scheduler's
+decision is a typed plan (`SchedulerOutput`: which sequences run how many new tokens from where,
+and who was preempted), and the forward side reads only that plan: its rows run as a few ragged
+forwards over `PagedKVCache`, grouped so that little is spent on padding (`_forward_groups`).
+
+Callers above the engine (serve/outputs.py, serve/llm.py, serve/async_engine.py) use its face
+only: `check_request`, `add_request`, `step`, `samples`, `stop_sample`, `abort`, `fail`,
+`is_finished`, `release`, `metrics` and `snapshot`.
 """
 
 from __future__ import annotations
@@ -161,8 +166,44 @@ class Sequence:
         return self.prompt + self.output
 
 
+@dataclass(frozen=True)
+class ScheduledRow:
+    """One sequence in a step: `num_new_tokens` tokens from position `start` (its KV up to
+    `start` is in the cache already). `is_prefill`: more than its last token was new when it was
+    scheduled (a prompt, a chunk of one, or a recompute), else a decode."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+    is_prefill: bool
+
+    @classmethod
+    def of(cls, seq: Sequence, n: int) -> ScheduledRow:
+        return cls(seq, seq.num_computed, n, len(seq.tokens) - seq.num_computed > 1)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What one step runs, decided by the scheduler before any forward (vLLM's SchedulerOutput):
+    the rows in order (running sequences first, then newly admitted ones) and the sequences
+    preempted to make room, by id."""
+
+    rows: list[ScheduledRow]
+    preempted: list[int]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.rows)
+
+    @property
+    def request_ids(self) -> list[int]:
+        return list(dict.fromkeys(r.seq.request_id for r in self.rows))
+
+
 @dataclass
 class EngineStats:
+    """Running sums the engine adds to as it works (its own bookkeeping; read `metrics()`)."""
+
     steps: int = 0
     preemptions: int = 0
     peak_running: int = 0
@@ -185,6 +226,35 @@ class EngineStats:
     used_slot_steps: int = 0  # sum over steps of the slots those sequences filled
 
 
+@dataclass(frozen=True)
+class EngineMetrics:
+    """The engine's metrics, in one record: `metrics()` returns it as a dict, the server publishes
+    one after every step (`snapshot(now=False)`) for its `/metrics`. Latencies and throughput
+    are over finished requests; `*_now` fields describe the pool at this moment."""
+
+    running: int  # sequences in the running batch
+    waiting: int  # sequences waiting to be scheduled
+    requests_finished: int  # samples finished (not aborted or failed)
+    output_tokens: int  # tokens of those samples
+    output_tokens_per_s: float | None  # output_tokens / (last finish - first arrival)
+    ttft_mean_s: float | None
+    tpot_mean_s: float | None
+    steps: int
+    preemptions: int
+    peak_running: int
+    prompt_tokens: int  # prompt (and recomputed) tokens run through a forward
+    generation_tokens: int  # tokens sampled, finished or not
+    kv_blocks_used: int
+    kv_blocks_total: int
+    # The live pool's reserved and filled bytes and their unused share; None in a snapshot
+    # taken with now=False (they need a walk over every held block).
+    kv_bytes_reserved_now: int | None
+    kv_bytes_used_now: int | None
+    fragmentation_now: float | None
+    fragmentation_mean: float  # unused / reserved KV slots, summed over every step of the run
+    prefix_cache_hit_rate: float  # prompt tokens found in the prefix cache / looked up
+
+
 class LLMEngine:
     def __init__(self, model: Transformer, config: EngineConfig | None = None) -> None:
         self.model, c = model.eval(), config or EngineConfig()
@@ -205,7 +275,15 @@ class LLMEngine:
         self.requests: dict[int, list[int]] = {}  # request id -> its samples' seq ids
         self.stats = EngineStats()
         self._ids = itertools.count()
+        self._seqs: dict[int, Sequence] = {}  # every sample not yet released, by seq id
         self._scheduled: list[Sequence] | None = None  # the running step's sequences
+        self.last_plan: SchedulerOutput | None = None  # what the latest step scheduled
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + output) one request can hold: the model's context or the
+        KV pool, whichever is smaller."""
+        return min(self.model.config.max_seq_len, self.config.num_blocks * self.config.block_size)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -245,6 +323,7 @@ class LLMEngine:
         seq = Sequence(seq_id, list(prompt), params, generator=_generator(params.seed),
                        request_id=seq_id)
         self.requests[seq_id] = [seq_id]
+        self._seqs[seq_id] = seq
         self.waiting.append(seq)
         return seq_id
 
@@ -259,6 +338,7 @@ class LLMEngine:
                              request_id=parent.request_id)
             self.blocks.fork(parent.seq_id, child.seq_id)
             self.requests[parent.request_id].append(child.seq_id)
+            self._seqs[child.seq_id] = child
             children.append(child)
         return children
 
@@ -269,11 +349,32 @@ class LLMEngine:
         for seq_id in self.requests[request_id]:
             self.finish_early(seq_id, "abort")
 
+    def has_request(self, request_id: int) -> bool:
+        """The request was added and not yet released."""
+        return request_id in self.requests
+
     def sequence(self, seq_id: int) -> Sequence:
-        """A sample by id, live or finished."""
-        if seq_id in self.finished:
-            return self.finished[seq_id]
-        return next(s for s in (*self.running, *self.waiting) if s.seq_id == seq_id)
+        """A sample by id, live or finished (until its request is released)."""
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"unknown sequence {seq_id} (never added, or released)") from None
+
+    def samples(self, request_id: int) -> list[Sequence]:
+        """A request's samples in index order, live or finished: read them, do not change them
+        (`stop_sample`, `abort` and `release` are how callers act on them)."""
+        if request_id not in self.requests:
+            raise KeyError(f"unknown request {request_id}")
+        return [self._seqs[s] for s in self.requests[request_id]]
+
+    def stop_sample(self, seq_id: int) -> None:
+        """The caller found a stop string in this sample's text: end it now with finish_reason
+        "stop" (and free its blocks), or, if its last token already ended it, say "stop"."""
+        seq = self.sequence(seq_id)
+        if seq.finish_reason is None:
+            self.finish_early(seq_id, "stop")
+        elif seq.finish_reason == "length":
+            seq.finish_reason = "stop"
 
     def finish_early(self, seq_id: int, reason: str) -> None:
         """End one live sample now (abort, or a stop string seen by the caller)."""
@@ -300,6 +401,7 @@ class LLMEngine:
                     self.finish_early(seq_id, reason)
                 elif seq_id not in self.finished:  # forked in the failed step, never scheduled
                     self.requests[rid].remove(seq_id)
+                    self._seqs.pop(seq_id, None)
                     if self.blocks.has(seq_id):
                         self.blocks.free(seq_id)
 
@@ -318,7 +420,10 @@ class LLMEngine:
         samples. `metrics()` keeps counting it."""
         if not self.is_finished(request_id):
             raise ValueError(f"request {request_id} has not finished")
-        return [self.finished.pop(s) for s in self.requests.pop(request_id)]
+        seq_ids = self.requests.pop(request_id)
+        for s in seq_ids:
+            del self._seqs[s]
+        return [self.finished.pop(s) for s in seq_ids]
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason, seq.finish_time = reason, time.perf_counter()
@@ -357,9 +462,9 @@ class LLMEngine:
             self.cache.copy_block(src, dst)
         return True
 
-    def _schedule(self) -> list[tuple[Sequence, int]]:
+    def _schedule(self) -> SchedulerOutput:
         c = self.config
-        budget, rows = c.max_num_batched_tokens, []
+        budget, rows, preempted = c.max_num_batched_tokens, [], []
         # 1. Running sequences, oldest first: decodes (1 token) and unfinished chunked prefills.
         for seq in list(self.running):
             if seq not in self.running:
@@ -371,10 +476,11 @@ class LLMEngine:
             while not self._reserve(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
+                preempted.append(victim.seq_id)
                 if victim is seq:
                     break
             if seq in self.running:
-                rows.append((seq, n))
+                rows.append(ScheduledRow.of(seq, n))
                 budget -= n
         # 2. Waiting sequences in arrival order, while budget, rows and blocks allow.
         while self.waiting and budget > 0 and len(rows) < c.max_num_seqs:
@@ -395,10 +501,10 @@ class LLMEngine:
                 break
             self.waiting.popleft()
             self.running.append(seq)
-            rows.append((seq, n))
+            rows.append(ScheduledRow.of(seq, n))
             budget -= n
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
-        return rows
+        return SchedulerOutput(rows, preempted)
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -419,8 +525,9 @@ class LLMEngine:
 
     @torch.no_grad()
     def _step(self) -> list[Sequence]:
-        rows = self._schedule()
-        self._scheduled = [seq for seq, _ in rows]
+        plan = self.last_plan = self._schedule()
+        rows = plan.rows
+        self._scheduled = [r.seq for r in rows]
         if not rows:
             if self.waiting and not self.running:
                 self._scheduled = [self.waiting[0]]  # the request that can never run fails
@@ -428,7 +535,7 @@ class LLMEngine:
                                    "token budget is too small for it")
             return []
         last_logits = {}  # row index -> logits of its last new token
-        for group in _forward_groups([n for _, n in rows]):
+        for group in _forward_groups([r.num_new_tokens for r in rows]):
             logits = self._forward([rows[i] for i in group])  # (len(group), V)
             last_logits.update(zip(group, logits))
         self.stats.steps += 1
@@ -436,10 +543,10 @@ class LLMEngine:
         self.stats.reserved_slot_steps += reserved
         self.stats.used_slot_steps += used
         done = []
-        for b, (seq, n) in enumerate(rows):
-            prefill = len(seq.tokens) - seq.num_computed > 1
-            seq.num_computed += n
-            if prefill:
+        for b, row in enumerate(rows):
+            seq, n = row.seq, row.num_new_tokens
+            seq.num_computed = row.start + n
+            if row.is_prefill:
                 self.stats.prefill_tokens += n
             else:
                 self.stats.decode_tokens += n
@@ -456,20 +563,20 @@ class LLMEngine:
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
         return done
 
-    def _forward(self, rows: list[tuple[Sequence, int]]) -> torch.Tensor:
+    def _forward(self, rows: list[ScheduledRow]) -> torch.Tensor:
         """One ragged forward over the paged cache -> (rows, vocab) logits of each row's last
         new token."""
-        B, T = len(rows), max(n for _, n in rows)
+        B, T = len(rows), max(r.num_new_tokens for r in rows)
         tokens = torch.zeros(B, T, dtype=torch.long)
         positions = torch.zeros(B, T, dtype=torch.long)  # padding queries sit at position 0
-        for b, (seq, n) in enumerate(rows):
-            start = seq.num_computed
-            tokens[b, :n] = torch.tensor(seq.tokens[start : start + n])
+        for b, r in enumerate(rows):
+            start, n = r.start, r.num_new_tokens
+            tokens[b, :n] = torch.tensor(r.seq.tokens[start : start + n])
             positions[b, :n] = torch.arange(start, start + n)
-        step = self.cache.step([self.blocks.block_table(s.seq_id) for s, _ in rows],
-                               [s.num_computed for s, _ in rows], [n for _, n in rows])
+        step = self.cache.step([self.blocks.block_table(r.seq.seq_id) for r in rows],
+                               [r.start for r in rows], [r.num_new_tokens for r in rows])
         device = self.model.tok_emb.weight.device
-        last = torch.tensor([n - 1 for _, n in rows], device=device)
+        last = torch.tensor([r.num_new_tokens - 1 for r in rows], device=device)
         return self.model(tokens.to(device), positions.to(device), cache=step, logits_at=last)
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> bool:
@@ -497,26 +604,37 @@ class LLMEngine:
         outputs = [[self.finished[s].output for s in self.requests[i]] for i in ids]
         return outputs if (params and params.n > 1) else [o[0] for o in outputs]
 
-    def metrics(self) -> dict[str, float | int | None]:
-        """Run statistics: latency of finished requests, throughput, KV use, cache hits."""
-        st, blocks = self.stats, self.blocks.stats()
+    def snapshot(self, now: bool = True) -> EngineMetrics:
+        """The engine's metrics at this moment. `now=False` skips the walk over every held block
+        that the `*_now` fields need (they are None then): counters only, cheap enough to take
+        after every step."""
+        st = self.stats
         span = (st.last_finish - st.first_arrival) if st.finished else 0.0
-        slot_bytes = self.cache.block_bytes() // self.config.block_size
-        return {
-            "requests_finished": st.finished, "output_tokens": st.output_tokens,
-            "output_tokens_per_s": st.output_tokens / span if span > 0 else None,
-            "ttft_mean_s": st.ttft_sum / st.ttft_count if st.ttft_count else None,
-            "tpot_mean_s": st.tpot_sum / st.tpot_count if st.tpot_count else None,
-            "steps": st.steps, "preemptions": st.preemptions, "peak_running": st.peak_running,
-            "kv_blocks_used": blocks.used_blocks, "kv_blocks_total": blocks.num_blocks,
-            "kv_bytes_reserved_now": blocks.reserved_slots * slot_bytes,
-            "kv_bytes_used_now": blocks.used_slots * slot_bytes,
-            "fragmentation_now": blocks.fragmentation,
-            # unused / reserved KV slots, summed over every step of the run
-            "fragmentation_mean": (1 - st.used_slot_steps / st.reserved_slot_steps
-                                   if st.reserved_slot_steps else 0.0),
-            "prefix_cache_hit_rate": blocks.hit_rate,
-        }
+        reserved = used = fragmentation = None
+        if now:
+            blocks = self.blocks.stats()
+            slot_bytes = self.cache.block_bytes() // self.config.block_size
+            reserved, used = blocks.reserved_slots * slot_bytes, blocks.used_slots * slot_bytes
+            fragmentation = blocks.fragmentation
+        return EngineMetrics(
+            running=len(self.running), waiting=len(self.waiting),
+            requests_finished=st.finished, output_tokens=st.output_tokens,
+            output_tokens_per_s=st.output_tokens / span if span > 0 else None,
+            ttft_mean_s=st.ttft_sum / st.ttft_count if st.ttft_count else None,
+            tpot_mean_s=st.tpot_sum / st.tpot_count if st.tpot_count else None,
+            steps=st.steps, preemptions=st.preemptions, peak_running=st.peak_running,
+            prompt_tokens=st.prefill_tokens, generation_tokens=st.sampled_tokens,
+            kv_blocks_used=self.blocks.num_used(), kv_blocks_total=self.config.num_blocks,
+            kv_bytes_reserved_now=reserved, kv_bytes_used_now=used, fragmentation_now=fragmentation,
+            fragmentation_mean=(1 - st.used_slot_steps / st.reserved_slot_steps
+                                if st.reserved_slot_steps else 0.0),
+            prefix_cache_hit_rate=self.blocks.hit_rate,
+        )
+
+    def metrics(self) -> dict[str, float | int | None]:
+        """Run statistics as a dict (`snapshot()`'s fields): latency of finished requests,
+        throughput, KV use, cache hits."""
+        return dataclasses.asdict(self.snapshot())
 
 
 def _forward_groups(lengths: list[int], max_padding: float = 0.25) -> list[list[int]]:

@@ -91,19 +91,17 @@ class OutputProcessor:
 
     def add(self, request_id: int, stop: Sequence[str] = (), stream: bool = False) -> None:
         """Track a request added to the engine; `stream` asks for text deltas on every step."""
-        seq = self.engine.sequence(self.engine.requests[request_id][0])
-        self._tracked[request_id] = _Tracked(list(stop), stream, len(seq.prompt))
+        prompt = self.engine.samples(request_id)[0].prompt
+        self._tracked[request_id] = _Tracked(list(stop), stream, len(prompt))
 
     def process(self) -> list[RequestUpdate]:
         """New tokens and text of every tracked request; finished ones are released from the
         engine and forgotten here after their last update."""
-        live = {s.seq_id: s for s in (*self.engine.running, *self.engine.waiting)}
         updates = []
         for rid, t in list(self._tracked.items()):
             deltas = []
-            for index, seq_id in enumerate(self.engine.requests[rid]):
-                seq = live.get(seq_id) or self.engine.finished[seq_id]
-                done = seq.finish_reason is not None
+            for index, seq in enumerate(self.engine.samples(rid)):
+                seq_id, done = seq.seq_id, seq.finish_reason is not None
                 seen = t.tokens_seen.get(seq_id, 0)
                 if len(seq.output) == seen and not (done and seq_id not in t.texts):
                     continue
@@ -112,10 +110,8 @@ class OutputProcessor:
                 if t.stream or t.stop or done:
                     stream = t.texts.setdefault(seq_id, TextStream(self._decode, t.stop))
                     text = stream.update(seq.output, final=done)
-                    if stream.stopped and not done:
-                        self.engine.finish_early(seq_id, "stop")
-                    elif stream.stopped:
-                        seq.finish_reason = "stop"  # its last token completed a stop string
+                    if stream.stopped:  # ends it now, or relabels a last token's "length"
+                        self.engine.stop_sample(seq_id)
                 deltas.append(SampleDelta(index, text, seq.output[seen:], seq.finish_reason))
             finished = self.engine.is_finished(rid)
             if not deltas and not finished:
@@ -142,8 +138,8 @@ class OutputProcessor:
         that gave up): live samples finish with `reason`, their blocks are freed, and the
         requests are released from the engine and forgotten here, with no final update."""
         engine = self.engine
-        engine.fail([rid for rid in request_ids if rid in engine.requests], reason)
+        engine.fail([rid for rid in request_ids if engine.has_request(rid)], reason)
         for rid in request_ids:
             self._tracked.pop(rid, None)
-            if rid in engine.requests and engine.is_finished(rid):
+            if engine.has_request(rid) and engine.is_finished(rid):
                 engine.release(rid)

@@ -13,10 +13,18 @@ import sys
 
 import pytest
 
-from sandbox import run
 from eval.selfdebug.datasets import load_humaneval, load_mbpp
-from eval.selfdebug.loop import (Completion, EngineBackend, OpenAIBackend, SelfDebug, Settings,
-                                  extract_code, feedback_message, program_for)
+from eval.selfdebug.loop import (
+    Completion,
+    EngineBackend,
+    OpenAIBackend,
+    SelfDebug,
+    Settings,
+    extract_code,
+    feedback_message,
+    program_for,
+)
+from sandbox import run
 
 ADD = load_humaneval()[53]  # def add(x: int, y: int): 2 visible examples
 
@@ -160,8 +168,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
 
 @pytest.mark.slow
 def test_the_server_gives_the_in_process_results(smollm2_llm, tmp_path):
-    from serve import LLM
     from test_server import MODEL, serving
+
+    from serve import LLM
 
     problems = load_humaneval()[:2]
     settings = Settings(max_rounds=1, max_tokens=32, resample_max_samples=2)

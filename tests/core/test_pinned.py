@@ -1,9 +1,10 @@
 """Every variant's logits and first training losses, pinned bit for bit to values computed before
 the seams redesign (issue 16), so a refactor that moves code cannot move numbers.
 
-The pins (tests/pinned_variants.json) were written at commit 35a39ab by running this file:
-`python tests/test_pinned.py --write`. Rewrite them only for a change that is meant to change the
-numbers, and say so in its commit. Computed in float32 on one thread (reduction order fixed) on
+The pins (tests/core/pinned_variants.json) were written at commit 35a39ab by running this file
+(now `PYTHONPATH=tests python tests/core/test_pinned.py --write`; the file moved, the pins did
+not change). Rewrite them only for a change that is meant to change the numbers, and say so in
+its commit. Computed in float32 on one thread (reduction order fixed) on
 this project's CPU (AVX-512); another instruction set may round differently.
 """
 
@@ -16,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_models import VARIANTS
 
 from egmla.models import Transformer
+from support.models import VARIANTS
 
 PINS = Path(__file__).with_name("pinned_variants.json")
 

@@ -22,8 +22,8 @@ from egmla.generate import generate
 from egmla.imports import load_pretrained
 from egmla.models.transformer import Transformer
 from serve import LLM, SamplingParams
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 MLA = {"d_c": 32, "d_nope": 16, "d_rope": 8, "d_v": 16}
 VARIANTS = {
     "gqa": {"type": "mha", "n_kv_heads": 2},
@@ -301,7 +301,7 @@ QUESTIONS = [
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     """train.py for real: a tiny EG-MLA run with a run directory, last.ckpt and its export."""
-    from training_utils import TINY, run_train
+    from support.training import TINY, run_train
 
     run_dir = tmp_path_factory.mktemp("export-run") / "run"
     # A small validation split: the run ends by validating on all of it.

@@ -6,11 +6,11 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from support import ROOT
+
 TASKS = ROOT / "eval" / "tasks"
 # The first problem of each family under seed 42: a different one means the data changed.
 FIRST = {

@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from egmla.training.compose import CONFIGS, compose_config
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 __all__ = ["CONFIGS", "ROOT", "TINY", "compose_config", "run_train"]
 
 # A tiny, fast text run: 2-layer d=64 model, 512-token BPE, short sequences, no wandb.

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from sandbox import Limits, Protections, protections, run
+from support import ROOT
 
 TIMEOUT = 3.0
 MARGIN = 3.0  # interpreter start-up and tree kill on a busy 2-core machine
@@ -490,7 +491,7 @@ def test_an_unprivileged_user_gets_namespaces_and_a_read_only_filesystem(host_di
     victim = host_dir / "victim.txt"
     victim.write_text("precious")
     victim.chmod(0o666)  # writable by anyone: only the read-only remount protects it
-    repo = str(Path(__file__).resolve().parent.parent)
+    repo = str(ROOT)
     cmd = [protections().python, "-c", NON_ROOT_CHECKS, repo, str(victim)]
     if os.geteuid() == 0:
         cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] + cmd

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +16,8 @@ import torch
 import eval.kv_bytes as kv
 from egmla.cache import ContiguousCache
 from egmla.presets import PRESETS, preset
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PAPER_ELEMENTS = {"paper-mha": 18432, "paper-gqa4": 6144, "paper-mla": 3840,
                   "paper-egmla-kv256": 3840, "paper-egmla-kv64": 1536, "paper-egmla-kv16": 960}
 
@@ -316,7 +315,7 @@ def test_paged_measurement_is_what_the_serving_engine_holds(name, tokens):
     """The report's paged figure for one sequence == blocks the running engine holds for it x
     the bytes of one block of its pool (whole blocks, so 37 tokens cost 48 slots)."""
     from serve.engine import EngineConfig, LLMEngine, SamplingParams
-    from test_models import build
+    from support.models import build
 
     model = build(preset(name), dtype=torch.float32)
     engine = LLMEngine(model, EngineConfig(block_size=16, num_blocks=8))

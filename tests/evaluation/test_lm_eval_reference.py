@@ -4,14 +4,12 @@ accuracy must be identical and every loglikelihood within 1e-3."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from egmla.imports import KNOWN_MODELS
 from eval.adapter import EgmlaLM
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 LIMITS = {"mqar_recall": 8, "corpus_cloze": 8, "corpus_perplexity": 2}
 
 

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sandbox import Limits, run
 from eval.selfdebug.datasets import load_humaneval, load_mbpp
+from sandbox import Limits, run
 
 LIMITS = Limits(timeout_s=20)
 

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from egmla.data.corpus import split_corpus
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "eval" / "tasks"
 PAPER = ["piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "social_iqa", "mmlu"]
 

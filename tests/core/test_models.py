@@ -8,48 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from egmla.config import ModelConfig
 from egmla.models import RMSNorm, Rotary, Transformer, apply_rope
 from egmla.presets import PRESETS, preset
-
-TINY = sorted(n for n in PRESETS if n.startswith("tiny-"))
-
-
-def with_attention(cfg: ModelConfig, **changes) -> ModelConfig:
-    return dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, **changes))
-
-
-# Every computation the acceptance criteria name, plus grouped gates and a low-rank query.
-VARIANTS = {
-    "mha": preset("tiny-mha"),
-    "gqa": preset("tiny-gqa2"),
-    "mqa": preset("tiny-mha", attention={"type": "mha", "n_kv_heads": 1}),
-    "mla-naive": with_attention(preset("tiny-mla"), impl="naive"),
-    "mla-absorbed": with_attention(preset("tiny-mla"), impl="absorbed"),
-    "mla-lowrank-q": with_attention(preset("tiny-mla"), d_q=24),
-    "egmla-kv": preset("tiny-egmla"),
-    "egmla-kv-rmsnorm-grouped": with_attention(preset("tiny-egmla"), gate_norm="rmsnorm",
-                                               gate_group_size=2),
-    "egmla-kv-naive": with_attention(preset("tiny-egmla"), impl="naive"),
-    "egmla-kv-absorbed": with_attention(preset("tiny-egmla"), impl="absorbed"),
-    "egmla-kv-absorbed-rmsnorm-grouped": with_attention(preset("tiny-egmla"), impl="absorbed",
-                                                        gate_norm="rmsnorm", gate_group_size=2),
-    "egmla-kv-absorbed-nonorm": with_attention(preset("tiny-egmla"), impl="absorbed",
-                                               gate_norm="none"),
-    "egmla-latent-naive": with_attention(preset("tiny-egmla-latent"), impl="naive"),
-    "egmla-latent-absorbed": with_attention(preset("tiny-egmla-latent"), impl="absorbed"),
-    "egmla-latent-nonorm": with_attention(preset("tiny-egmla-latent"), gate_norm="none"),
-}
-
-
-def build(cfg: ModelConfig, dtype=torch.float64, seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    return Transformer(cfg).to(dtype).eval()
-
-
-def random_ids(cfg: ModelConfig, B: int, T: int, seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+from support.models import VARIANTS, build, random_ids, with_attention
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import mixed_prompts, reference_greedy
-from test_models import build, random_ids, with_attention
 
 from egmla.cache import ContiguousCache
 from egmla.models import Transformer, cache_spec_for
 from egmla.presets import preset
 from serve.engine import EngineConfig, LLMEngine, SamplingParams
 from serve.paged_cache import PagedKVCache
+from support.engine import mixed_prompts, reference_greedy
+from support.models import build, random_ids, with_attention
 
 GROUPS = [1, 2, 4]  # small-egmla has 4 layers: one table per layer, per pair, for the whole depth
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from training_utils import CONFIGS, compose_config
 
 from egmla.config import ConfigError
 from egmla.models import Transformer
 from egmla.training.config import TrainConfig
+from support.training import CONFIGS, compose_config
 
 EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
 ATTENTIONS = sorted(p.stem for p in (CONFIGS / "model" / "attention").glob("*.yaml"))

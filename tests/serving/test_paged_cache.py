@@ -7,12 +7,11 @@ import random
 
 import pytest
 import torch
-from test_models import VARIANTS, build
 
-from egmla.models import cache_spec_for
-from egmla.models import Transformer
+from egmla.models import Transformer, cache_spec_for
 from egmla.presets import PRESETS, preset
 from serve.paged_cache import PagedKVCache
+from support.models import VARIANTS, build
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

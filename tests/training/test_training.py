@@ -12,12 +12,12 @@ import lightning as L
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_utils import TINY, compose_config, run_train
 
 from egmla.training.config import TrainConfig
 from egmla.training.data import build_datamodule
 from egmla.training.module import LanguageModel, lr_lambda
 from egmla.training.run import train
+from support.training import TINY, compose_config, run_train
 
 
 @pytest.fixture(scope="module", autouse=True)

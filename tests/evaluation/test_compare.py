@@ -17,11 +17,11 @@ import matplotlib.image
 import nbformat
 import pytest
 from nbclient import NotebookClient
-from test_lm_eval_adapter import write_local_task
-from training_utils import ROOT, TINY, run_train
 
 from egmla.config import ModelConfig
 from eval import compare
+from support.tasks import write_local_task
+from support.training import ROOT, TINY, run_train
 
 # run name -> (model/attention option, seed, the variant eval.compare must name it)
 RUNS = {"mha": ("small_mha", 0, "mha"), "mla": ("small_mla", 1, "mla"),

@@ -16,8 +16,8 @@ import pytest
 
 from eval.selfdebug import report
 from eval.selfdebug.report import bootstrap_ci, load_traces, pass_at_k, summarize, write_report
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

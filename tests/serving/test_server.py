@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -31,8 +30,8 @@ from egmla.presets import preset
 from serve import LLM, SamplingParams
 from serve.api import build_app
 from serve.async_engine import AsyncEngine
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"
 
 

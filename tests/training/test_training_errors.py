@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 
 import pytest
-from training_utils import ROOT, TINY, run_train
+
+from support.training import ROOT, TINY, run_train
 
 
 @pytest.fixture(autouse=True)

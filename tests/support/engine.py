@@ -1,0 +1,73 @@
+"""Engine test helpers: a reference greedy decode, mixed prompt sets, and a fake model."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat((ids, model(ids)[:, -1].argmax(-1, keepdim=True)), dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
+def mixed_prompts(vocab: int, count: int = 16, seed: int = 0) -> list[list[int]]:
+    """Mixed lengths (1-40), half of them sharing a 24-token prefix (prefix-cache hits)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(vocab) for _ in range(24)]
+    prompts = []
+    for i in range(count):
+        tail = [rng.randrange(vocab) for _ in range(rng.randint(1, 16))]
+        prompts.append(shared + tail if i % 2 else [rng.randrange(vocab) for _ in range(rng.randint(1, 40))])
+    return prompts
+
+
+class HistorySumModel(torch.nn.Module):
+    """A fake model for scheduler-only tests (nanochat's MockModel idea), cheap enough for
+    thousands of requests, yet one that reads its whole history from the cache the engine hands
+    it: its next token is (sum of every token so far + the last position) mod vocab. It caches
+    each token's id as its one per-layer field, so a wrong block table, position or recompute
+    after preemption gives a wrong token, and `history_sum_greedy` is its exact reference."""
+
+    def __init__(self, vocab_size: int = 97, max_seq_len: int = 256) -> None:
+        from types import SimpleNamespace
+
+        super().__init__()
+        self.config = SimpleNamespace(vocab_size=vocab_size, max_seq_len=max_seq_len,
+                                      eos_token_id=None)
+        self.tok_emb = torch.nn.Embedding(vocab_size, 1, dtype=torch.float64)  # dtype, device
+
+    def cache_spec(self):
+        from egmla.cache import CacheSpec, FieldSpec
+
+        return CacheSpec(layers=({"token": FieldSpec((1,))},))
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        B, T = tokens.shape
+        rows = torch.arange(B)
+        last = logits_at if logits_at is not None else torch.full((B,), T - 1)
+        query = positions.expand(B, T)[rows, last]  # (B,) the position each row predicts from
+        if cache is None:
+            history, keys = tokens.double(), positions.expand(B, T)
+        else:
+            cache.begin({}, positions)
+            view = cache.layer(0)
+            history = view.update(token=tokens.double()[..., None])["token"][..., 0]
+            keys = view.key_positions.expand(B, -1)
+            cache.advance()
+        seen = (keys <= query[:, None]) & (keys >= 0)
+        nxt = ((history * seen).sum(1).long() + query) % self.config.vocab_size
+        return torch.nn.functional.one_hot(nxt, self.config.vocab_size).double() * 50.0
+
+
+def history_sum_greedy(prompt: list[int], n: int, vocab_size: int = 97) -> list[int]:
+    """`HistorySumModel`'s greedy continuation, computed in plain Python."""
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append((sum(tokens) + len(tokens) - 1) % vocab_size)
+    return tokens[len(prompt):]
