@@ -231,30 +231,8 @@ class BodyLimit:
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 
 
-def build_app(engine: AsyncEngine, served_model_name: str,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """The HTTP API over a started `AsyncEngine`; metrics go to a registry of this app's own.
-    Request bodies over `max_request_bytes` are answered 413."""
-    app = FastAPI(title="egmla serve", description=__doc__)
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
-    unknown = _UnknownFields()
-    llm, context = engine.llm, engine.llm.model.config.max_seq_len
-    registry = CollectorRegistry()
-    latency = dict(registry=registry, buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
-    ttft = Histogram("egmla_time_to_first_token_seconds", "Time to first token", **latency)
-    tpot = Histogram("egmla_time_per_output_token_seconds",
-                     "Time per output token after the first", **latency)
-    registry.register(_EngineCollector(engine))
-
-    def observe(update: RequestUpdate) -> None:  # on the engine thread
-        for out in update.outputs:
-            if out.finish_reason not in ("abort", "error"):
-                if out.ttft is not None:
-                    ttft.observe(out.ttft)
-                if out.tpot is not None:
-                    tpot.observe(out.tpot)
-
-    engine.on_finish.append(observe)
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as an OpenAI-shaped body with its status; nothing as a traceback."""
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> Response:
@@ -275,25 +253,42 @@ def build_app(engine: AsyncEngine, served_model_name: str,
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}",
                         type="server_error").response()
 
-    def check_model(name: str) -> None:
-        if name != served_model_name:
-            raise APIError(404, f"model {name!r} does not exist; this server serves "
-                           f"{served_model_name!r}", param="model", code="model_not_found")
 
-    def sampling(req: _Common, max_tokens: int) -> SamplingParams:
-        try:
-            params = SamplingParams(
-                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                top_k=req.top_k, seed=req.seed, n=req.n,
-                stop_token_ids=tuple(req.stop_token_ids or ()))
-        except InvalidRequest as error:
-            raise APIError(400, str(error), param=error.param) from None
-        return params if req.ignore_eos else llm.with_eos(params)
+def _metrics_registry(engine: AsyncEngine) -> CollectorRegistry:
+    """This app's own Prometheus registry: latency histograms fed by each finished request, and
+    the engine's counters and gauges read from its latest snapshot at scrape time."""
+    registry = CollectorRegistry()
+    latency = dict(registry=registry, buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+    ttft = Histogram("egmla_time_to_first_token_seconds", "Time to first token", **latency)
+    tpot = Histogram("egmla_time_per_output_token_seconds",
+                     "Time per output token after the first", **latency)
+    registry.register(_EngineCollector(engine))
 
-    def admit(req: _Common) -> None:
-        """The checks every request passes before any work is done for it."""
-        check_model(req.model)
-        unknown.check(req)
+    def observe(update: RequestUpdate) -> None:  # on the engine thread
+        for out in update.outputs:
+            if out.finish_reason not in ("abort", "error"):
+                if out.ttft is not None:
+                    ttft.observe(out.ttft)
+                if out.tpot is not None:
+                    tpot.observe(out.tpot)
+
+    engine.on_finish.append(observe)
+    return registry
+
+
+class _Admission:
+    """What every request passes before any work is done for it (the model's name, its fields,
+    its sampling parameters), and its submission: all of a request's prompts or none."""
+
+    def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
+        self.engine, self.llm, self.served = engine, engine.llm, served_model_name
+        self._unknown = _UnknownFields()
+
+    def check(self, req: _Common) -> None:
+        if req.model != self.served:
+            raise APIError(404, f"model {req.model!r} does not exist; this server serves "
+                           f"{self.served!r}", param="model", code="model_not_found")
+        self._unknown.check(req)
         _refuse_unsupported(req)
         for i, text in enumerate(_stops(req)):
             try:
@@ -301,17 +296,27 @@ def build_app(engine: AsyncEngine, served_model_name: str,
             except InvalidRequest as error:
                 raise APIError(400, str(error), param=error.param) from None
 
-    def submit(prompts: list[list[int]], params: SamplingParams, req: _Common, prompt_field: str
-               ) -> list[RequestStream]:
+    def sampling(self, req: _Common, max_tokens: int) -> SamplingParams:
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                top_k=req.top_k, seed=req.seed, n=req.n,
+                stop_token_ids=tuple(req.stop_token_ids or ()))
+        except InvalidRequest as error:
+            raise APIError(400, str(error), param=error.param) from None
+        return params if req.ignore_eos else self.llm.with_eos(params)
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, req: _Common,
+               prompt_field: str) -> list[RequestStream]:
         """Queue every prompt, or none: all are checked first, and a full queue midway takes
         back the ones already queued."""
         stop = _stops(req)
         streams: list[RequestStream] = []
         try:
             for prompt in prompts:
-                engine.check_request(prompt, params)
+                self.engine.check_request(prompt, params)
             for prompt in prompts:
-                streams.append(engine.submit(prompt, params, stop, stream=req.stream))
+                streams.append(self.engine.submit(prompt, params, stop, stream=req.stream))
         except InvalidRequest as error:
             param = prompt_field if error.param == "prompt" else error.param
             raise APIError(400, str(error), param=param, code=error.code) from None
@@ -324,6 +329,19 @@ def build_app(engine: AsyncEngine, served_model_name: str,
         except EngineDead as error:
             raise APIError(503, str(error), type="server_error") from None
         return streams
+
+
+def build_app(engine: AsyncEngine, served_model_name: str,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The HTTP API over a started `AsyncEngine`; metrics go to a registry of this app's own.
+    Request bodies over `max_request_bytes` are answered 413."""
+    app = FastAPI(title="egmla serve", description=__doc__)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    _install_error_handlers(app)
+    registry = _metrics_registry(engine)
+    gate, llm = _Admission(engine, served_model_name), engine.llm
+    context = llm.model.config.max_seq_len
+    app.state.started = time.time()
 
     async def tokenize(encode, *args) -> Any:  # off the event loop: a long prompt takes seconds
         return await asyncio.to_thread(encode, *args)
@@ -346,11 +364,9 @@ def build_app(engine: AsyncEngine, served_model_name: str,
             "id": served_model_name, "object": "model", "created": int(app.state.started),
             "owned_by": "egmla", "max_model_len": context}]}
 
-    app.state.started = time.time()
-
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        admit(req)
+        gate.check(req)
         prompts = _completion_prompts(req.prompt)
         try:
             encoded = await tokenize(lambda: [llm.encode(p) for p in prompts])
@@ -358,14 +374,13 @@ def build_app(engine: AsyncEngine, served_model_name: str,
             raise APIError(400, str(error), param="prompt") from None
         if req.max_tokens is None:
             req.max_tokens = 16
-        params = sampling(req, req.max_tokens)
-        streams = submit(encoded, params, req, "prompt")
+        streams = gate.submit(encoded, gate.sampling(req, req.max_tokens), req, "prompt")
         reply = _Reply("cmpl", "text_completion", served_model_name, req, chat=False)
         return await reply.respond(streams, request)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
-        admit(req)
+        gate.check(req)
         messages = [m.model_dump() for m in req.messages]
         try:
             prompt = await tokenize(llm.encode_chat, messages)
@@ -379,11 +394,11 @@ def build_app(engine: AsyncEngine, served_model_name: str,
         if max_tokens is None:  # the rest of the context, within what the KV pool can hold
             max_tokens = max(1, engine.max_request_tokens - len(prompt))
         try:
-            params = sampling(req, max_tokens)
+            params = gate.sampling(req, max_tokens)
         except APIError as error:
             error.param = param if error.param == "max_tokens" else error.param
             raise
-        streams = submit([prompt], params, req, "messages")
+        streams = gate.submit([prompt], params, req, "messages")
         reply = _Reply("chatcmpl", "chat.completion", served_model_name, req, chat=True)
         return await reply.respond(streams, request)
 

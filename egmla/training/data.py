@@ -11,8 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+import numpy as np
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
+from egmla.config import ConfigError
 from egmla.data.mqar import MQARConfig, MQARDataset
 from egmla.data.packing import PackedDataset, tokenize_to_cache
 from egmla.data.sampler import StepSampler
@@ -46,7 +48,11 @@ class StepLoader(DataLoader):
 
 
 class _StepDataModule(L.LightningDataModule):
-    """Shared: the resumable training loader; subclasses provide the datasets."""
+    """Shared: the resumable training loader; subclasses provide the datasets and declare what
+    differs between kinds of data (tokenizer, vocabulary check, validation slices, baselines),
+    so the training run never asks which kind it holds."""
+
+    val_slices: list[str] | None = None  # names of the validation sets, if they are reported apart
 
     def __init__(self, data: DataConfig, seed: int, max_steps: int) -> None:
         super().__init__()
@@ -73,6 +79,17 @@ class _StepDataModule(L.LightningDataModule):
     def val_dataloader(self) -> list[DataLoader]:
         return [DataLoader(ds, batch_size=self.data.batch_size, shuffle=False,
                            num_workers=self.data.num_workers) for ds in self.val_sets]
+
+    def load_tokenizer(self):
+        """The run's tokenizer, or None for data that is token ids already."""
+        return None
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ConfigError if a model with `vocab_size` cannot embed this data's tokens."""
+
+    def baselines(self) -> dict[str, float]:
+        """Reference losses for the run's summary (after setup)."""
+        return {}
 
 
 class TextDataModule(_StepDataModule):
@@ -109,6 +126,16 @@ class TextDataModule(_StepDataModule):
     def prepare_data(self) -> None:
         self._tokens()
 
+    def check_vocab(self, vocab_size: int) -> None:
+        size = len(self.load_tokenizer())
+        if size > vocab_size:
+            raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the tokenizer's "
+                              f"vocabulary ({size})")
+
+    def baselines(self) -> dict[str, float]:
+        return {"unigram_val_loss": unigram_loss(self.train_set.tokens, self.val_sets[0].tokens,
+                                                 len(self.load_tokenizer()))}
+
     def setup(self, stage: str | None = None) -> None:
         _, train, val = self._tokens()
         self.train_set = PackedDataset(train, self.data.seq_len)
@@ -135,6 +162,19 @@ class MQARDataModule(_StepDataModule):
     @property
     def val_slices(self) -> list[str]:
         return [f"kv{k}" for k in self.data.mqar.val_kv_pairs]
+
+    def check_vocab(self, vocab_size: int) -> None:
+        if vocab_size < self.data.mqar.vocab_size:
+            raise ConfigError(f"model.vocab_size={vocab_size} < data.mqar.vocab_size="
+                              f"{self.data.mqar.vocab_size}")
+
+
+def unigram_loss(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:
+    """Cross-entropy (nats/token) of the validation tokens under the training unigram
+    distribution (add-one smoothed): the loss a model that ignores context would reach."""
+    counts = np.bincount(np.asarray(train), minlength=vocab_size).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    return float(-logp[np.asarray(val)].mean())
 
 
 def build_datamodule(data: DataConfig, seed: int, max_steps: int) -> _StepDataModule:

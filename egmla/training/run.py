@@ -22,18 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import numpy as np
 import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-from egmla.config import ConfigError
 from egmla.data.tokenizer import tokenizer_fingerprint
 from egmla.models import cache_spec_for
 from egmla.provenance import provenance
 from egmla.training.callbacks import Export, ResumableCSVLogger, Throughput
 from egmla.training.config import TrainConfig
-from egmla.training.data import MQARDataModule, TextDataModule, build_datamodule
+from egmla.training.data import build_datamodule
 from egmla.training.module import LanguageModel
 
 # Sections that define what is being trained: a resumed run must not change them.
@@ -117,14 +115,6 @@ def _peak_flops(config: TrainConfig) -> float | None:
     return None  # CPUs: unknown; MFU is not logged
 
 
-def unigram_loss(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:
-    """Cross-entropy (nats/token) of the validation tokens under the training unigram
-    distribution (add-one smoothed): the loss a model that ignores context would reach."""
-    counts = np.bincount(np.asarray(train), minlength=vocab_size).astype(np.float64) + 1.0
-    logp = np.log(counts / counts.sum())
-    return float(-logp[np.asarray(val)].mean())
-
-
 def _model_stats(model_config) -> dict[str, Any]:
     spec = cache_spec_for(model_config)
     return {
@@ -148,34 +138,7 @@ def _record_start(run_dir: Path, config: TrainConfig, tokenizer_id: str | None,
     info_path.write_text(json.dumps({**stats, "starts": starts}, indent=2) + "\n")
 
 
-def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = ()) -> dict[str, Any]:
-    """Train (or resume) the run described by `raw` in `run_dir`; return the summary."""
-    config = TrainConfig.from_dict(raw)
-    model_config = config.model_config()
-    run_dir = Path(run_dir)
-    datamodule = build_datamodule(config.data, config.seed, config.trainer.max_steps)
-    tokenizer = tokenizer_id = None
-    if isinstance(datamodule, TextDataModule):
-        tokenizer = datamodule.load_tokenizer()
-        tokenizer_id = tokenizer_fingerprint(tokenizer)
-        if len(tokenizer) > model_config.vocab_size:
-            raise ConfigError(f"model.vocab_size={model_config.vocab_size} is smaller than the "
-                              f"tokenizer's vocabulary ({len(tokenizer)})")
-    elif model_config.vocab_size < config.data.mqar.vocab_size:
-        raise ConfigError(f"model.vocab_size={model_config.vocab_size} < data.mqar.vocab_size="
-                          f"{config.data.mqar.vocab_size}")
-    resume_from = check_resume(run_dir, config, tokenizer_id)
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    stats = _model_stats(model_config)
-    if _is_rank_zero():
-        _record_start(run_dir, config, tokenizer_id, resume_from, stats)
-
-    L.seed_everything(config.seed, workers=True, verbose=False)
-    val_slices = datamodule.val_slices if isinstance(datamodule, MQARDataModule) else None
-    module = LanguageModel(model=model_config.to_dict(), optim=vars(config.optim).copy(),
-                           max_steps=config.trainer.max_steps, compile=config.trainer.compile,
-                           val_slices=val_slices)
+def _callbacks(config: TrainConfig, run_dir: Path, tokenizer, extra: tuple) -> list:
     t, d = config.trainer, config.data
     ckpt_dir = run_dir / "checkpoints"
     callbacks = [
@@ -187,18 +150,18 @@ def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = ()) -> di
         TQDMProgressBar(refresh_rate=max(1, t.log_every_n_steps // 2)),  # steps, loss, tok/s, ETA
         Throughput(tokens_per_step=d.batch_size * t.accumulate_grad_batches * d.seq_len,
                    seq_len=d.seq_len, peak_flops=_peak_flops(config)),
-        *extra_callbacks,
+        *extra,
     ]
     if config.export:
         callbacks.append(Export(run_dir / "export", tokenizer=tokenizer,
                                 extra={"run": config.name, "run_dir": str(run_dir)}))
-    loggers = [ResumableCSVLogger(run_dir)]
-    wandb_logger = _wandb_logger(config, run_dir)
-    if wandb_logger is not None:
-        loggers.append(wandb_logger)
-    plugins = [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
+    return callbacks
 
-    trainer = L.Trainer(
+
+def _trainer(config: TrainConfig, run_dir: Path, callbacks: list, loggers: list) -> L.Trainer:
+    t = config.trainer
+    plugins = [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
+    return L.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=t.strategy,
         precision=t.precision, max_steps=t.max_steps, max_epochs=-1,
         accumulate_grad_batches=t.accumulate_grad_batches, gradient_clip_val=t.gradient_clip_val,
@@ -209,6 +172,34 @@ def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = ()) -> di
         default_root_dir=str(run_dir), logger=loggers, callbacks=callbacks, plugins=plugins,
         enable_model_summary=_is_rank_zero(),
     )
+
+
+def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = ()) -> dict[str, Any]:
+    """Train (or resume) the run described by `raw` in `run_dir`; return the summary."""
+    config = TrainConfig.from_dict(raw)
+    model_config = config.model_config()
+    run_dir = Path(run_dir)
+    datamodule = build_datamodule(config.data, config.seed, config.trainer.max_steps)
+    tokenizer = datamodule.load_tokenizer()
+    tokenizer_id = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
+    datamodule.check_vocab(model_config.vocab_size)
+    resume_from = check_resume(run_dir, config, tokenizer_id)
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stats = _model_stats(model_config)
+    if _is_rank_zero():
+        _record_start(run_dir, config, tokenizer_id, resume_from, stats)
+
+    L.seed_everything(config.seed, workers=True, verbose=False)
+    module = LanguageModel(model=model_config.to_dict(), optim=vars(config.optim).copy(),
+                           max_steps=config.trainer.max_steps, compile=config.trainer.compile,
+                           val_slices=datamodule.val_slices)
+    loggers = [ResumableCSVLogger(run_dir)]
+    wandb_logger = _wandb_logger(config, run_dir)
+    if wandb_logger is not None:
+        loggers.append(wandb_logger)
+    trainer = _trainer(config, run_dir, _callbacks(config, run_dir, tokenizer, extra_callbacks),
+                       loggers)
     if _is_rank_zero():  # -> hparams.yaml in the run directory and the wandb run's config
         for logger in loggers:
             logger.log_hyperparams({"config": config.to_dict(), **stats})
@@ -223,11 +214,9 @@ def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = ()) -> di
         "name": config.name, "run_dir": str(run_dir), "global_step": trainer.global_step,
         "val_loss": val_loss, "fit_seconds": round(fit_seconds, 1),
         "export": str(run_dir / "export") if config.export else None,
+        **datamodule.baselines(),
     }
-    if isinstance(datamodule, TextDataModule):
-        summary["unigram_val_loss"] = unigram_loss(
-            datamodule.train_set.tokens, datamodule.val_sets[0].tokens, len(tokenizer))
-    if val_slices:
+    if datamodule.val_slices:
         summary["mqar_accuracy"] = {k.removeprefix("val/mqar_acc/"): float(v)
                                     for k, v in final[0].items() if k.startswith("val/mqar_acc/")}
     if trainer.is_global_zero:
