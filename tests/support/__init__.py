@@ -6,6 +6,11 @@ directory of the root conftest, on sys.path). Test files import from here, never
   scheduler-only tests;
 - support.training: train.py run for real, and tiny overrides;
 - support.tasks: a plain lm-eval task written to disk.
+
+The test directories (core, training, evaluation, serving, sandboxing) are deliberately not named
+after the packages they test: pytest puts test directories on sys.path, and a `tests/eval/` there
+would be found as a namespace package `eval` wherever the real one is not on the path first.
+Test file names are unique across directories for the same reason (no __init__.py here).
 """
 
 from pathlib import Path
