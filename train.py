@@ -19,6 +19,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 
@@ -28,6 +29,7 @@ def main(cfg: DictConfig) -> float | None:
     from egmla.training.config import TrainConfig
 
     raw = OmegaConf.to_container(cfg, resolve=True)
+    _name_sweep_job(raw)
     try:
         TrainConfig.from_dict(raw)  # a bad key or value fails here, before Lightning is imported
         from egmla.training.report import print_summary
@@ -42,6 +44,28 @@ def main(cfg: DictConfig) -> float | None:
         sys.exit(2)
     print_summary(summary, raw.get("sample_prompt"))
     return summary["val_loss"]  # the value a Hydra sweeper minimizes
+
+
+SWEEP_SYNTAX = (",", "range(", "choice(", "interval(", "glob(")
+
+
+def _name_sweep_job(raw: dict) -> None:
+    """In a -m sweep, each job's wandb run is named from the overrides the sweep varies
+    (`quickstart[seed=1]`) and grouped by the sweep (its directory's name), unless the config
+    names them. The varied keys are read from the command line where the sweep was launched
+    (a launcher that runs jobs elsewhere, such as SLURM, names them by all their overrides)."""
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN or not isinstance(raw.get("wandb"), dict):
+        return
+    w = raw["wandb"]
+    if w.get("group") is None:
+        w["group"] = Path(hc.sweep.dir).name
+    if w.get("name") is None:
+        swept = {a.split("=", 1)[0].lstrip("+~") for a in sys.argv[1:]
+                 if "=" in a and any(t in a.split("=", 1)[1] for t in SWEEP_SYNTAX)}
+        job = [o for o in hc.overrides.task if o.split("=", 1)[0].lstrip("+~") in swept]
+        label = ",".join(job) or hc.job.override_dirname or str(hc.job.num)
+        w["name"] = f"{raw.get('name')}[{label}]"
 
 
 if __name__ == "__main__":

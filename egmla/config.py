@@ -68,7 +68,8 @@ class AttentionConfig:
     type: ClassVar[str] = ""
     native_architecture: ClassVar[str | None] = None
     native_refusal: ClassVar[str] = ""
-    hf_layout: ClassVar[tuple[str, ...]] = ()
+    hf_layout: ClassVar[tuple[str, ...]] = ()  # empty: no transformers export (hf_refusal says why)
+    hf_refusal: ClassVar[str] = ""
 
     def validate(self, model: ModelConfig) -> None:
         _check_literals(self, f"attention[{self.type}]")
@@ -228,7 +229,7 @@ class EGMLAConfig(MLAConfig):
         return model.n_layers // self.gate_group_size
 
     def layer_params(self, model: ModelConfig) -> int:
-        gated = model.n_heads * (self.d_nope + self.d_v) if self.gate_position == "kv" else self.d_c
+        gated = self.gated_width(model)
         norm = {"layernorm": 2 * gated, "rmsnorm": gated, "none": 0}[self.gate_norm]
         return super().layer_params(model) + self.d_e * gated + norm
 
@@ -242,9 +243,101 @@ class EGMLAConfig(MLAConfig):
     def label(self, model: ModelConfig) -> str:
         return f"egmla-{self.gate_position}"
 
+    def gated_width(self, model: ModelConfig) -> int:
+        """Width of the gate g: H * (d_nope + d_v) under `kv`, d_c under `latent`."""
+        return model.n_heads * (self.d_nope + self.d_v) if self.gate_position == "kv" else self.d_c
+
+
+# ---- the study's control arms (docs/study.md): what a gain of EG-MLA's is made of -------------
+
+_CONTROL_REFUSAL = ("{name} is a study control with no exported modeling code (neither native "
+                    "nor transformers remote code); evaluate it in egmla (the lm-eval adapter, "
+                    "serve) instead")
+
+
+@dataclass
+class EGMLAConstGateConfig(EGMLAConfig):
+    """EG-MLA with every token sharing one gate row: the same computation, init and norm as the
+    token-id gate, with no token identity (g = W_UE e for one learned e of width d_e). The
+    control for `gate_position: kv`: no token ids are cached, so its KV bytes are MLA's at the
+    same d_c plus the norm statistics of the absorbed decode."""
+
+    type: ClassVar[str] = "egmla_const_gate"
+    native_refusal: ClassVar[str] = _CONTROL_REFUSAL.format(name="egmla_const_gate")
+    hf_layout: ClassVar[tuple[str, ...]] = ()
+    hf_refusal: ClassVar[str] = _CONTROL_REFUSAL.format(name="egmla_const_gate")
+
+    def table_groups(self, model: ModelConfig) -> list[range]:
+        return []  # the one row is a parameter of each layer, counted in layer_params
+
+    def layer_params(self, model: ModelConfig) -> int:
+        return super().layer_params(model) + self.d_e  # the shared row e
+
+    def label(self, model: ModelConfig) -> str:
+        return f"egmla-{self.gate_position}-const"
+
+
+@dataclass
+class EGMLAHiddenGateConfig(EGMLAConfig):
+    """EG-MLA `latent` gated from the hidden state instead of the token id: c' = Norm(c *
+    sigmoid(W_G h)) with W_G (d_model -> d_c), the same norm, and c' cached, so its KV bytes equal
+    `egmla` latent's. The control for `gate_position: latent` (gating, without token identity)."""
+
+    type: ClassVar[str] = "egmla_hidden_gate"
+    native_refusal: ClassVar[str] = _CONTROL_REFUSAL.format(name="egmla_hidden_gate")
+    hf_layout: ClassVar[tuple[str, ...]] = ()
+    hf_refusal: ClassVar[str] = _CONTROL_REFUSAL.format(name="egmla_hidden_gate")
+    gate_position: Literal["latent"] = "latent"  # d_e, gate_group_size and gate_init are unused
+
+    def table_groups(self, model: ModelConfig) -> list[range]:
+        return []
+
+    def table_width(self) -> int:
+        return 0
+
+    def layer_params(self, model: ModelConfig) -> int:
+        norm = {"layernorm": 2 * self.d_c, "rmsnorm": self.d_c, "none": 0}[self.gate_norm]
+        return MLAConfig.layer_params(self, model) + model.d_model * self.d_c + norm
+
+    def label(self, model: ModelConfig) -> str:
+        return "egmla-latent-hidden"
+
+
+@dataclass
+class MLAValueEmbedConfig(MLAConfig):
+    """MLA plus a per-layer token-id embedding added to the values: v = W_UV c + W_VE E[id] with E
+    (vocab x d_e) per layer and W_VE (d_e -> H * d_v). Token identity in the values without
+    multiplication: the control that separates EG-MLA's lookup from its gating. The cache holds
+    MLA's fields and the token ids (once per sequence); decode stays absorbed (the attended
+    embedding is up-projected once per query)."""
+
+    type: ClassVar[str] = "mla_value_embed"
+    native_architecture: ClassVar[str | None] = None
+    native_refusal: ClassVar[str] = _CONTROL_REFUSAL.format(name="mla_value_embed")
+    hf_layout: ClassVar[tuple[str, ...]] = ()
+    hf_refusal: ClassVar[str] = _CONTROL_REFUSAL.format(name="mla_value_embed")
+    d_e: int = 64
+
+    def validate(self, model: ModelConfig) -> None:
+        super().validate(model)
+        _check(self.d_e >= 1, f"attention.d_e={self.d_e}: must be >= 1")
+
+    def layer_params(self, model: ModelConfig) -> int:
+        return super().layer_params(model) + self.d_e * model.n_heads * self.d_v
+
+    def table_groups(self, model: ModelConfig) -> list[range]:
+        return [range(i, i + 1) for i in range(model.n_layers)]
+
+    def table_width(self) -> int:
+        return self.d_e
+
+    def label(self, model: ModelConfig) -> str:
+        return "mla-value-embed"
+
 
 ATTENTION_REGISTRY: dict[str, type[AttentionConfig]] = {
-    cls.type: cls for cls in (MHAConfig, MLAConfig, EGMLAConfig)
+    cls.type: cls for cls in (MHAConfig, MLAConfig, EGMLAConfig, EGMLAConstGateConfig,
+                              EGMLAHiddenGateConfig, MLAValueEmbedConfig)
 }
 
 

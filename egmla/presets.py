@@ -38,6 +38,14 @@ def _variants(base: dict[str, Any], latent: dict[str, Any], d_c: int, d_e: int,
         "egmla": {**base, "attention": {"type": "egmla", "d_c": d_c // 4, "d_e": d_e, **latent}},
         "egmla-latent": {**base, "attention": {"type": "egmla", "d_c": d_c // 4, "d_e": d_e,
                                                "gate_position": "latent", **latent}},
+        # The study's controls (docs/study.md), at EG-MLA's latent width.
+        "mla-narrow": {**base, "attention": {"type": "mla", "d_c": d_c // 4, **latent}},
+        "egmla-const-gate": {**base, "attention": {"type": "egmla_const_gate", "d_c": d_c // 4,
+                                                   "d_e": d_e, **latent}},
+        "egmla-hidden-gate": {**base, "attention": {"type": "egmla_hidden_gate", "d_c": d_c // 4,
+                                                    **latent}},
+        "mla-value-embed": {**base, "attention": {"type": "mla_value_embed", "d_c": d_c // 4,
+                                                  "d_e": d_e, **latent}},
     }
 
 

@@ -21,8 +21,10 @@ SCRIPTS = ("train.py", "benchmarks")
 # The exported remote-code files run inside transformers, apart from egmla (egmla/export/hf_code).
 STANDALONE = ("egmla/export/hf_code",)
 VARIANT_HOME = ("egmla/models/attention/", "egmla/config.py")
-VARIANT_CLASSES = {"MHAConfig", "MLAConfig", "EGMLAConfig", "MHA", "MLA", "EGMLA"}
-VARIANT_NAMES = {"mha", "mla", "egmla"}
+VARIANT_CLASSES = {"MHAConfig", "MLAConfig", "EGMLAConfig", "MHA", "MLA", "EGMLA",
+                   "EGMLAConstGateConfig", "EGMLAHiddenGateConfig", "MLAValueEmbedConfig",
+                   "EGMLAConstGate", "EGMLAHiddenGate", "MLAValueEmbed"}
+VARIANT_NAMES = {"mha", "mla", "egmla", "egmla_const_gate", "egmla_hidden_gate", "mla_value_embed"}
 # Where naming a variant is the point, with the reason.
 NAMED_ON_PURPOSE = {
     "eval/kv_bytes.py": "the report's 'vs MLA' column picks its baseline config by type",

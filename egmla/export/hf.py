@@ -73,7 +73,10 @@ _LAYOUTS = {"llama": LLAMA_ATTENTION, "deepseek": DEEPSEEK_ATTENTION, "gate": _G
 
 def _attention_keys(config: ModelConfig) -> dict[str, str]:
     """transformers name -> egmla name of every per-layer attention weight of this variant."""
-    return {k: v for part in config.attention.hf_layout for k, v in _LAYOUTS[part].items()}
+    a = config.attention
+    if not a.hf_layout:
+        raise ValueError(a.hf_refusal or f"attention type {a.type!r} has no transformers export")
+    return {k: v for part in a.hf_layout for k, v in _LAYOUTS[part].items()}
 
 
 def _gate_tables(config: ModelConfig) -> dict[str, list[str]]:

@@ -227,7 +227,10 @@ class TrainerConfig:
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = 1.0
     val_every_n_steps: int = 200
-    limit_val_batches: int | float = 50
+    limit_val_batches: int | float = 50  # the periodic validations
+    # The final validation after training: None covers the whole held-out split (the number the
+    # summary and the studies report); a smaller int or fraction only for quick runs.
+    final_val_batches: int | float | None = None
     log_every_n_steps: int = 10
     checkpoint_every_n_steps: int = 200
     compile: bool = False
@@ -240,6 +243,10 @@ class TrainerConfig:
                f"trainer.accumulate_grad_batches={self.accumulate_grad_batches}: must be >= 1")
         for name in ("val_every_n_steps", "log_every_n_steps", "checkpoint_every_n_steps"):
             _check(getattr(self, name) >= 1, f"trainer.{name}={getattr(self, name)}: must be >= 1")
+        for name in ("limit_val_batches", "final_val_batches"):
+            value = getattr(self, name)
+            _check(value is None and name == "final_val_batches" or value > 0,
+                   f"trainer.{name}={value}: must be > 0 (a batch count, or a fraction of the split)")
 
 
 @dataclass
@@ -247,7 +254,8 @@ class WandbConfig:
     mode: Literal["auto", "online", "offline", "disabled"] = "auto"  # auto: online iff a key exists
     project: str = "egmla"
     entity: str | None = None
-    group: str | None = None
+    group: str | None = None  # a -m sweep sets it to the sweep (train.py) unless given
+    name: str | None = None  # None: the run's name; a -m sweep's jobs add their overrides
     tags: list[str] = field(default_factory=list)
 
 

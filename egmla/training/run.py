@@ -99,7 +99,7 @@ def _wandb_logger(config: TrainConfig, run_dir: Path):
     if not id_file.is_file() and _is_rank_zero():
         id_file.write_text(uuid.uuid4().hex[:12])
     run_id = id_file.read_text().strip() if id_file.is_file() else None
-    return WandbLogger(name=config.name, save_dir=str(run_dir), project=w.project,
+    return WandbLogger(name=w.name or config.name, save_dir=str(run_dir), project=w.project,
                        entity=w.entity, group=w.group, tags=w.tags, id=run_id, resume="allow",
                        offline=mode == "offline", mode=mode)
 
@@ -206,9 +206,15 @@ def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = ()) -> di
     started = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None)
     fit_seconds = time.perf_counter() - started
-    trainer.limit_val_batches = 1.0  # the final number covers the whole validation set
+    # the final number covers the whole validation set unless a quick run asks for less
+    final_batches = config.trainer.final_val_batches
+    trainer.limit_val_batches = 1.0 if final_batches is None else final_batches
     final = trainer.validate(module, datamodule=datamodule, verbose=False)
     val_loss = float(final[0]["val/loss"]) if final else math.nan
+    if wandb_logger is not None and trainer.is_global_zero:
+        # End this run now: the jobs of a -m sweep share one process, and wandb would log the
+        # next job into this run ("a wandb run already in progress ... will reuse this run").
+        wandb_logger.experiment.finish()
 
     summary: dict[str, Any] = {
         "name": config.name, "run_dir": str(run_dir), "global_step": trainer.global_step,

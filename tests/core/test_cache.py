@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from egmla.cache import CacheSpec, ContiguousCache, FieldSpec
-from egmla.config import EGMLAConfig, MHAConfig, ModelConfig
+from egmla.config import (EGMLAConfig, EGMLAConstGateConfig, MHAConfig, MLAValueEmbedConfig,
+                          ModelConfig)
 from egmla.models import Transformer, cache_spec_for
 from egmla.presets import PRESETS, preset
 
@@ -22,7 +23,9 @@ def hand_formula(cfg: ModelConfig, dtype: torch.dtype) -> int:
         return L * 2 * n_kv * head_dim * b  # K and V
     per_layer = (a.d_c + a.d_rope) * b  # latent + shared RoPE key
     kv_gate = isinstance(a, EGMLAConfig) and a.gate_position == "kv"
-    ids = 4 if kv_gate else 0  # int32, once
+    # int32 token ids, once: the token gate on K/V reads its keys' ids, as does the value embedding
+    reads_ids = kv_gate and not isinstance(a, EGMLAConstGateConfig) or isinstance(a, MLAValueEmbedConfig)
+    ids = 4 if reads_ids else 0
     if kv_gate and a.impl != "naive":  # the gate norm's statistics for the absorbed decode
         stats = {"layernorm": 2, "rmsnorm": 1, "none": 0}[a.gate_norm]
         per_layer += stats * torch.promote_types(dtype, torch.float32).itemsize

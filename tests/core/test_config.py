@@ -21,7 +21,11 @@ def test_every_preset_round_trips_through_json(name):
 
 
 def test_registry_names():
-    assert set(ATTENTION_REGISTRY) == {"mha", "mla", "egmla"}
+    from egmla.models.attention import ATTENTION_MODULES
+
+    assert set(ATTENTION_REGISTRY) == {"mha", "mla", "egmla", "egmla_const_gate",
+                                       "egmla_hidden_gate", "mla_value_embed"}
+    assert set(ATTENTION_MODULES) == set(ATTENTION_REGISTRY)  # every config has its module
 
 
 def test_unknown_top_level_key_is_named():

@@ -89,7 +89,8 @@ def test_logits_at_picks_several_positions_per_row():
         assert (picked[b] - full[b, at[b]]).abs().max().item() < 1e-12
 
 
-@pytest.mark.parametrize("base", ["tiny-mla", "tiny-egmla-latent"])
+@pytest.mark.parametrize("base", ["tiny-mla", "tiny-egmla-latent", "tiny-egmla-const-gate",
+                                  "tiny-egmla-hidden-gate", "tiny-mla-value-embed"])
 def test_absorbed_equals_naive(base):
     """Same weights, two computations: full forward and cached decode agree in float64."""
     naive_cfg = with_attention(preset(base), impl="naive")

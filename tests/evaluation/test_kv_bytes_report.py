@@ -38,16 +38,19 @@ def hand_elements(config: dict) -> int:
 
 
 def hand_sequence_bytes(config: dict) -> int:
-    """EG-MLA with the gate on K/V rebuilds K/V from token ids: one int32 per token."""
+    """EG-MLA with the gate on K/V rebuilds K/V from token ids, and the value-embedding control
+    adds its keys' embeddings: one int32 per token (the constant-gate control reads no ids)."""
     a = config["attention"]
-    return 4 if a["type"] == "egmla" and a["gate_position"] == "kv" else 0
+    token_gate = a["type"] == "egmla" and a["gate_position"] == "kv"
+    return 4 if token_gate or a["type"] == "mla_value_embed" else 0
 
 
 def hand_stats_bytes(config: dict) -> int:
     """EG-MLA `kv` with the absorbed decode available caches the gate norm's statistics per layer:
     LayerNorm's mean and 1/sigma (RMSNorm: 1/rms), float32 in every dtype reported here."""
     a = config["attention"]
-    if a["type"] != "egmla" or a["gate_position"] != "kv" or a["impl"] == "naive":
+    gated = a["type"] in ("egmla", "egmla_const_gate") and a["gate_position"] == "kv"
+    if not gated or a["impl"] == "naive":
         return 0
     return config["n_layers"] * {"layernorm": 2, "rmsnorm": 1, "none": 0}[a["gate_norm"]] * 4
 

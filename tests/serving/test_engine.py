@@ -23,7 +23,8 @@ SETTINGS = {
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("name", ["mha", "gqa", "mla-naive", "mla-absorbed", "egmla-kv",
-                                  "egmla-latent-absorbed"])
+                                  "egmla-latent-absorbed", "egmla-const-gate-absorbed",
+                                  "egmla-hidden-gate", "mla-value-embed-absorbed"])
 def test_greedy_equals_full_recompute(name, setting):
     model = build(VARIANTS[name])
     prompts = mixed_prompts(model.config.vocab_size)

@@ -242,6 +242,37 @@ def test_submitit_local_sweep_writes_two_runs(tmp_path):
     assert seeds == {0, 1}
 
 
+@pytest.mark.slow
+def test_a_sweep_logs_each_job_to_its_own_wandb_run_grouped_by_the_sweep(tmp_path):
+    """Hydra's basic launcher runs a -m sweep's jobs in one process; each must still get its own
+    wandb run (offline here), named from its overrides, with its own config, in one group."""
+    sweep = tmp_path / "sweep"
+    args = [a for a in TINY if not a.startswith("wandb.mode=")]
+    result = run_train(["-m", *args, "trainer.max_steps=2", "trainer.val_every_n_steps=2",
+                        "trainer.final_val_batches=1", "export=false", "wandb.mode=offline",
+                        "seed=0,1", f"hydra.sweep.dir={sweep}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "reuse this run" not in result.stdout + result.stderr
+    for seed, job in enumerate(("0", "1")):
+        (run,) = (sweep / job / "wandb").glob("offline-run-*")  # one run per job, in its directory
+        run_id = run.name.rsplit("-", 1)[-1]
+        assert (sweep / job / "wandb_id").read_text().strip() == run_id
+        config = logged_config(run / f"run-{run_id}.wandb")
+        assert config["seed"] == seed  # its own config, not the other job's
+        assert config["wandb"]["group"] == "sweep"  # grouped by the sweep directory's name
+        assert config["wandb"]["name"] == f"default[seed={seed}]"  # named from what the sweep varies
+
+
+def logged_config(record_file: Path) -> dict:
+    """The training config a wandb offline run recorded. The run file is wandb's own binary log of
+    protobuf records (no Python reader ships with wandb 0.31); the config rides in it as the
+    JSON text of the logged `config` value, so it is found by its first key and decoded."""
+    text = record_file.read_bytes().decode("latin-1")
+    start = text.index('{"name":')
+    config, _ = json.JSONDecoder().raw_decode(text, start)
+    return config
+
+
 # ---- bad input: a clear message, a non-zero exit, no traceback, nothing overwritten -------
 
 

@@ -129,3 +129,19 @@ def test_ints_read_as_floats_and_names_and_null_where_optional():
         "model.attention.n_kv_heads=2"]))
     assert config.optim.lr == 1 and config.name == "123" and config.trainer.gradient_clip_val is None
     assert config.model_config().attention.n_kv_heads == 2
+
+
+def test_debug_quick_shortens_every_part_of_a_run_and_keeps_the_experiment():
+    raw = compose_config(["experiment=quickstart", "debug=quick"])
+    config = TrainConfig.from_dict(raw)
+    t = config.trainer
+    assert (t.max_steps, t.limit_val_batches, t.final_val_batches) == (5, 2, 2)
+    assert config.wandb.mode == "disabled" and config.name == "debug"
+    assert raw["model"]["attention"]["type"] == "egmla" and raw["data"]["seq_len"] == 128
+
+
+def test_the_final_validation_covers_the_whole_split_unless_told():
+    assert TrainConfig.from_dict(compose_config(["experiment=quickstart"])).trainer.final_val_batches is None
+    for bad in ("0", "-1"):
+        with pytest.raises(ConfigError, match="trainer.final_val_batches"):
+            TrainConfig.from_dict(compose_config([f"trainer.final_val_batches={bad}"]))

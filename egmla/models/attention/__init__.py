@@ -7,11 +7,17 @@ from __future__ import annotations
 
 from egmla.config import ModelConfig
 from egmla.models.attention.common import AttentionLayer
+from egmla.models.attention.controls import EGMLAConstGate, EGMLAHiddenGate, MLAValueEmbed
 from egmla.models.attention.egmla import EGMLA
 from egmla.models.attention.mha import MHA
 from egmla.models.attention.mla import MLA
 
-ATTENTION_MODULES: dict[str, type[AttentionLayer]] = {"mha": MHA, "mla": MLA, "egmla": EGMLA}
+ATTENTION_MODULES: dict[str, type[AttentionLayer]] = {
+    "mha": MHA, "mla": MLA, "egmla": EGMLA,
+    # the study's controls (controls.py)
+    "egmla_const_gate": EGMLAConstGate, "egmla_hidden_gate": EGMLAHiddenGate,
+    "mla_value_embed": MLAValueEmbed,
+}
 
 
 def build_attention(config: ModelConfig) -> list[AttentionLayer]:
@@ -19,4 +25,5 @@ def build_attention(config: ModelConfig) -> list[AttentionLayer]:
     return ATTENTION_MODULES[config.attention.type].build_layers(config)
 
 
-__all__ = ["ATTENTION_MODULES", "EGMLA", "MHA", "MLA", "AttentionLayer", "build_attention"]
+__all__ = ["ATTENTION_MODULES", "EGMLA", "MHA", "MLA", "AttentionLayer", "EGMLAConstGate",
+           "EGMLAHiddenGate", "MLAValueEmbed", "build_attention"]

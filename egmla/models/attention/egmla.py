@@ -47,6 +47,8 @@ class EGMLA(MLA):
     """Caches c and k_rope per layer like MLA; under `kv` the model also caches token ids once,
     and each layer the norm's statistics when the absorbed computation may run."""
 
+    gate_reads_ids = True  # the gate's rows are looked up by token id (not: EGMLAConstGate)
+
     def __init__(self, config: ModelConfig, gate_table: nn.Embedding) -> None:
         super().__init__(config)
         a = config.attention
@@ -54,12 +56,13 @@ class EGMLA(MLA):
         if gate_table.embedding_dim != a.d_e:
             raise ValueError(f"gate table width {gate_table.embedding_dim} != d_e={a.d_e}")
         self.gate_position, self.gate_norm_kind, self.d_e = a.gate_position, a.gate_norm, a.d_e
-        self.needs_token_ids = a.gate_position == "kv"
-        gated = config.n_heads * (a.d_nope + a.d_v) if self.needs_token_ids else a.d_c
+        self.gates_kv = a.gate_position == "kv"
+        self.needs_token_ids = self.gates_kv and self.gate_reads_ids
+        gated = a.gated_width(config)
         self.gate_table = gate_table  # the same module in every layer of a group (shared weight)
         self.w_gate = nn.Linear(a.d_e, gated, bias=False)  # W_UE
         self.gate_norm = make_norm(a.gate_norm, gated, config.norm_eps)
-        stats = _STATS_WIDTH[a.gate_norm] if self.needs_token_ids and a.impl != "naive" else 0
+        stats = _STATS_WIDTH[a.gate_norm] if self.gates_kv and a.impl != "naive" else 0
         self.stats_width = stats
         self.gate_init, self.init_std = a.gate_init, config.init_std
 
@@ -105,16 +108,23 @@ class EGMLA(MLA):
                                            auxiliary=True)
         return spec
 
-    def gate(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """token ids (B, S) -> g (B, S, gated width)."""
+    def gate_rows(self, token_ids: torch.Tensor | None,
+                  like: torch.Tensor | None = None) -> torch.Tensor:
+        """The gate table's rows e_j of the tokens (B, S) (those of `like` (B, S, .), where the
+        rows do not depend on the ids): (B, S, d_e)."""
         if token_ids is None:
             raise ValueError("EG-MLA needs the token ids: pass token_ids to forward")
-        return self.w_gate(self.gate_table(token_ids))
+        return self.gate_table(token_ids)
+
+    def gate(self, token_ids: torch.Tensor | None,
+             like: torch.Tensor | None = None) -> torch.Tensor:
+        """g = W_UE e_j for the tokens (B, S): (B, S, gated width)."""
+        return self.w_gate(self.gate_rows(token_ids, like))
 
     def cached_fields(self, x, token_ids, cos, sin, with_auxiliary):
         fields = super().cached_fields(x, token_ids, cos, sin, with_auxiliary)
         if self.gate_position == "latent":
-            fields["c"] = self.gate_norm(fields["c"] * self.gate(token_ids))  # the gated latent
+            fields["c"] = self.gate_norm(fields["c"] * self.gate(token_ids, x))  # the gated latent
         elif with_auxiliary and self.stats_width:
             fields["norm_stats"] = self.norm_stats(fields["c"], token_ids)
         return fields
@@ -122,7 +132,7 @@ class EGMLA(MLA):
     def norm_stats(self, c: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """(B, T, d_c), (B, T) -> the gate norm's statistics of z = W_UKV c * g, (B, T, 1 or 2),
         in at least float32: [mu, inv_sigma] (LayerNorm, biased variance) or [inv_sigma] (RMS)."""
-        z = self.wkv_b(c) * self.gate(token_ids)  # (B, T, H * D)
+        z = self.wkv_b(c) * self.gate(token_ids, c)  # (B, T, H * D)
         z = z.to(torch.promote_types(z.dtype, torch.float32))
         eps = self.gate_norm.eps
         if self.gate_norm_kind == "rmsnorm":
@@ -134,7 +144,7 @@ class EGMLA(MLA):
         if self.gate_position == "latent":
             return super().expand(c, key_ids)
         B, S, _ = c.shape
-        kv = self.gate_norm(self.wkv_b(c) * self.gate(key_ids))  # (B, S, H * (n + d_v))
+        kv = self.gate_norm(self.wkv_b(c) * self.gate(key_ids, c))  # (B, S, H * (n + d_v))
         kv = kv.view(B, S, self.n_heads, self.d_nope + self.d_v)
         return kv.split([self.d_nope, self.d_v], dim=-1)
 
@@ -157,8 +167,9 @@ class EGMLA(MLA):
         one, two = self.step_macs(1, 1)[key], self.step_macs(1, 2)[key]
         return {"macs_per_key": two - one, "macs_per_query": 2 * one - two,
                 # the rebuild reads no statistics; every token's int32 id is read besides
-                "cache_bytes_per_key": self._cache_bytes_per_key(dtype, auxiliary=absorbed) + 4,
-                "lookup_bytes_per_key": self.d_e * dtype.itemsize}
+                "cache_bytes_per_key": (self._cache_bytes_per_key(dtype, auxiliary=absorbed)
+                                        + 4 * self.needs_token_ids),
+                "lookup_bytes_per_key": self.d_e * dtype.itemsize * self.gate_reads_ids}
 
     def supports_absorbed(self) -> bool:
         return self.gate_position == "latent" or self.impl != "naive"
@@ -178,7 +189,7 @@ class EGMLA(MLA):
         w_uk, w_uv = self.wkv_b.weight.view(H, n + v, C).split([n, v], dim=1)  # (H, n|v, C)
         we_k, we_v = self.w_gate.weight.view(H, n + v, E).split([n, v], dim=1)  # (H, n|v, E)
         gamma_k, gamma_v, beta_v = self._norm_affine(q_nope)
-        e = self.gate_table(key_ids)  # (B, S, E): the keys' gate rows
+        e = self.gate_rows(key_ids, c)  # (B, S, E): the keys' gate rows
         mu, inv_sigma = self._stats(fields, c.dtype)  # (B, S) each, or None
 
         qg = q_nope * gamma_k  # (B, T, H, n)
@@ -248,3 +259,4 @@ def _weighted_outer(w: torch.Tensor, c: torch.Tensor, e: torch.Tensor) -> torch.
         return (wc.reshape(B, T * H * C, S) @ e).view(B, T, H, C, E)
     we = w.unsqueeze(-2) * e.transpose(1, 2)[:, None, None]  # (B, T, H, E, S)
     return (we.reshape(B, T * H * E, S) @ c).view(B, T, H, E, C).transpose(-1, -2)
+

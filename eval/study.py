@@ -1,0 +1,464 @@
+"""What the gate buys: EG-MLA against MLA and MHA with the controls that separate gating, token
+identity and extra parameters (issue 17; the protocol and the results are in docs/study.md).
+
+    python -m eval.study --runs-dir runs/study                 # every phase, resumable
+    python -m eval.study --runs-dir runs/study --phase lr      # one phase
+    python -m eval.study --runs-dir runs/study --dry-run       # list the runs and what is done
+    python -m eval.study --runs-dir runs/study --summarize     # only rebuild summary.json
+
+Every run is a real `train.py` process on the quickstart recipe (the small model, the embedded
+corpus, its BPE tokenizer, AdamW with warmup and cosine decay), or on MQAR for the `mqar` phase.
+The phases, in the order they run:
+
+  lr         each arm at every learning rate of the grid, seed 0; the best by final validation
+             loss (the whole held-out split) is the arm's learning rate ("best over LR")
+  seeds      each arm at its learning rate, the other seeds
+  long       the five arms that decide the question, 4x the tokens, at their learning rates
+  ablations  EG-MLA kv's d_e and gate_group_size, at egmla_kv's learning rate
+  mqar       every arm on MQAR (the recall task), at egmla_kv's learning rate
+  eval       the offline lm-eval tasks on the final checkpoints of the seeds phase
+
+Re-running skips finished runs (a run directory with summary.json) and resumes an interrupted
+one from its last checkpoint, so the study can be stopped and continued. After every run the
+record under --results (default benchmarks/results/study) is rewritten: one JSON per run (its
+summary and configuration, not its checkpoints) and summary.json with every arm's parameters, KV
+bytes, learning-rate grid, chosen learning rate, per-seed losses with their mean and 95%
+interval, and the paired differences against mla_dc32 and mla_param_matched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "study"
+
+BASE = ["experiment=quickstart"]
+BASE_STEPS = 300  # 300 x 16 x 128 = 614,400 tokens, as benchmarks/train_variants.py
+LONG_FACTOR = 4
+MQAR_STEPS = 500
+LRS = (1e-3, 2e-3, 4e-3)
+SEEDS = (0, 1, 2)
+VAL_EVERY = 50  # periodic validations: the loss-against-tokens curve (Fig. 1a)
+LM_EVAL_TASKS = ("corpus_cloze", "corpus_perplexity", "mqar_recall")
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    attention: str  # the configs/model/attention file
+    overrides: tuple[str, ...] = ()
+    what: str = ""
+
+
+ARMS = [
+    Arm("mha", "small_mha", what="multi-head attention"),
+    Arm("gqa2", "small_gqa2", what="grouped-query, 2 KV heads"),
+    Arm("mla", "small_mla", what="MLA, d_c 128"),
+    Arm("mla_dc32", "small_mla_dc32", what="MLA at EG-MLA's latent width (d_c 32)"),
+    Arm("mla_param_matched", "small_mla_dc32",
+        what="MLA d_c 32, FFN widened to EG-MLA kv's total parameters (tables included)"),
+    Arm("egmla_kv", "small_egmla", what="EG-MLA, gate on the up-projected K/V"),
+    Arm("egmla_latent", "small_egmla_latent", what="EG-MLA, gate on the latent"),
+    Arm("egmla_const_gate", "small_egmla_const_gate",
+        what="control: EG-MLA kv with one gate row for every token (no token identity)"),
+    Arm("mla_value_embed", "small_mla_value_embed",
+        what="control: MLA d_c 32 plus a token-id embedding added to V (identity, no gating)"),
+    Arm("egmla_hidden_gate", "small_egmla_hidden_gate",
+        what="control: the latent gated by sigmoid(W h) from the hidden state"),
+]
+ARM = {a.name: a for a in ARMS}
+LONG_ARMS = ("mla_dc32", "mla_param_matched", "egmla_kv", "egmla_latent", "mla_value_embed")
+BASELINES = ("mla_dc32", "mla_param_matched")  # the paired differences are taken against these
+ABLATIONS = {
+    **{f"egmla_kv_de{d}": ("small_egmla", (f"model.attention.d_e={d}",)) for d in (16, 32, 128)},
+    **{f"egmla_kv_group{g}": ("small_egmla", (f"model.attention.gate_group_size={g}",))
+       for g in (2, 4)},
+}
+PHASES = ("lr", "seeds", "long", "ablations", "mqar", "eval")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a study covers: the defaults are the protocol; narrower ones are for a rehearsal or
+    a user's own question (`extra`: train.py overrides added to every run)."""
+
+    arms: tuple[str, ...] = tuple(a.name for a in ARMS)
+    lrs: tuple[float, ...] = LRS
+    seeds: tuple[int, ...] = SEEDS
+    scale: float = 1.0
+    extra: tuple[str, ...] = ()
+
+    def steps(self, base: int) -> int:
+        return max(2, round(base * self.scale))
+
+
+@dataclass(frozen=True)
+class Run:
+    phase: str
+    arm: str
+    attention: str
+    lr: float
+    seed: int
+    steps: int
+    overrides: tuple[str, ...] = field(default=())
+    base: tuple[str, ...] = tuple(BASE)
+    extra: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"{self.arm}-lr{self.lr:g}-s{self.seed}-{self.steps}"
+
+    def directory(self, runs_dir: Path) -> Path:
+        return runs_dir / self.phase / self.name
+
+    def command(self, runs_dir: Path) -> list[str]:
+        return [sys.executable, str(ROOT / "train.py"), *self.base,
+                f"model/attention={self.attention}", *self.overrides, *self.extra,
+                f"optim.lr={self.lr}", f"seed={self.seed}", f"trainer.max_steps={self.steps}",
+                f"trainer.val_every_n_steps={min(VAL_EVERY, self.steps)}",
+                f"trainer.checkpoint_every_n_steps={min(VAL_EVERY, self.steps)}",
+                "wandb.mode=disabled", "sample_prompt=null", f"name={self.name}",
+                f"hydra.run.dir={self.directory(runs_dir)}"]
+
+
+# ---- the arms' configurations ------------------------------------------------------------------
+
+
+def model_of(attention: str, overrides: Iterable[str] = (), base: Iterable[str] = BASE):
+    from egmla.config import ModelConfig
+    from egmla.training.compose import compose_config
+
+    raw = compose_config([*base, f"model/attention={attention}", *overrides])
+    return ModelConfig.from_dict(raw["model"])
+
+
+def param_matched_d_ff(base: Iterable[str] = BASE) -> int:
+    """d_ff that gives MLA d_c 32 as many parameters as EG-MLA kv, lookup tables included."""
+    target = model_of("small_egmla", base=base).num_params(include_gate_tables=True)
+    mla = model_of("small_mla_dc32", base=base)
+    per_unit = 3 * mla.d_model * mla.n_layers  # SwiGLU parameters per unit of d_ff
+    return mla.d_ff + round((target - mla.num_params()) / per_unit)
+
+
+def arm_overrides(arm: str, base: Iterable[str] = BASE) -> tuple[str, ...]:
+    if arm == "mla_param_matched":
+        return (f"model.d_ff={param_matched_d_ff(base)}",)
+    return ARM[arm].overrides if arm in ARM else ABLATIONS[arm][1]
+
+
+def describe(attention: str, overrides: Iterable[str], base: Iterable[str] = BASE) -> dict[str, Any]:
+    import torch
+
+    from egmla.models import cache_spec_for
+
+    cfg = model_of(attention, overrides, base)
+    spec = cache_spec_for(cfg)
+    return {"attention": cfg.attention.to_dict(), "d_ff": cfg.d_ff,
+            "params": cfg.num_params(include_gate_tables=True),
+            "params_without_lookup_tables": cfg.num_params(include_gate_tables=False),
+            "kv_bytes_per_token_bf16": spec.bytes_per_token(torch.bfloat16),
+            "kv_elements_per_token": spec.elements_per_token()}
+
+
+# ---- the plan ----------------------------------------------------------------------------------
+
+
+def plan(phase: str, chosen: dict[str, float], setup: Setup = Setup()) -> list[Run]:
+    """The runs of `phase`; phases after `lr` need the chosen learning rates (`chosen`)."""
+    steps, arms, first = setup.steps(BASE_STEPS), setup.arms, setup.seeds[0]
+
+    def run(phase, arm, lr, seed, steps, base=tuple(BASE)) -> Run:
+        attention = ARM[arm].attention if arm in ARM else ABLATIONS[arm][0]
+        return Run(phase, arm, attention, lr, seed, steps, arm_overrides(arm, base), base,
+                   setup.extra)
+
+    if phase == "lr":
+        return [run("lr", arm, lr, first, steps) for arm in arms for lr in setup.lrs]
+    need = list(arms) if phase in ("seeds", "long") else ["egmla_kv"]
+    missing = [a for a in need if a not in chosen]
+    if missing:
+        raise StudyError(f"phase {phase!r} needs the learning rates the lr phase chooses; "
+                         f"not yet chosen for: {', '.join(missing)}")
+    if phase == "seeds":
+        return [run("seeds", arm, chosen[arm], seed, steps)
+                for seed in setup.seeds[1:] for arm in arms]
+    if phase == "long":
+        return [run("long", arm, chosen[arm], first, steps * LONG_FACTOR)
+                for arm in LONG_ARMS if arm in arms]
+    if phase == "ablations":
+        return [run("ablations", name, chosen["egmla_kv"], seed, steps)
+                for seed in setup.seeds for name in ABLATIONS]
+    if phase == "mqar":
+        return [run("mqar", arm, chosen["egmla_kv"], seed, setup.steps(MQAR_STEPS),
+                    ("experiment=mqar_sweep",)) for seed in setup.seeds for arm in arms]
+    raise StudyError(f"unknown phase {phase!r}; phases: {', '.join(PHASES)}")
+
+
+class StudyError(ValueError):
+    """Bad input or a failed run; printed as one line, exit status 2."""
+
+
+# ---- running -----------------------------------------------------------------------------------
+
+
+def execute(run: Run, runs_dir: Path, log) -> dict[str, Any]:
+    """Train (or resume) one run; return its record. A finished run is read, not re-run."""
+    directory = run.directory(runs_dir)
+    if not (directory / "summary.json").is_file():
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        log(f"{run.phase:9s} {run.name} ...")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with (directory.parent / f"{run.name}.log").open("w") as out:
+            done = subprocess.run(run.command(runs_dir), stdout=out, stderr=subprocess.STDOUT,
+                                  cwd=ROOT, env=env)
+        if done.returncode != 0:
+            raise StudyError(f"{run.name} failed (exit {done.returncode}); its log: "
+                             f"{directory.parent / (run.name + '.log')}")
+        log(f"{run.phase:9s} {run.name} done in {time.perf_counter() - started:.0f} s")
+        # A finished run keeps its export and metrics; its checkpoints (weights and optimizer
+        # state, 100+ MB a run) are only needed to resume, which a finished run never does.
+        shutil.rmtree(directory / "checkpoints", ignore_errors=True)
+    return record(run, directory)
+
+
+def record(run: Run, directory: Path) -> dict[str, Any]:
+    summary = json.loads((directory / "summary.json").read_text())
+    info = json.loads((directory / "run_info.json").read_text())
+    curve = []
+    metrics = directory / "metrics.csv"
+    if metrics.is_file():
+        import csv
+
+        with metrics.open() as f:
+            for row in csv.DictReader(f):  # every periodic validation: loss, MQAR accuracy
+                if row.get("val/loss"):
+                    curve.append({"step": int(float(row["step"])), **{
+                        k.removeprefix("val/"): float(v) for k, v in row.items()
+                        if k.startswith("val/") and v not in ("", None)}})
+    config = json.loads((directory / "config.json").read_text())
+    tokens = summary["global_step"] * config["data"]["batch_size"] * config["data"]["seq_len"]
+    return {"phase": run.phase, "arm": run.arm, "lr": run.lr, "seed": run.seed,
+            "steps": summary["global_step"], "tokens": tokens, "val_loss": summary["val_loss"],
+            "unigram_val_loss": summary.get("unigram_val_loss"),
+            "mqar_accuracy": summary.get("mqar_accuracy"), "fit_seconds": summary["fit_seconds"],
+            "params": info["params"], "kv_bytes_per_token_bf16": info["kv_bytes_per_token_bf16"],
+            "val_curve": curve, "lm_eval": lm_eval_scores(directory),
+            "git": info["starts"][-1].get("git")}
+
+
+def lm_eval_scores(directory: Path) -> dict[str, float]:
+    from eval.compare import lm_eval_metrics
+
+    return lm_eval_metrics(directory) if (directory / "eval").is_dir() else {}
+
+
+def score(run: Run, runs_dir: Path, log) -> None:
+    """The offline lm-eval tasks on a run's final export, into RUN/eval (skipped if there)."""
+    directory = run.directory(runs_dir)
+    if (directory / "eval").is_dir() and lm_eval_scores(directory):
+        return
+    log(f"eval      {run.name} ...")
+    cmd = [sys.executable, "-m", "eval.lm_eval", "--model", "egmla", "--model_args",
+           f"pretrained={directory / 'export'}", "--tasks", ",".join(LM_EVAL_TASKS),
+           "--include_path", str(ROOT / "eval" / "tasks"), "--output_path", str(directory / "eval")]
+    with (directory.parent / f"{run.name}.eval.log").open("w") as out:
+        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    if done.returncode != 0:
+        raise StudyError(f"lm-eval on {run.name} failed (exit {done.returncode})")
+
+
+# ---- statistics --------------------------------------------------------------------------------
+
+
+def interval(values: list[float], level: float = 0.95) -> dict[str, Any]:
+    """Mean and the t-interval over seeds (None for fewer than two values)."""
+    n = len(values)
+    mean = statistics.fmean(values) if values else math.nan
+    if n < 2:
+        return {"n": n, "mean": mean, "low": None, "high": None}
+    from scipy.stats import t
+
+    half = t.ppf((1 + level) / 2, n - 1) * statistics.stdev(values) / math.sqrt(n)
+    return {"n": n, "mean": mean, "low": mean - half, "high": mean + half}
+
+
+def summarize(records: list[dict[str, Any]], chosen: dict[str, float]) -> dict[str, Any]:
+    """Per arm: its configuration, the LR grid, the chosen LR, the losses by seed at that LR with
+    mean and 95% interval, the long runs, MQAR, and the paired differences (same seed, hence the
+    same data order) against each baseline arm."""
+    arms: dict[str, Any] = {}
+    for arm in [a.name for a in ARMS] + list(ABLATIONS):
+        rows = [r for r in records if r["arm"] == arm]
+        if not rows:
+            continue
+        grid = {f"{r['lr']:g}": r["val_loss"] for r in rows if r["phase"] == "lr"}
+        lr = chosen.get(arm if arm in ARM else "egmla_kv")
+        at_lr = {r["seed"]: r["val_loss"] for r in rows
+                 if r["phase"] in ("lr", "seeds", "ablations") and r["lr"] == lr}
+        seeds = dict(sorted(at_lr.items()))
+        attention, overrides = ((ARM[arm].attention, arm_overrides(arm)) if arm in ARM
+                                else ABLATIONS[arm])
+        arms[arm] = {
+            "what": ARM[arm].what if arm in ARM else "ablation of egmla_kv",
+            **describe(attention, overrides),
+            "lr_grid_val_loss": grid, "lr": lr, "lr_protocol": "best over LR (seed 0)",
+            "val_loss_by_seed": seeds, "val_loss": interval(list(seeds.values())),
+            "long": [{"seed": r["seed"], "tokens": r["tokens"], "val_loss": r["val_loss"]}
+                     for r in rows if r["phase"] == "long"],
+            "mqar_accuracy_by_seed": {r["seed"]: r["mqar_accuracy"] for r in rows
+                                      if r["phase"] == "mqar"},
+        }
+    for arm, entry in arms.items():
+        entry["paired_differences"] = {}
+        for base in BASELINES:
+            if base not in arms or base == arm:
+                continue
+            mine, theirs = entry["val_loss_by_seed"], arms[base]["val_loss_by_seed"]
+            diffs = [mine[s] - theirs[s] for s in sorted(set(mine) & set(theirs))]
+            ci = interval(diffs)
+            ci["distinguishable_from_zero"] = (ci["low"] is not None
+                                               and (ci["low"] > 0 or ci["high"] < 0))
+            entry["paired_differences"][base] = ci
+    return {"protocol": {"base_steps": BASE_STEPS, "tokens_per_step": 16 * 128,
+                         "long_factor": LONG_FACTOR, "mqar_steps": MQAR_STEPS,
+                         "recipe": BASE, "selection": "best final validation loss over the LR "
+                         "grid, first seed (best over LR)"},
+            "arms": arms}
+
+
+def choose_lrs(records: list[dict[str, Any]], setup: Setup = Setup()) -> dict[str, float]:
+    """Each arm's best learning rate on the first seed, once its whole grid has run."""
+    chosen = {}
+    for arm in ARM:
+        grid = {r["lr"]: r["val_loss"] for r in records if r["phase"] == "lr" and r["arm"] == arm}
+        if set(grid) >= set(setup.lrs):
+            chosen[arm] = min(grid, key=lambda lr: (grid[lr], lr))
+    return chosen
+
+
+def write_results(results: Path, records: list[dict[str, Any]], chosen: dict[str, float]) -> None:
+    from egmla.provenance import provenance
+
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "runs").mkdir(exist_ok=True)
+    for r in records:
+        _write_atomic(results / "runs" / f"{r['phase']}-{r['arm']}-lr{r['lr']:g}-s{r['seed']}"
+                      f"-{r['steps']}.json", r)
+    summary = {**summarize(records, chosen), "chosen_lr": chosen, "provenance": provenance(),
+               "runs": len(records)}
+    _write_atomic(results / "summary.json", summary)
+
+
+def _write_atomic(path: Path, data: Any) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eval.study", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "study",
+                        help="where the runs (and their checkpoints) go (default: runs/study)")
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="where the record goes (default: benchmarks/results/study)")
+    parser.add_argument("--phase", choices=[*PHASES, "all"], default="all")
+    parser.add_argument("--arms", nargs="+", choices=list(ARM), default=[a.name for a in ARMS],
+                        metavar="ARM", help=f"the arms (default: all: {', '.join(ARM)})")
+    parser.add_argument("--lrs", nargs="+", type=float, default=list(LRS), metavar="LR",
+                        help=f"the learning-rate grid (default: {' '.join(map(str, LRS))})")
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS), metavar="SEED",
+                        help="the seeds; the first is the LR grid's (default: 0 1 2)")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="multiply every run's steps (a quick rehearsal: --scale 0.02)")
+    parser.add_argument("--extra", nargs="+", default=[], metavar="OVERRIDE",
+                        help="train.py overrides added to every run (a rehearsal: "
+                             "trainer.final_val_batches=2); they change what the study measures")
+    parser.add_argument("--dry-run", action="store_true", help="list the runs and which are done")
+    parser.add_argument("--summarize", action="store_true", help="only rewrite the record")
+    args = parser.parse_args(argv)
+    if not args.scale > 0:
+        parser.error(f"--scale {args.scale}: must be > 0")
+    if any(not lr > 0 for lr in args.lrs):
+        parser.error(f"--lrs {' '.join(map(str, args.lrs))}: learning rates must be > 0")
+    if len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"--seeds {' '.join(map(str, args.seeds))}: repeated seed")
+    args.setup = Setup(tuple(dict.fromkeys(args.arms)), tuple(dict.fromkeys(args.lrs)),
+                       tuple(args.seeds), args.scale, tuple(args.extra))
+    log = lambda message: print(time.strftime("%H:%M:%S"), message, flush=True)  # noqa: E731
+    try:
+        return _run(args, log)
+    except StudyError as error:
+        print(f"python -m eval.study: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _run(args, log) -> int:
+    setup = args.setup
+    selected = PHASES if args.phase == "all" else (args.phase,)
+    train_here = not (args.dry_run or args.summarize)
+    records: dict[Path, dict[str, Any]] = {}
+    for phase in PHASES[:-1]:  # the training phases, in order: each may need the one before
+        try:
+            runs = plan(phase, choose_lrs(list(records.values()), setup), setup)
+        except StudyError:
+            if phase in selected and train_here:
+                raise
+            if args.dry_run:
+                print(f"wait  {phase:9s} (needs the learning rates of the lr phase)")
+            continue
+        for run in runs:
+            directory = run.directory(args.runs_dir)
+            finished = (directory / "summary.json").is_file()
+            if args.dry_run:
+                print(f"{'done' if finished else 'todo':4s}  {phase:9s} {run.name}")
+            if finished:
+                records[directory] = record(run, directory)
+            elif phase in selected and train_here:
+                records[directory] = execute(run, args.runs_dir, log)
+                write_results(args.results, list(records.values()),
+                              choose_lrs(list(records.values()), setup))
+    if args.dry_run:
+        return 0
+    if "eval" in selected and not args.summarize:
+        chosen = choose_lrs(list(records.values()), setup)
+        for run in eval_runs(chosen, setup):
+            directory = run.directory(args.runs_dir)
+            if (directory / "summary.json").is_file():
+                score(run, args.runs_dir, log)
+                records[directory] = record(run, directory)
+    write_results(args.results, list(records.values()), choose_lrs(list(records.values()), setup))
+    log(f"{len(records)} runs recorded in {args.results}")
+    return 0
+
+
+def eval_runs(chosen: dict[str, float], setup: Setup) -> list[Run]:
+    """The runs lm-eval scores: every arm's seeds at its chosen learning rate."""
+    if any(arm not in chosen for arm in setup.arms):
+        return []
+    at_lr = [r for r in plan("lr", chosen, setup) if r.lr == chosen[r.arm]]
+    return at_lr + plan("seeds", chosen, setup)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""The study's control arms do what they claim (docs/study.md), each against its EG-MLA
+counterpart, which must fail the same check (so the checks can fail):
+
+- the constant gate has no token dependence;
+- the value embedding adds to V (a term of the token id alone), it does not multiply;
+- the hidden-state gate depends on the hidden state only;
+- their KV bytes are what the cache holds (and what they claim relative to their counterparts).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from egmla.cache import ContiguousCache
+from egmla.models import cache_spec_for
+from egmla.presets import preset
+
+
+def layer(name: str, impl: str = "naive", seed: int = 0):
+    from support.models import build, with_attention
+
+    model = build(with_attention(preset(name), impl=impl), seed=seed)
+    return model, model.layers[0].attn
+
+
+def inputs(model, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 10, model.config.d_model, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, model.config.vocab_size, (2, 10), generator=g)
+    return x, torch.arange(10).expand(2, 10), ids
+
+
+@pytest.mark.parametrize("name, token_dependent", [("tiny-egmla", True),
+                                                   ("tiny-egmla-const-gate", False)])
+@pytest.mark.parametrize("impl", ["naive", "absorbed"])
+def test_the_constant_gate_ignores_the_token_ids(name, token_dependent, impl):
+    model, attn = layer(name, impl)
+    x, positions, ids = inputs(model)
+    other = (ids + 1) % model.config.vocab_size
+    with torch.no_grad():
+        a, b = attn(x, positions, None, ids), attn(x, positions, None, other)
+    assert (not torch.equal(a, b)) == token_dependent
+    if not token_dependent:  # the gate is one vector: the same for every position
+        g = attn.gate(ids, x)
+        assert torch.equal(g, g[:1, :1].expand_as(g))
+
+
+def test_the_value_embedding_adds_a_term_of_the_token_id_alone():
+    model, attn = layer("tiny-mla-value-embed")
+    g = torch.Generator().manual_seed(3)
+    c1, c2 = (torch.randn(2, 10, attn.d_c, generator=g, dtype=torch.float64) for _ in range(2))
+    _, _, ids = inputs(model)
+    other = (ids + 7) % model.config.vocab_size
+    with torch.no_grad():
+        (k1, v1), (k1o, v1o) = attn.expand(c1, ids), attn.expand(c1, other)
+        (k2, v2), (k2o, v2o) = attn.expand(c2, ids), attn.expand(c2, other)
+    assert torch.equal(k1, k1o) and torch.equal(k2, k2o)  # keys carry no token identity
+    assert not torch.allclose(v1, v1o)
+    # additive: what the ids change in V does not depend on the latent
+    torch.testing.assert_close(v1 - v1o, v2 - v2o, rtol=0, atol=1e-12)
+    # and a multiplicative gate (EG-MLA kv) fails that same check
+    gated_model, gated = layer("tiny-egmla")
+    c = torch.randn(2, 2, 10, gated.d_c, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        d1 = gated.expand(c[0], ids)[1] - gated.expand(c[0], other)[1]
+        d2 = gated.expand(c[1], ids)[1] - gated.expand(c[1], other)[1]
+    assert not torch.allclose(d1, d2, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, id_dependent", [("tiny-egmla-latent", True),
+                                                ("tiny-egmla-hidden-gate", False)])
+def test_the_hidden_gate_depends_on_the_hidden_state_only(name, id_dependent):
+    model, attn = layer(name)
+    x, positions, ids = inputs(model)
+    other = (ids + 1) % model.config.vocab_size
+    cos, sin = attn.rope.cos_sin(positions, x.dtype)
+    with torch.no_grad():
+        a = attn.cached_fields(x, ids, cos, sin, with_auxiliary=True)["c"]
+        b = attn.cached_fields(x, other, cos, sin, with_auxiliary=True)["c"]
+        moved = attn.cached_fields(x + 0.5, ids, cos, sin, with_auxiliary=True)["c"]
+    assert (not torch.equal(a, b)) == id_dependent
+    assert not torch.allclose(a, moved)
+    if not id_dependent:  # the gate is sigmoid(W_G h): in (0, 1), and it is what scales c
+        gate = torch.sigmoid(attn.w_gate(x))
+        assert bool(((gate > 0) & (gate < 1)).all())
+        c, _ = attn.wkv_a(x).split([attn.d_c, attn.d_rope], dim=-1)
+        torch.testing.assert_close(a, attn.gate_norm(attn.kv_norm(c) * gate))
+
+
+@pytest.mark.parametrize("control, counterpart, extra_bytes", [
+    ("small-egmla-hidden-gate", "small-egmla-latent", 0),  # the same cache
+    ("small-egmla-const-gate", "small-egmla", -4),  # no token ids (int32) to cache
+    ("small-mla-value-embed", "small-mla-narrow", 4),  # MLA's cache plus the token ids
+])
+def test_control_kv_bytes_are_allocated_and_relate_to_their_counterpart(control, counterpart,
+                                                                        extra_bytes):
+    sizes = {}
+    for name in (control, counterpart):
+        spec = cache_spec_for(preset(name))
+        cache = ContiguousCache(spec, 1, 64, dtype=torch.bfloat16, device="cpu")
+        assert cache.nbytes() == spec.bytes_per_token(torch.bfloat16) * 64  # measured == analytic
+        sizes[name] = spec.bytes_per_token(torch.bfloat16)
+    assert sizes[control] - sizes[counterpart] == extra_bytes
+
+
+@pytest.mark.parametrize("name", ["tiny-egmla-const-gate", "tiny-egmla-hidden-gate",
+                                  "tiny-mla-value-embed"])
+def test_controls_refuse_the_exports_that_have_no_modeling_code_for_them(name, tmp_path):
+    from egmla.export.hf import save_hf
+    from egmla.export.native import NativeExportError, native_architecture
+
+    model, _ = layer(name)
+    with pytest.raises(ValueError, match="study control"):
+        save_hf(model, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()  # nothing half-written
+    with pytest.raises(NativeExportError, match="study control"):
+        native_architecture(model.config)

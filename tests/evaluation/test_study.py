@@ -1,0 +1,93 @@
+"""The study runner (eval/study.py): its plan, its statistics, and one real rehearsal."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from eval import study
+from support import ROOT
+
+
+def rows(phase: str, arm: str, losses: dict[tuple[float, int], float]) -> list[dict]:
+    return [{"phase": phase, "arm": arm, "lr": lr, "seed": seed, "val_loss": loss, "tokens": 1,
+             "mqar_accuracy": None} for (lr, seed), loss in losses.items()]
+
+
+def test_the_interval_is_students_t_over_the_seeds():
+    ci = study.interval([1.0, 2.0, 3.0])
+    half = 4.302652729911275 * 1.0 / 3 ** 0.5  # t(0.975, 2) * sd / sqrt(n)
+    assert ci["n"] == 3 and ci["mean"] == 2.0
+    assert ci["low"] == pytest.approx(2 - half) and ci["high"] == pytest.approx(2 + half)
+    assert study.interval([5.0]) == {"n": 1, "mean": 5.0, "low": None, "high": None}
+
+
+def test_the_learning_rate_is_the_best_of_a_complete_grid():
+    setup = study.Setup(arms=("mla_dc32", "egmla_kv"), lrs=(1e-3, 2e-3, 4e-3))
+    records = (rows("lr", "mla_dc32", {(1e-3, 0): 4.9, (2e-3, 0): 4.7, (4e-3, 0): 4.8})
+               + rows("lr", "egmla_kv", {(1e-3, 0): 4.6, (2e-3, 0): 4.5}))  # grid not done
+    assert study.choose_lrs(records, setup) == {"mla_dc32": 2e-3}
+    with pytest.raises(study.StudyError, match="not yet chosen for: egmla_kv"):
+        study.plan("seeds", {"mla_dc32": 2e-3}, setup)
+    seeds = study.plan("seeds", {"mla_dc32": 2e-3, "egmla_kv": 1e-3}, setup)
+    assert {(r.arm, r.lr, r.seed) for r in seeds} == {
+        (a, lr, s) for a, lr in (("mla_dc32", 2e-3), ("egmla_kv", 1e-3)) for s in (1, 2)}
+
+
+def test_paired_differences_pair_the_same_seed_and_say_when_they_exclude_zero():
+    chosen = {"mla_dc32": 2e-3, "mla_param_matched": 2e-3, "egmla_kv": 1e-3}
+    records = (rows("lr", "mla_dc32", {(2e-3, 0): 4.70}) + rows("seeds", "mla_dc32", {
+        (2e-3, 1): 4.80, (2e-3, 2): 4.60})
+        + rows("lr", "egmla_kv", {(1e-3, 0): 4.60}) + rows("seeds", "egmla_kv", {
+            (1e-3, 1): 4.71, (1e-3, 2): 4.49}))
+    arms = study.summarize(records, chosen)["arms"]
+    diff = arms["egmla_kv"]["paired_differences"]["mla_dc32"]
+    assert diff["n"] == 3 and diff["mean"] == pytest.approx(-0.1 + (0.01 - 0.01) / 3, abs=1e-12)
+    assert diff["distinguishable_from_zero"]  # -0.10, -0.09, -0.11: tight around -0.1
+    assert arms["egmla_kv"]["val_loss_by_seed"] == {0: 4.60, 1: 4.71, 2: 4.49}
+    assert arms["egmla_kv"]["val_loss"]["low"] < 4.6 < arms["egmla_kv"]["val_loss"]["high"]
+    assert "mla_dc32" not in arms["mla_dc32"]["paired_differences"]  # not against itself
+    noisy = records[:3] + rows("lr", "egmla_kv", {(1e-3, 0): 4.60}) + rows("seeds", "egmla_kv", {
+        (1e-3, 1): 4.90, (1e-3, 2): 4.40})
+    assert not study.summarize(noisy, chosen)["arms"]["egmla_kv"]["paired_differences"][
+        "mla_dc32"]["distinguishable_from_zero"]
+
+
+def test_the_param_matched_arm_has_egmla_kvs_parameters_lookup_tables_included():
+    d_ff = study.param_matched_d_ff()
+    matched = study.model_of("small_mla_dc32", [f"model.d_ff={d_ff}"])
+    egmla = study.model_of("small_egmla")
+    per_unit = 3 * matched.d_model * matched.n_layers
+    assert abs(matched.num_params() - egmla.num_params(include_gate_tables=True)) <= per_unit / 2
+    assert d_ff > study.model_of("small_mla_dc32").d_ff  # widened, as the arm says
+
+
+@pytest.mark.slow
+def test_a_rehearsal_runs_records_and_resumes(tmp_path):
+    """Two real train.py runs (one arm, a two-point LR grid, a few steps of a tiny model), the
+    record written; the second invocation trains nothing."""
+    cmd = [sys.executable, "-m", "eval.study", "--runs-dir", str(tmp_path / "runs"),
+           "--results", str(tmp_path / "results"), "--phase", "lr", "--arms", "mla_dc32",
+           "--lrs", "1e-3", "3e-3", "--scale", "0.01", "--extra", "model=tiny",
+           "data.seq_len=32", "data.batch_size=4", "data.tokenizer.vocab_size=512",
+           "trainer.limit_val_batches=2", "trainer.final_val_batches=2", "export=false"]
+    first = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = json.loads((tmp_path / "results" / "summary.json").read_text())
+    arm = summary["arms"]["mla_dc32"]
+    assert set(arm["lr_grid_val_loss"]) == {"0.001", "0.003"}
+    assert arm["lr"] == min((0.001, 0.003), key=lambda lr: arm["lr_grid_val_loss"][f"{lr:g}"])
+    assert len(list((tmp_path / "results" / "runs").glob("*.json"))) == 2
+    assert not list((tmp_path / "runs").glob("*/*/checkpoints"))  # finished: export only
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert again.returncode == 0 and " ..." not in again.stdout  # nothing trained again
+
+
+def test_bad_arguments_are_one_clear_line():
+    out = subprocess.run([sys.executable, "-m", "eval.study", "--lrs", "0"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 2 and "learning rates must be > 0" in out.stderr
+    assert "Traceback" not in out.stderr
