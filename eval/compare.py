@@ -2,12 +2,15 @@
 
     python -m eval.compare runs/                       # every run directory under runs/
     python -m eval.compare runs/mha-s0 runs/mla-s0 --metric corpus_perplexity/word_perplexity
+    python -m eval.compare runs/study/seeds --x d_e    # against another axis; seeds aggregated
+    python -m eval.compare runs/study/long --x tokens  # the periodic validations, as curves
 
 A row holds the run's attention variant, seed, parameters, KV-cache elements and bytes per token,
 validation loss, tokens trained and every metric found in the run: MQAR accuracy by slice
 (`mqar_acc/kv16`) and lm-eval results (`task/metric`). KV sizes are analytic, computed from the
-run's model config with `egmla.models.cache_spec_for`, as `python -m eval.kv_bytes` does. Writes
-comparison.{md,csv,png,json} into --out, all or none.
+run's model config with `egmla.models.cache_spec_for`, as `python -m eval.kv_bytes` does. Runs
+whose configs differ only in the seed form one group: the plot shows its mean with a 95%
+Student-t interval over the seeds. Writes comparison.{md,csv,png,json} into --out, all or none.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ import io
 import json
 import math
 import os
+import re
 import shlex
 import shutil
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -32,8 +37,15 @@ from egmla.provenance import provenance
 from eval.kv_bytes import UsageError, parse_dtype
 
 RUN_FILES = ("config.json", "run_info.json", "summary.json")
-COLUMNS = ["run", "variant", "seed", "params", "params_without_gate_tables", "kv_dtype",
-           "kv_elements_per_token", "kv_bytes_per_token", "steps", "tokens", "val_loss"]
+COLUMNS = ["run", "group", "variant", "seed", "params", "params_without_gate_tables", "kv_dtype",
+           "kv_elements_per_token", "kv_bytes_per_token", "d_e", "steps", "tokens", "val_loss"]
+# --x: the row field plotted along x, and its axis label
+X_AXES = {"kv_bytes": ("kv_bytes_per_token", "KV-cache bytes per token ({dtype})"),
+          "params": ("params", "parameters (lookup tables included)"),
+          "d_e": ("d_e", "gate embedding width d_e"),
+          "tokens": ("tokens", "training tokens")}
+# Config keys that do not make two runs different arms: seeds of one arm form a group.
+NOT_THE_ARM = ("name", "seed", "wandb", "export", "sample_prompt", "tokenizer_fingerprint")
 VARIANTS = ["mha", "gqa", "mqa", "mla", "egmla-kv", "egmla-latent"]  # fixes each one's colour
 
 
@@ -130,8 +142,10 @@ def load_row(run_dir: Path, dtype_name: str = "bf16") -> dict[str, Any]:
         raise CompareError(f"{run_dir / 'config.json'}: {e}") from None
     spec = cache_spec_for(model)
     dtype = parse_dtype(dtype_name)
+    arm = {k: v for k, v in config.items() if k not in NOT_THE_ARM}
     row = {
         "run": summary.get("name") or config.get("name") or run_dir.name,
+        "group": json.dumps(arm, sort_keys=True),  # replaced by a readable label in load_rows
         "variant": variant(model),
         "seed": config.get("seed"),
         "params": info.get("params"),
@@ -139,6 +153,7 @@ def load_row(run_dir: Path, dtype_name: str = "bf16") -> dict[str, Any]:
         "kv_dtype": short_name(dtype),
         "kv_elements_per_token": spec.elements_per_token(),
         "kv_bytes_per_token": spec.bytes_per_token(dtype),
+        "d_e": getattr(model.attention, "d_e", None),  # the gate's (or value embedding's) width
         "steps": summary.get("global_step"),
         "tokens": tokens_trained(config, summary.get("global_step")),
         "val_loss": _number(summary.get("val_loss")),
@@ -149,13 +164,63 @@ def load_row(run_dir: Path, dtype_name: str = "bf16") -> dict[str, Any]:
 
 
 def load_rows(paths: list[str | Path], dtype_name: str = "bf16") -> list[dict[str, Any]]:
-    """Rows of every run found under `paths`; a name shared by runs gains its directory name."""
+    """Rows of every run found under `paths`; a name shared by runs gains its directory name.
+    Each row's `group` names the runs that differ from it only in the seed."""
     rows = [load_row(run, dtype_name) for run in find_runs(paths)]
     names = [r["run"] for r in rows]
     for row in rows:
         if names.count(row["run"]) > 1:
             row["run"] = f"{row['run']}/{Path(row['run_dir']).name}"
+    labels: dict[str, str] = {}
+    for key in dict.fromkeys(r["group"] for r in rows):
+        members = [r for r in rows if r["group"] == key]
+        label = _common_name([r["run"] for r in members], [r["seed"] for r in members])
+        if label in labels.values() or not label:
+            label = f"{members[0]['variant']}#{len(labels) + 1}"
+        labels[key] = label
+    for row in rows:
+        row["group"] = labels[row["group"]]
     return rows
+
+
+def _common_name(names: list[str], seeds: list[Any]) -> str:
+    """The run names with their seed taken out (`mla-lr0.002-s1-300` -> `mla-lr0.002-300`), if
+    that makes them one name; a lone run keeps its name."""
+    if len(names) == 1:
+        return names[0]
+    stripped = {re.sub(rf"([-_/.]?s(eed)?[-_=]?{seed})(?=$|[-_/.])", "", name)
+                for name, seed in zip(names, seeds)}
+    return stripped.pop() if len(stripped) == 1 else ""
+
+
+def interval(values: list[float], level: float = 0.95) -> dict[str, Any]:
+    """Mean and the Student-t interval of the mean (None below two values)."""
+    n = len(values)
+    mean = statistics.fmean(values) if values else math.nan
+    if n < 2:
+        return {"n": n, "mean": mean, "low": None, "high": None}
+    from scipy.stats import t
+
+    half = t.ppf((1 + level) / 2, n - 1) * statistics.stdev(values) / math.sqrt(n)
+    return {"n": n, "mean": mean, "low": mean - half, "high": mean + half}
+
+
+def aggregate(rows: list[dict[str, Any]], x: str = "kv_bytes") -> list[dict[str, Any]]:
+    """One entry per group with a value of the metric: its runs and seeds, the x value, and the
+    metric's mean with its 95% interval over the seeds."""
+    field = X_AXES[x][0]
+    groups = []
+    for label in dict.fromkeys(r["group"] for r in rows):
+        members = [r for r in rows if r["group"] == label and r.get("metric_value") is not None]
+        if not members:
+            continue
+        xs = {m.get(field) for m in members}
+        groups.append({"group": label, "variant": members[0]["variant"],
+                       "runs": [m["run"] for m in members], "seeds": [m["seed"] for m in members],
+                       "x": members[0].get(field) if len(xs) == 1 else None,
+                       "params": members[0]["params"],
+                       **interval([m["metric_value"] for m in members])})
+    return groups
 
 
 def metric_names(rows: list[dict[str, Any]]) -> list[str]:
@@ -205,8 +270,21 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join("| " + " | ".join(c) + " |" for c in [headers, rule, *body])
 
 
-def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    """A header line (date, git SHA, command), what the numbers are, then the table."""
+def render_groups(rows: list[dict[str, Any]], x: str) -> str:
+    """One markdown row per group: its seeds, x, and the metric's mean and 95% interval."""
+    field, label = X_AXES[x]
+    lines = [f"| group | variant | seeds | {label.format(dtype=rows[0]['kv_dtype'])} | "
+             f"{rows[0]['metric']} mean | 95% interval |", "| --- | --- | --- | ---: | ---: | --- |"]
+    for g in aggregate(rows, x):
+        ci = "-" if g["low"] is None else f"[{_fmt(g['low'])}, {_fmt(g['high'])}]"
+        seeds = ", ".join(_fmt(s) for s in g["seeds"])
+        lines.append(f"| {g['group']} | {g['variant']} | {seeds} | {_fmt(g['x'])} | "
+                     f"{_fmt(g['mean'])} | {ci} |")
+    return "\n".join(lines)
+
+
+def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any], x: str = "kv_bytes") -> str:
+    """A header line (date, git SHA, command), what the numbers are, the groups, the runs."""
     dtype, metric, git = rows[0]["kv_dtype"], rows[0]["metric"], meta["git"]
     missing = [r["run"] for r in rows if r.get(metric) is None]
     sha = f"{git['sha'] or 'unknown'}{' (dirty)' if git['dirty'] else ''}"
@@ -219,41 +297,134 @@ Plotted: **{metric}** against KV-cache bytes per token ({dtype}, analytic from e
 config: every cached tensor of every layer, plus per-sequence token ids where cached). Params: all
 parameters (without the gate tables in parentheses). Tokens: optimizer steps x batch x sequence
 length x accumulation x processes. lm-eval metrics: the newest results file per task, ± stderr.
+Groups: runs whose configs differ only in the seed; mean and 95% Student-t interval over seeds.
 {not_plotted}
+{render_groups(rows, x)}
+
 {render_table(rows)}
 """
 
 
-def plot(rows: list[dict[str, Any]]):
-    """The chosen metric against KV bytes per token, a point per run: colour = variant (the same
-    colour for a variant in every plot), area ∝ parameters (gate tables included)."""
+def curves(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per group, the metric at every periodic validation (the runs' metrics.csv) against
+    training tokens: mean and 95% interval over the seeds at each step all of them logged."""
+    metric = rows[0]["metric"]
+    column = "val/loss" if metric == "val_loss" else f"val/{metric}"
+    out = []
+    for label in dict.fromkeys(r["group"] for r in rows):
+        members = [r for r in rows if r["group"] == label]
+        series = [_logged(Path(m["run_dir"]) / "metrics.csv", column) for m in members]
+        steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
+        per_step = [(m["tokens"] or 0) / m["steps"] if m.get("steps") else None for m in members]
+        if not steps or None in per_step:
+            continue
+        out.append({"group": label, "variant": members[0]["variant"], "n": len(members),
+                    "tokens": [step * per_step[0] for step in steps],
+                    "points": [interval([s[step] for s in series]) for step in steps]})
+    if not out:
+        raise CompareError(f"no run logged {metric!r} at its periodic validations (metrics.csv "
+                           f"column {column!r}); curves exist for val_loss and mqar_acc/SLICE")
+    return out
+
+
+def _logged(path: Path, column: str) -> dict[int, float]:
+    if not path.is_file():
+        return {}
+    with path.open() as f:
+        return {int(float(r["step"])): float(r[column]) for r in csv.DictReader(f)
+                if r.get(column) not in (None, "") and r.get("step") not in (None, "")}
+
+
+def _limits(values: list[float], log: bool, pad: float = 0.08) -> tuple[float, float]:
+    """Axis limits that hold every value with a margin (in log space on a log axis)."""
+    lo, hi = min(values), max(values)
+    if log:
+        lo, hi = math.log10(lo), math.log10(hi)
+    span = (hi - lo) or abs(hi) or 1.0
+    lo, hi = lo - pad * span, hi + pad * span
+    return (10**lo, 10**hi) if log else (lo, hi)
+
+
+def _place_labels(ax, points: list[tuple[float, float, str]]) -> None:
+    """Annotate each point, moving a label down (in steps of its height) while it would overlap
+    one already placed, so that labels of close points do not collide."""
+    to_axes = ax.transData + ax.transAxes.inverted()
+    placed: list[tuple[float, float, float]] = []  # x, y, width in axes fractions
+    for x, y, text in sorted(points, key=lambda p: -p[1]):
+        ax_x, ax_y = to_axes.transform((x, y))
+        width, height, offset = 0.012 * len(text), 0.04, 0.0
+        while any(abs(ax_x - px) < max(width, pw) and abs(ax_y + offset - py) < height
+                  for px, py, pw in placed):
+            offset -= height
+        placed.append((ax_x, ax_y + offset, width))
+        ax.annotate(text, (x, y), xytext=(6, 4 + offset * ax.bbox.height), fontsize=8,
+                    textcoords="offset points", arrowprops=(
+                        {"arrowstyle": "-", "lw": 0.5, "color": "grey"} if offset else None))
+
+
+def plot(rows: list[dict[str, Any]], x: str = "kv_bytes"):
+    """The chosen metric against `x`, a point per group (the mean over its seeds, with a 95%
+    interval where it has several): colour = variant (the same colour for a variant in every
+    plot), area ∝ parameters (lookup tables included). `x="tokens"`: the groups' curves over
+    their periodic validations."""
     import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     metric = rows[0]["metric"]
-    points = [r for r in rows if r.get(metric) is not None]
     fig = Figure(figsize=(8, 5), layout="constrained")
     FigureCanvasAgg(fig)  # Agg, without touching pyplot's global backend
     ax = fig.add_subplot()
     colours = matplotlib.colormaps["tab10"]
-    biggest = max(r["params"] or 0 for r in points) or 1
-    names = list(dict.fromkeys([*VARIANTS, *(r["variant"] for r in points)]))
-    for name in [n for n in names if any(r["variant"] == n for r in points)]:
-        group = [r for r in points if r["variant"] == name]
-        ax.scatter([r["kv_bytes_per_token"] for r in group], [r[metric] for r in group],
-                   s=[max(10.0, 300 * (r["params"] or 0) / biggest) for r in group],
-                   color=colours(names.index(name) % 10), alpha=0.8, edgecolors="black",
-                   linewidths=0.5, label=name)
-    for r in points:
-        ax.annotate(r["run"], (r["kv_bytes_per_token"], r[metric]), xytext=(6, 4),
-                    textcoords="offset points", fontsize=8)
-    xs = [r["kv_bytes_per_token"] for r in points]
-    if max(xs) > 10 * min(xs):
+    names = list(dict.fromkeys([*VARIANTS, *(r["variant"] for r in rows)]))
+    colour = {name: colours(i % 10) for i, name in enumerate(names)}
+    ylabel = "validation loss (nats/token)" if metric == "val_loss" else metric
+    if x == "tokens":
+        for c in curves(rows):
+            means = [p["mean"] for p in c["points"]]
+            ax.plot(c["tokens"], means, marker="o", ms=3, color=colour[c["variant"]],
+                    label=f"{c['group']} (n={c['n']})")
+            if c["n"] > 1:
+                ax.fill_between(c["tokens"], [p["low"] for p in c["points"]],
+                                [p["high"] for p in c["points"]], color=colour[c["variant"]],
+                                alpha=0.15, linewidth=0)
+        ax.set_xlabel("training tokens")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{metric} at the periodic validations; bands: 95% interval over seeds",
+                     fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        return fig
+    groups = [g for g in aggregate(rows, x) if g["x"] is not None]
+    if not groups:
+        raise CompareError(f"--x {x}: no run has a value for it ({X_AXES[x][0]})")
+    biggest = max(g["params"] or 0 for g in groups) or 1
+    for name in [n for n in names if any(g["variant"] == n for g in groups)]:
+        mine = [g for g in groups if g["variant"] == name]
+        ax.scatter([g["x"] for g in mine], [g["mean"] for g in mine],
+                   s=[max(10.0, 300 * (g["params"] or 0) / biggest) for g in mine],
+                   color=colour[name], alpha=0.8, edgecolors="black", linewidths=0.5,
+                   label=name, zorder=3)
+        spread = [g for g in mine if g["low"] is not None]
+        if spread:
+            ax.errorbar([g["x"] for g in spread], [g["mean"] for g in spread],
+                        yerr=[[g["mean"] - g["low"] for g in spread],
+                              [g["high"] - g["mean"] for g in spread]],
+                        fmt="none", ecolor=colour[name], capsize=3, zorder=2)
+    xs = [g["x"] for g in groups]
+    ys = [v for g in groups for v in (g["low"], g["mean"], g["high"]) if v is not None]
+    log = min(xs) > 0 and max(xs) > 10 * min(xs)
+    if log:
         ax.set_xscale("log")
-    ax.set_xlabel(f"KV-cache bytes per token ({points[0]['kv_dtype']})")
-    ax.set_ylabel("validation loss (nats/token)" if metric == "val_loss" else metric)
-    ax.set_title(f"{metric} against KV-cache size; marker area ∝ parameters", fontsize=10)
+    ax.set_xlim(*_limits(xs, log))
+    ax.set_ylim(*_limits(ys, False))
+    _place_labels(ax, [(g["x"], g["mean"], g["group"] + (f" (n={g['n']})" if g["n"] > 1 else ""))
+                       for g in groups])
+    ax.set_xlabel(X_AXES[x][1].format(dtype=rows[0]["kv_dtype"]))
+    ax.set_ylabel(ylabel)
+    several = any(g["n"] > 1 for g in groups)
+    ax.set_title(f"{metric} against {X_AXES[x][1].split(' (')[0]}; marker area ∝ parameters"
+                 + ("; bars: 95% interval over seeds" if several else ""), fontsize=10)
     ax.grid(alpha=0.3)
     legend = ax.legend(title="attention", fontsize=8)
     for handle in legend.legend_handles:
@@ -270,19 +441,20 @@ def png_bytes(fig) -> bytes:
 # ---- writing ---------------------------------------------------------------------------------
 
 
-def build_outputs(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, bytes]:
+def build_outputs(rows: list[dict[str, Any]], meta: dict[str, Any],
+                  x: str = "kv_bytes") -> dict[str, bytes]:
     """Every output file's bytes, built in memory before anything is written."""
-    report = {"schema": "egmla.compare/1", "metric": rows[0]["metric"],
-              "kv_dtype": rows[0]["kv_dtype"], "columns": columns(rows), "rows": rows,
-              "provenance": meta}
+    report = {"schema": "egmla.compare/2", "metric": rows[0]["metric"],
+              "kv_dtype": rows[0]["kv_dtype"], "x": x, "columns": columns(rows), "rows": rows,
+              "groups": aggregate(rows, x), "provenance": meta}
     table = io.StringIO()
     writer = csv.DictWriter(table, fieldnames=columns(rows), lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
     return {
-        "comparison.md": render_markdown(rows, meta).encode(),
+        "comparison.md": render_markdown(rows, meta, x).encode(),
         "comparison.csv": table.getvalue().encode(),
-        "comparison.png": png_bytes(plot(rows)),
+        "comparison.png": png_bytes(plot(rows, x)),
         "comparison.json": (json.dumps(report, indent=2) + "\n").encode(),
     }
 
@@ -332,7 +504,8 @@ metrics: val_loss (summary.json), mqar_acc/SLICE (summary.json of MQAR runs), TA
 lm-eval results in RUN_DIR/eval (python -m eval.lm_eval ... --output_path RUN_DIR/eval);
 the filter suffix ,none may be given or left out. An unknown metric lists the available ones.
 outputs: comparison.md (header: date, git SHA, command; then the table), comparison.csv,
-comparison.png (metric against KV bytes/token; colour = variant, marker area = parameters) and
+comparison.png (metric against --x; colour = variant, marker area = parameters, bars = 95%
+interval over seeds; --x tokens: curves) and
 comparison.json (rows and provenance: command, git SHA, versions, hardware, time).
 exit status: 0 ok, 1 wandb logging failed (files written), 2 bad input (nothing written)
 """
@@ -355,6 +528,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metric", default="val_loss",
                    help="the y axis: val_loss (default), mqar_acc/SLICE or TASK/METRIC from lm-eval")
     p.add_argument("--dtype", default="bf16", help="KV-cache dtype: bf16 (default), fp32, fp16, fp8")
+    p.add_argument("--x", choices=list(X_AXES), default="kv_bytes",
+                   help="the x axis: kv_bytes (default), params, d_e, or tokens (curves over the "
+                        "periodic validations of val_loss or mqar_acc/SLICE)")
     p.add_argument("--wandb-project", metavar="NAME",
                    help="also log the table and the plot to a new wandb run in this project "
                         "(online or offline as WANDB_MODE and your login say)")
@@ -374,8 +550,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     meta = {**provenance(["python", "-m", "eval.compare", *argv]), "metric": rows[0]["metric"],
-            "kv_dtype": dtype}
-    files = build_outputs(rows, meta)
+            "kv_dtype": dtype, "x": args.x}
+    try:
+        files = build_outputs(rows, meta, args.x)
+    except CompareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     write_all(out, files)
     print(files["comparison.md"].decode())
     print(f"wrote {', '.join(str(out / name) for name in files)}")

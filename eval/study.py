@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,6 +40,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from eval.compare import interval, lm_eval_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "study"
@@ -262,8 +262,6 @@ def record(run: Run, directory: Path) -> dict[str, Any]:
 
 
 def lm_eval_scores(directory: Path) -> dict[str, float]:
-    from eval.compare import lm_eval_metrics
-
     return lm_eval_metrics(directory) if (directory / "eval").is_dir() else {}
 
 
@@ -283,18 +281,6 @@ def score(run: Run, runs_dir: Path, log) -> None:
 
 
 # ---- statistics --------------------------------------------------------------------------------
-
-
-def interval(values: list[float], level: float = 0.95) -> dict[str, Any]:
-    """Mean and the t-interval over seeds (None for fewer than two values)."""
-    n = len(values)
-    mean = statistics.fmean(values) if values else math.nan
-    if n < 2:
-        return {"n": n, "mean": mean, "low": None, "high": None}
-    from scipy.stats import t
-
-    half = t.ppf((1 + level) / 2, n - 1) * statistics.stdev(values) / math.sqrt(n)
-    return {"n": n, "mean": mean, "low": mean - half, "high": mean + half}
 
 
 def summarize(records: list[dict[str, Any]], chosen: dict[str, float]) -> dict[str, Any]:

@@ -118,7 +118,8 @@ def test_command_writes_table_csv_plot_and_json(runs, tmp_path):
     assert report["provenance"]["git"]["sha"] and report["kv_dtype"] == "bf16"
     md = (out / "comparison.md").read_text()
     assert report["provenance"]["git"]["sha"] in md and f"`python -m eval.compare {runs}" in md
-    assert sum(line.startswith("| ") for line in md.splitlines()) == 2 + len(RUNS)
+    # two tables: the groups (three arms of one seed each), then the runs
+    assert sum(line.startswith("| ") for line in md.splitlines()) == 2 * (2 + len(RUNS))
     image = matplotlib.image.imread(out / "comparison.png")
     assert image.shape == (600, 960, 4) and image[..., :3].std() > 0.05  # 8x5 in at 120 dpi
 
@@ -224,6 +225,75 @@ def test_bad_input_is_one_line_and_writes_nothing(runs, tmp_path, capsys, case):
     assert err.count("\n") == 1 and err.startswith("error: ") and named in err, err
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def seeded_copies(runs: Path, parent: Path, losses: list[float]) -> Path:
+    """Copies of the real mha run as seeds 0, 1, 2 of one arm (only the seed, the name, the final
+    loss and the periodic validations differ), in `parent`."""
+    for seed, loss in enumerate(losses):
+        run = parent / f"mha-s{seed}"
+        shutil.copytree(runs / "mha", run, ignore=shutil.ignore_patterns("eval", "checkpoints"))
+        config = run_json(run, "config.json")
+        (run / "config.json").write_text(json.dumps({**config, "seed": seed, "name": run.name}))
+        summary = run_json(run, "summary.json")
+        (run / "summary.json").write_text(json.dumps({**summary, "name": run.name,
+                                                      "val_loss": loss}))
+        (run / "metrics.csv").write_text(
+            f"step,train/loss,val/loss\n1,6.0,{loss + 1}\n2,5.0,\n2,,{loss}\n")
+    return parent
+
+
+def test_seeds_of_one_arm_form_a_group_with_a_t_interval(runs, tmp_path):
+    parent = seeded_copies(runs, tmp_path / "seeds", [4.0, 4.2, 4.4])
+    shutil.copytree(runs / "egmla", parent / "egmla")
+    rows = compare.select_metric(compare.load_rows([parent]), "val_loss")
+    assert [r["group"] for r in rows] == ["egmla", "mha", "mha", "mha"]
+    groups = {g["group"]: g for g in compare.aggregate(rows)}
+    mha = groups["mha"]
+    half = 4.302652729911275 * 0.2 / 3 ** 0.5  # t(0.975, 2) * sd / sqrt(3)
+    assert mha["n"] == 3 and mha["seeds"] == [0, 1, 2] and mha["mean"] == pytest.approx(4.2)
+    assert (mha["low"], mha["high"]) == (pytest.approx(4.2 - half), pytest.approx(4.2 + half))
+    assert groups["egmla"]["n"] == 1 and groups["egmla"]["low"] is None
+    (curve,) = [c for c in compare.curves(rows) if c["group"] == "mha"]
+    per_step = STEPS * BATCH * 32 / STEPS
+    assert curve["tokens"] == [per_step, 2 * per_step]
+    assert [p["mean"] for p in curve["points"]] == [pytest.approx(5.2), pytest.approx(4.2)]
+
+
+@pytest.mark.slow
+def test_other_x_axes_and_curves_from_the_command(runs, tmp_path):
+    parent = seeded_copies(runs, tmp_path / "seeds", [4.0, 4.2, 4.4])
+    shutil.copytree(runs / "egmla", parent / "egmla")
+    for x in ("d_e", "params", "tokens"):
+        out = tmp_path / f"out-{x}"
+        done = run_compare(str(parent), "--out", str(out), "--x", x, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        report = json.loads((out / "comparison.json").read_text())
+        assert report["x"] == x and {g["group"] for g in report["groups"]} == {"mha", "egmla"}
+        image = matplotlib.image.imread(out / "comparison.png")
+        assert image[..., :3].std() > 0.05
+    groups = {g["group"]: g for g in json.loads((tmp_path / "out-d_e" / "comparison.json")
+                                                 .read_text())["groups"]}
+    assert groups["egmla"]["x"] == 64 and groups["mha"]["x"] is None  # MHA has no gate width
+    only_mha = run_compare(str(tmp_path / "seeds" / "mha-s0"), "--out", str(tmp_path / "none"),
+                           "--x", "d_e", cwd=tmp_path)
+    assert only_mha.returncode == 2 and "--x d_e: no run has a value" in only_mha.stderr
+    assert not (tmp_path / "none").exists()
+
+
+def test_labels_of_coincident_points_do_not_collide():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure()
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.set_xlim(0, 10)
+    ax.set_ylim(0, 10)
+    compare._place_labels(ax, [(5, 5, "mla-dc32"), (5.05, 5.02, "egmla-kv"), (1, 1, "mha")])
+    offsets = {a.get_text(): a.xyann for a in ax.texts}
+    assert offsets["mla-dc32"] != offsets["egmla-kv"]  # the second moved
+    assert offsets["mha"] == (6, 4)  # a lone point keeps its place
 
 
 def test_variant_names():
