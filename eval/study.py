@@ -350,6 +350,44 @@ def write_results(results: Path, records: list[dict[str, Any]], chosen: dict[str
     _write_atomic(results / "summary.json", summary)
 
 
+FIGURES = {  # file -> (phases whose runs it shows, x axis, what it is)
+    "fig_loss_vs_tokens.png": (("long",), "tokens", "validation loss against training tokens"),
+    "fig_loss_vs_de.png": (("ablations", "lr", "seeds"), "d_e", "validation loss against d_e"),
+    "fig_loss_vs_kv_bytes.png": (("lr", "seeds"), "kv_bytes", "validation loss against KV bytes"),
+}
+
+
+def write_figures(results: Path, runs_dir: Path, chosen: dict[str, float],
+                  records: list[dict[str, Any]]) -> list[str]:
+    """The study's three figures (the paper's Fig. 1 a-c) from the runs recorded so far, each
+    over the runs at their arm's chosen learning rate; a figure with no runs yet is skipped."""
+    from eval.compare import CompareError, load_rows, plot, png_bytes, select_metric
+
+    written = []
+    for name, (phases, x, _) in FIGURES.items():
+        dirs = [runs_dir / r["phase"] / f"{r['arm']}-lr{r['lr']:g}-s{r['seed']}-{r['steps']}"
+                for r in records if r["phase"] in phases
+                and r["lr"] == chosen.get(r["arm"] if r["arm"] in ARM else "egmla_kv")
+                and (x != "d_e" or r["arm"] == "egmla_kv" or r["arm"].startswith("egmla_kv_de"))]
+        dirs = [d for d in dirs if (d / "summary.json").is_file()]
+        if not dirs:
+            continue
+        try:
+            figure = plot(select_metric(load_rows(dirs), "val_loss"), x)
+        except CompareError:
+            continue
+        _write_bytes_atomic(results / name, png_bytes(figure))
+        written.append(name)
+    return written
+
+
+def _write_bytes_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
 def _write_atomic(path: Path, data: Any) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
@@ -433,8 +471,11 @@ def _run(args, log) -> int:
             if (directory / "summary.json").is_file():
                 score(run, args.runs_dir, log)
                 records[directory] = record(run, directory)
-    write_results(args.results, list(records.values()), choose_lrs(list(records.values()), setup))
-    log(f"{len(records)} runs recorded in {args.results}")
+    chosen = choose_lrs(list(records.values()), setup)
+    write_results(args.results, list(records.values()), chosen)
+    figures = write_figures(args.results, args.runs_dir, chosen, list(records.values()))
+    log(f"{len(records)} runs recorded in {args.results}"
+        + (f"; figures: {', '.join(figures)}" if figures else ""))
     return 0
 
 

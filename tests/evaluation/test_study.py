@@ -82,6 +82,8 @@ def test_a_rehearsal_runs_records_and_resumes(tmp_path):
     assert arm["lr"] == min((0.001, 0.003), key=lambda lr: arm["lr_grid_val_loss"][f"{lr:g}"])
     assert len(list((tmp_path / "results" / "runs").glob("*.json"))) == 2
     assert not list((tmp_path / "runs").glob("*/*/checkpoints"))  # finished: export only
+    # the KV-bytes figure (the chosen learning rate's run); the others wait for their phases
+    assert sorted(p.name for p in (tmp_path / "results").glob("*.png")) == ["fig_loss_vs_kv_bytes.png"]
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert again.returncode == 0 and " ..." not in again.stdout  # nothing trained again
 
