@@ -87,6 +87,23 @@ def test_a_rehearsal_runs_records_and_resumes(tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert again.returncode == 0 and " ..." not in again.stdout  # nothing trained again
 
+    # the notebook shows the record: the arms' table and the figure
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook = nbformat.read(ROOT / "notebooks" / "study.ipynb", as_version=4)
+    assert all(c.outputs == [] for c in notebook.cells if c.cell_type == "code")  # stored clean
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EGMLA_STUDY", str(tmp_path / "results"))
+        NotebookClient(notebook, timeout=120, kernel_name="python3",
+                       resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    table = next(o.data["text/markdown"] for o in outputs if "| arm |" in o.get("data", {}).get(
+        "text/markdown", ""))
+    assert "| mla_dc32 |" in table
+    assert any("image/png" in o.get("data", {}) for o in outputs)
+
 
 def test_bad_arguments_are_one_clear_line():
     out = subprocess.run([sys.executable, "-m", "eval.study", "--lrs", "0"], capture_output=True,
