@@ -260,14 +260,13 @@ def test_seeds_of_one_arm_form_a_group_with_a_t_interval(runs, tmp_path):
     assert [p["mean"] for p in curve["points"]] == [pytest.approx(5.2), pytest.approx(4.2)]
 
 
-@pytest.mark.slow
-def test_other_x_axes_and_curves_from_the_command(runs, tmp_path):
+def test_other_x_axes_and_curves_from_the_command(runs, tmp_path, capsys):
+    """The command's main() in this process (the subprocess path is tested above)."""
     parent = seeded_copies(runs, tmp_path / "seeds", [4.0, 4.2, 4.4])
     shutil.copytree(runs / "egmla", parent / "egmla")
     for x in ("d_e", "params", "tokens"):
         out = tmp_path / f"out-{x}"
-        done = run_compare(str(parent), "--out", str(out), "--x", x, cwd=tmp_path)
-        assert done.returncode == 0, done.stderr
+        assert compare.main([str(parent), "--out", str(out), "--x", x]) == 0
         report = json.loads((out / "comparison.json").read_text())
         assert report["x"] == x and {g["group"] for g in report["groups"]} == {"mha", "egmla"}
         image = matplotlib.image.imread(out / "comparison.png")
@@ -275,9 +274,10 @@ def test_other_x_axes_and_curves_from_the_command(runs, tmp_path):
     groups = {g["group"]: g for g in json.loads((tmp_path / "out-d_e" / "comparison.json")
                                                  .read_text())["groups"]}
     assert groups["egmla"]["x"] == 64 and groups["mha"]["x"] is None  # MHA has no gate width
-    only_mha = run_compare(str(tmp_path / "seeds" / "mha-s0"), "--out", str(tmp_path / "none"),
-                           "--x", "d_e", cwd=tmp_path)
-    assert only_mha.returncode == 2 and "--x d_e: no run has a value" in only_mha.stderr
+    capsys.readouterr()
+    only_mha = compare.main([str(tmp_path / "seeds" / "mha-s0"), "--out", str(tmp_path / "none"),
+                             "--x", "d_e"])
+    assert only_mha == 2 and "--x d_e: no run has a value" in capsys.readouterr().err
     assert not (tmp_path / "none").exists()
 
 

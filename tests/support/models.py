@@ -36,10 +36,9 @@ VARIANTS = {
     "egmla-latent-absorbed": with_attention(preset("tiny-egmla-latent"), impl="absorbed"),
     "egmla-latent-nonorm": with_attention(preset("tiny-egmla-latent"), gate_norm="none"),
     # the study's controls (egmla/models/attention/controls.py)
-    "egmla-const-gate-naive": with_attention(preset("tiny-egmla-const-gate"), impl="naive"),
+    # (absorbed only: naive == absorbed for each is test_models' test_absorbed_equals_naive)
     "egmla-const-gate-absorbed": with_attention(preset("tiny-egmla-const-gate"), impl="absorbed"),
     "egmla-hidden-gate": preset("tiny-egmla-hidden-gate"),
-    "mla-value-embed-naive": with_attention(preset("tiny-mla-value-embed"), impl="naive"),
     "mla-value-embed-absorbed": with_attention(preset("tiny-mla-value-embed"), impl="absorbed"),
 }
 
