@@ -372,8 +372,11 @@ def write_figures(results: Path, runs_dir: Path, chosen: dict[str, float],
         dirs = [d for d in dirs if (d / "summary.json").is_file()]
         if not dirs:
             continue
+        rows = load_rows(dirs)
+        for row in rows:  # label the points by arm (the seeds of an arm are one group)
+            row["group"] = Path(row["run_dir"]).name.split("-lr")[0]
         try:
-            figure = plot(select_metric(load_rows(dirs), "val_loss"), x)
+            figure = plot(select_metric(rows, "val_loss"), x)
         except CompareError:
             continue
         _write_bytes_atomic(results / name, png_bytes(figure))
