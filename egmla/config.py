@@ -41,6 +41,11 @@ def _strict_kwargs(cls: type, data: dict[str, Any], where: str) -> dict[str, Any
     return dict(data)
 
 
+def _norm_params(kind: str, width: int) -> int:
+    """Parameters of a `layernorm` (gain and bias), `rmsnorm` (gain) or `none` over `width`."""
+    return {"layernorm": 2 * width, "rmsnorm": width, "none": 0}[kind]
+
+
 def _check_literals(obj: Any, where: str) -> None:
     """Check every `Literal[...]`-typed field holds one of its allowed values."""
     hints = typing.get_type_hints(type(obj))
@@ -230,8 +235,7 @@ class EGMLAConfig(MLAConfig):
 
     def layer_params(self, model: ModelConfig) -> int:
         gated = self.gated_width(model)
-        norm = {"layernorm": 2 * gated, "rmsnorm": gated, "none": 0}[self.gate_norm]
-        return super().layer_params(model) + self.d_e * gated + norm
+        return super().layer_params(model) + self.d_e * gated + _norm_params(self.gate_norm, gated)
 
     def table_groups(self, model: ModelConfig) -> list[range]:
         size = self.gate_group_size
@@ -296,8 +300,8 @@ class EGMLAHiddenGateConfig(EGMLAConfig):
         return 0
 
     def layer_params(self, model: ModelConfig) -> int:
-        norm = {"layernorm": 2 * self.d_c, "rmsnorm": self.d_c, "none": 0}[self.gate_norm]
-        return MLAConfig.layer_params(self, model) + model.d_model * self.d_c + norm
+        return (MLAConfig.layer_params(self, model) + model.d_model * self.d_c
+                + _norm_params(self.gate_norm, self.d_c))
 
     def label(self, model: ModelConfig) -> str:
         return "egmla-latent-hidden"

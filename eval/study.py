@@ -29,6 +29,8 @@ interval, and the paired differences against mla_dc32 and mla_param_matched.
 from __future__ import annotations
 
 import argparse
+import csv
+import functools
 import json
 import os
 import shutil
@@ -41,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eval.compare import interval, lm_eval_metrics
+from eval.compare import interval, lm_eval_metrics, tokens_trained
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "study"
@@ -140,10 +142,17 @@ class Run:
 
 def model_of(attention: str, overrides: Iterable[str] = (), base: Iterable[str] = BASE):
     from egmla.config import ModelConfig
+
+    return ModelConfig.from_dict(_composed_model(attention, tuple(overrides), tuple(base)))
+
+
+@functools.lru_cache(maxsize=None)
+def _composed_model(attention: str, overrides: tuple[str, ...], base: tuple[str, ...]) -> dict:
+    """The model section Hydra composes for these overrides (composed once: the record is
+    rewritten after every run and describes every arm)."""
     from egmla.training.compose import compose_config
 
-    raw = compose_config([*base, f"model/attention={attention}", *overrides])
-    return ModelConfig.from_dict(raw["model"])
+    return compose_config([*base, f"model/attention={attention}", *overrides])["model"]
 
 
 def param_matched_d_ff(base: Iterable[str] = BASE) -> int:
@@ -242,8 +251,6 @@ def record(run: Run, directory: Path) -> dict[str, Any]:
     curve = []
     metrics = directory / "metrics.csv"
     if metrics.is_file():
-        import csv
-
         with metrics.open() as f:
             for row in csv.DictReader(f):  # every periodic validation: loss, MQAR accuracy
                 if row.get("val/loss"):
@@ -251,9 +258,10 @@ def record(run: Run, directory: Path) -> dict[str, Any]:
                         k.removeprefix("val/"): float(v) for k, v in row.items()
                         if k.startswith("val/") and v not in ("", None)}})
     config = json.loads((directory / "config.json").read_text())
-    tokens = summary["global_step"] * config["data"]["batch_size"] * config["data"]["seq_len"]
-    return {"phase": run.phase, "arm": run.arm, "lr": run.lr, "seed": run.seed,
-            "steps": summary["global_step"], "tokens": tokens, "val_loss": summary["val_loss"],
+    return {"run": run.name, "phase": run.phase, "arm": run.arm, "lr": run.lr, "seed": run.seed,
+            "steps": summary["global_step"],
+            "tokens": tokens_trained(config, summary["global_step"]),
+            "val_loss": summary["val_loss"],
             "unigram_val_loss": summary.get("unigram_val_loss"),
             "mqar_accuracy": summary.get("mqar_accuracy"), "fit_seconds": summary["fit_seconds"],
             "params": info["params"], "kv_bytes_per_token_bf16": info["kv_bytes_per_token_bf16"],
@@ -343,8 +351,7 @@ def write_results(results: Path, records: list[dict[str, Any]], chosen: dict[str
     results.mkdir(parents=True, exist_ok=True)
     (results / "runs").mkdir(exist_ok=True)
     for r in records:
-        _write_atomic(results / "runs" / f"{r['phase']}-{r['arm']}-lr{r['lr']:g}-s{r['seed']}"
-                      f"-{r['steps']}.json", r)
+        _write_atomic(results / "runs" / f"{r['phase']}-{r['run']}.json", r)
     summary = {**summarize(records, chosen), "chosen_lr": chosen, "provenance": provenance(),
                "runs": len(records)}
     _write_atomic(results / "summary.json", summary)
@@ -365,8 +372,7 @@ def write_figures(results: Path, runs_dir: Path, chosen: dict[str, float],
 
     written = []
     for name, (phases, x, _) in FIGURES.items():
-        dirs = [runs_dir / r["phase"] / f"{r['arm']}-lr{r['lr']:g}-s{r['seed']}-{r['steps']}"
-                for r in records if r["phase"] in phases
+        dirs = [runs_dir / r["phase"] / r["run"] for r in records if r["phase"] in phases
                 and r["lr"] == chosen.get(r["arm"] if r["arm"] in ARM else "egmla_kv")
                 and (x != "d_e" or r["arm"] == "egmla_kv" or r["arm"].startswith("egmla_kv_de"))]
         dirs = [d for d in dirs if (d / "summary.json").is_file()]
@@ -392,11 +398,7 @@ def _write_bytes_atomic(path: Path, data: bytes) -> None:
 
 
 def _write_atomic(path: Path, data: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    _write_bytes_atomic(path, (json.dumps(data, indent=1) + "\n").encode())
 
 
 # ---- command line ------------------------------------------------------------------------------

@@ -195,10 +195,6 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(r.num_new_tokens for r in self.rows)
 
-    @property
-    def request_ids(self) -> list[int]:
-        return list(dict.fromkeys(r.seq.request_id for r in self.rows))
-
 
 @dataclass
 class EngineStats:

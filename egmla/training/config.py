@@ -243,10 +243,9 @@ class TrainerConfig:
                f"trainer.accumulate_grad_batches={self.accumulate_grad_batches}: must be >= 1")
         for name in ("val_every_n_steps", "log_every_n_steps", "checkpoint_every_n_steps"):
             _check(getattr(self, name) >= 1, f"trainer.{name}={getattr(self, name)}: must be >= 1")
-        for name in ("limit_val_batches", "final_val_batches"):
-            value = getattr(self, name)
-            _check(value is None and name == "final_val_batches" or value > 0,
-                   f"trainer.{name}={value}: must be > 0 (a batch count, or a fraction of the split)")
+        final = self.final_val_batches
+        _check(final is None or final > 0, f"trainer.final_val_batches={final}: must be > 0 "
+               "(a batch count, or a fraction of the split) or null (the whole split)")
 
 
 @dataclass
