@@ -11,7 +11,9 @@ corpus, its BPE tokenizer, AdamW with warmup and cosine decay), or on MQAR for t
 The phases, in the order they run:
 
   lr         each arm at every learning rate of the grid, seed 0; the best by final validation
-             loss (the whole held-out split) is the arm's learning rate ("best over LR")
+             loss (the whole held-out split) is the arm's learning rate ("best over LR"); while
+             the best is at an edge of the grid, the grid grows by a factor of 2 past that edge
+             (at most --lr-extensions times), so a chosen rate is a minimum, not an edge
   seeds      each arm at its learning rate, the other seeds
   long       the five arms that decide the question, 4x the tokens, at their learning rates
   ablations  EG-MLA kv's d_e and gate_group_size, at egmla_kv's learning rate
@@ -32,6 +34,7 @@ import argparse
 import csv
 import functools
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -53,6 +56,7 @@ BASE_STEPS = 300  # 300 x 16 x 128 = 614,400 tokens, as benchmarks/train_variant
 LONG_FACTOR = 4
 MQAR_STEPS = 500
 LRS = (1e-3, 2e-3, 4e-3)
+LR_EXTENSIONS = 2  # a best LR at the grid's edge adds the next doubling (halving), at most twice
 SEEDS = (0, 1, 2)
 VAL_EVERY = 50  # periodic validations: the loss-against-tokens curve (Fig. 1a)
 LM_EVAL_TASKS = ("corpus_cloze", "corpus_perplexity", "mqar_recall")
@@ -100,6 +104,7 @@ class Setup:
 
     arms: tuple[str, ...] = tuple(a.name for a in ARMS)
     lrs: tuple[float, ...] = LRS
+    lr_extensions: int = LR_EXTENSIONS
     seeds: tuple[int, ...] = SEEDS
     scale: float = 1.0
     extra: tuple[str, ...] = ()
@@ -186,8 +191,36 @@ def describe(attention: str, overrides: Iterable[str], base: Iterable[str] = BAS
 # ---- the plan ----------------------------------------------------------------------------------
 
 
-def plan(phase: str, chosen: dict[str, float], setup: Setup = Setup()) -> list[Run]:
-    """The runs of `phase`; phases after `lr` need the chosen learning rates (`chosen`)."""
+def lr_grid(losses: dict[float, float], setup: Setup = Setup()) -> tuple[list[float], float | None]:
+    """The learning rates one arm needs given its losses so far (lr -> final validation loss),
+    and the best of them once the grid is settled (every point has run and the best is not at
+    an edge that may still grow), else None. A loss that is not finite (a diverged run) counts
+    as the worst."""
+    grid = sorted(setup.lrs)
+    low, high = grid[0] / 2 ** setup.lr_extensions, grid[-1] * 2 ** setup.lr_extensions
+
+    def loss(lr: float) -> float:
+        value = losses[lr]
+        return value if value is not None and math.isfinite(value) else math.inf
+
+    while all(lr in losses for lr in grid):
+        best = min(grid, key=lambda lr: (loss(lr), lr))
+        if best == grid[-1] and best * 2 <= high:
+            grid.append(best * 2)
+        elif best == grid[0] and len(grid) > 1 and best / 2 >= low:
+            grid.insert(0, best / 2)
+        else:
+            return grid, best
+    return grid, None
+
+
+def _lr_losses(records: list[dict[str, Any]], arm: str) -> dict[float, float]:
+    return {r["lr"]: r["val_loss"] for r in records if r["phase"] == "lr" and r["arm"] == arm}
+
+
+def plan(phase: str, records: list[dict[str, Any]], setup: Setup = Setup()) -> list[Run]:
+    """The runs of `phase` given the runs recorded so far: the LR grid grows from its results,
+    and the phases after `lr` need the learning rates it chooses."""
     steps, arms, first = setup.steps(BASE_STEPS), setup.arms, setup.seeds[0]
 
     def run(phase, arm, lr, seed, steps, base=tuple(BASE)) -> Run:
@@ -196,7 +229,9 @@ def plan(phase: str, chosen: dict[str, float], setup: Setup = Setup()) -> list[R
                    setup.extra)
 
     if phase == "lr":
-        return [run("lr", arm, lr, first, steps) for arm in arms for lr in setup.lrs]
+        return [run("lr", arm, lr, first, steps) for arm in arms
+                for lr in lr_grid(_lr_losses(records, arm), setup)[0]]
+    chosen = choose_lrs(records, setup)
     need = list(arms) if phase in ("seeds", "long") else ["egmla_kv"]
     missing = [a for a in need if a not in chosen]
     if missing:
@@ -291,7 +326,8 @@ def score(run: Run, runs_dir: Path, log) -> None:
 # ---- statistics --------------------------------------------------------------------------------
 
 
-def summarize(records: list[dict[str, Any]], chosen: dict[str, float]) -> dict[str, Any]:
+def summarize(records: list[dict[str, Any]], chosen: dict[str, float],
+              setup: Setup = Setup()) -> dict[str, Any]:
     """Per arm: its configuration, the LR grid, the chosen LR, the losses by seed at that LR with
     mean and 95% interval, the long runs, MQAR, and the paired differences (same seed, hence the
     same data order) against each baseline arm."""
@@ -330,29 +366,29 @@ def summarize(records: list[dict[str, Any]], chosen: dict[str, float]) -> dict[s
             entry["paired_differences"][base] = ci
     return {"protocol": {"base_steps": BASE_STEPS, "tokens_per_step": 16 * 128,
                          "long_factor": LONG_FACTOR, "mqar_steps": MQAR_STEPS,
-                         "recipe": BASE, "selection": "best final validation loss over the LR "
-                         "grid, first seed (best over LR)"},
+                         "recipe": BASE, "lr_grid": list(setup.lrs),
+                         "lr_extensions": setup.lr_extensions,
+                         "selection": "best final validation loss over the LR grid, first seed "
+                         "(best over LR); a best at an edge grows the grid by a factor of 2 "
+                         "past it, at most lr_extensions times"},
             "arms": arms}
 
 
 def choose_lrs(records: list[dict[str, Any]], setup: Setup = Setup()) -> dict[str, float]:
-    """Each arm's best learning rate on the first seed, once its whole grid has run."""
-    chosen = {}
-    for arm in ARM:
-        grid = {r["lr"]: r["val_loss"] for r in records if r["phase"] == "lr" and r["arm"] == arm}
-        if set(grid) >= set(setup.lrs):
-            chosen[arm] = min(grid, key=lambda lr: (grid[lr], lr))
-    return chosen
+    """Each arm's best learning rate on the first seed, once its grid is settled."""
+    best = {arm: lr_grid(_lr_losses(records, arm), setup)[1] for arm in ARM}
+    return {arm: lr for arm, lr in best.items() if lr is not None}
 
 
-def write_results(results: Path, records: list[dict[str, Any]], chosen: dict[str, float]) -> None:
+def write_results(results: Path, records: list[dict[str, Any]], setup: Setup) -> None:
     from egmla.provenance import provenance
 
     results.mkdir(parents=True, exist_ok=True)
     (results / "runs").mkdir(exist_ok=True)
     for r in records:
         _write_atomic(results / "runs" / f"{r['phase']}-{r['run']}.json", r)
-    summary = {**summarize(records, chosen), "chosen_lr": chosen, "provenance": provenance(),
+    chosen = choose_lrs(records, setup)
+    summary = {**summarize(records, chosen, setup), "chosen_lr": chosen, "provenance": provenance(),
                "runs": len(records)}
     _write_atomic(results / "summary.json", summary)
 
@@ -416,6 +452,10 @@ def main(argv: list[str] | None = None) -> int:
                         metavar="ARM", help=f"the arms (default: all: {', '.join(ARM)})")
     parser.add_argument("--lrs", nargs="+", type=float, default=list(LRS), metavar="LR",
                         help=f"the learning-rate grid (default: {' '.join(map(str, LRS))})")
+    parser.add_argument("--lr-extensions", type=int, default=LR_EXTENSIONS, metavar="N",
+                        help="how many times a best learning rate at the grid's edge may double "
+                             f"(or halve) the grid past it (default: {LR_EXTENSIONS}; 0: the "
+                             "grid as given)")
     parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS), metavar="SEED",
                         help="the seeds; the first is the LR grid's (default: 0 1 2)")
     parser.add_argument("--scale", type=float, default=1.0,
@@ -430,10 +470,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--scale {args.scale}: must be > 0")
     if any(not lr > 0 for lr in args.lrs):
         parser.error(f"--lrs {' '.join(map(str, args.lrs))}: learning rates must be > 0")
+    if args.lr_extensions < 0:
+        parser.error(f"--lr-extensions {args.lr_extensions}: must be >= 0")
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds {' '.join(map(str, args.seeds))}: repeated seed")
     args.setup = Setup(tuple(dict.fromkeys(args.arms)), tuple(dict.fromkeys(args.lrs)),
-                       tuple(args.seeds), args.scale, tuple(args.extra))
+                       args.lr_extensions, tuple(args.seeds), args.scale, tuple(args.extra))
     log = lambda message: print(time.strftime("%H:%M:%S"), message, flush=True)  # noqa: E731
     try:
         return _run(args, log)
@@ -448,48 +490,53 @@ def _run(args, log) -> int:
     train_here = not (args.dry_run or args.summarize)
     records: dict[Path, dict[str, Any]] = {}
     for phase in PHASES[:-1]:  # the training phases, in order: each may need the one before
-        try:
-            runs = plan(phase, choose_lrs(list(records.values()), setup), setup)
-        except StudyError:
-            if phase in selected and train_here:
-                raise
-            if args.dry_run:
-                print(f"wait  {phase:9s} (needs the learning rates of the lr phase)")
-            continue
-        for run in runs:
-            directory = run.directory(args.runs_dir)
-            finished = (directory / "summary.json").is_file()
-            if args.dry_run:
-                print(f"{'done' if finished else 'todo':4s}  {phase:9s} {run.name}")
-            if finished:
-                records[directory] = record(run, directory)
-            elif phase in selected and train_here:
-                records[directory] = execute(run, args.runs_dir, log)
-                write_results(args.results, list(records.values()),
-                              choose_lrs(list(records.values()), setup))
+        seen: set[Path] = set()
+        while True:  # a phase's plan may grow from its own results (the LR grid does)
+            try:
+                runs = plan(phase, list(records.values()), setup)
+            except StudyError:
+                if phase in selected and train_here:
+                    raise
+                if args.dry_run:
+                    print(f"wait  {phase:9s} (needs the learning rates of the lr phase)")
+                break
+            new = [r for r in runs if r.directory(args.runs_dir) not in seen]
+            if not new:
+                break
+            for run in new:
+                directory = run.directory(args.runs_dir)
+                seen.add(directory)
+                finished = (directory / "summary.json").is_file()
+                if args.dry_run:
+                    print(f"{'done' if finished else 'todo':4s}  {phase:9s} {run.name}")
+                if finished:
+                    records[directory] = record(run, directory)
+                elif phase in selected and train_here:
+                    records[directory] = execute(run, args.runs_dir, log)
+                    write_results(args.results, list(records.values()), setup)
     if args.dry_run:
         return 0
     if "eval" in selected and not args.summarize:
-        chosen = choose_lrs(list(records.values()), setup)
-        for run in eval_runs(chosen, setup):
+        for run in eval_runs(list(records.values()), setup):
             directory = run.directory(args.runs_dir)
             if (directory / "summary.json").is_file():
                 score(run, args.runs_dir, log)
                 records[directory] = record(run, directory)
     chosen = choose_lrs(list(records.values()), setup)
-    write_results(args.results, list(records.values()), chosen)
+    write_results(args.results, list(records.values()), setup)
     figures = write_figures(args.results, args.runs_dir, chosen, list(records.values()))
     log(f"{len(records)} runs recorded in {args.results}"
         + (f"; figures: {', '.join(figures)}" if figures else ""))
     return 0
 
 
-def eval_runs(chosen: dict[str, float], setup: Setup) -> list[Run]:
+def eval_runs(records: list[dict[str, Any]], setup: Setup) -> list[Run]:
     """The runs lm-eval scores: every arm's seeds at its chosen learning rate."""
+    chosen = choose_lrs(records, setup)
     if any(arm not in chosen for arm in setup.arms):
         return []
-    at_lr = [r for r in plan("lr", chosen, setup) if r.lr == chosen[r.arm]]
-    return at_lr + plan("seeds", chosen, setup)
+    at_lr = [r for r in plan("lr", records, setup) if r.lr == chosen[r.arm]]
+    return at_lr + plan("seeds", records, setup)
 
 
 if __name__ == "__main__":

@@ -31,10 +31,30 @@ def test_the_learning_rate_is_the_best_of_a_complete_grid():
                + rows("lr", "egmla_kv", {(1e-3, 0): 4.6, (2e-3, 0): 4.5}))  # grid not done
     assert study.choose_lrs(records, setup) == {"mla_dc32": 2e-3}
     with pytest.raises(study.StudyError, match="not yet chosen for: egmla_kv"):
-        study.plan("seeds", {"mla_dc32": 2e-3}, setup)
-    seeds = study.plan("seeds", {"mla_dc32": 2e-3, "egmla_kv": 1e-3}, setup)
+        study.plan("seeds", records, setup)
+    records += rows("lr", "egmla_kv", {(4e-3, 0): 4.55})
+    seeds = study.plan("seeds", records, setup)
     assert {(r.arm, r.lr, r.seed) for r in seeds} == {
-        (a, lr, s) for a, lr in (("mla_dc32", 2e-3), ("egmla_kv", 1e-3)) for s in (1, 2)}
+        (a, lr, s) for a, lr in (("mla_dc32", 2e-3), ("egmla_kv", 2e-3)) for s in (1, 2)}
+
+
+def test_a_best_at_the_grids_edge_grows_the_grid_past_it_a_bounded_number_of_times():
+    setup = study.Setup(arms=("mla",), lrs=(1e-3, 2e-3, 4e-3), lr_extensions=2)
+    grid = lambda records: [r.lr for r in study.plan("lr", records, setup)]  # noqa: E731
+    records = rows("lr", "mla", {(1e-3, 0): 4.74, (2e-3, 0): 4.62, (4e-3, 0): 4.54})
+    assert grid(records) == [1e-3, 2e-3, 4e-3, 8e-3] and study.choose_lrs(records, setup) == {}
+    records += rows("lr", "mla", {(8e-3, 0): 4.50})
+    assert grid(records) == [1e-3, 2e-3, 4e-3, 8e-3, 16e-3]
+    records += rows("lr", "mla", {(16e-3, 0): 4.49})  # still the edge, but the last extension
+    assert grid(records) == [1e-3, 2e-3, 4e-3, 8e-3, 16e-3]
+    assert study.choose_lrs(records, setup) == {"mla": 16e-3}
+    # an interior minimum settles it; the low edge grows downward; a diverged run is the worst
+    interior = rows("lr", "mla", {(1e-3, 0): 4.7, (2e-3, 0): 4.6, (4e-3, 0): float("nan")})
+    assert grid(interior) == [1e-3, 2e-3, 4e-3] and study.choose_lrs(interior, setup) == {"mla": 2e-3}
+    low = rows("lr", "mla", {(1e-3, 0): 4.5, (2e-3, 0): 4.6, (4e-3, 0): 4.7})
+    assert grid(low) == [5e-4, 1e-3, 2e-3, 4e-3]
+    fixed = study.Setup(arms=("mla",), lrs=(1e-3, 2e-3, 4e-3), lr_extensions=0)
+    assert study.choose_lrs(low, fixed) == {"mla": 1e-3}
 
 
 def test_paired_differences_pair_the_same_seed_and_say_when_they_exclude_zero():
@@ -67,20 +87,23 @@ def test_the_param_matched_arm_has_egmla_kvs_parameters_lookup_tables_included()
 
 @pytest.mark.slow
 def test_a_rehearsal_runs_records_and_resumes(tmp_path):
-    """Two real train.py runs (one arm, a two-point LR grid, a few steps of a tiny model), the
-    record written; the second invocation trains nothing."""
+    """Three real train.py runs (one arm, a two-point LR grid that grows once past the edge its
+    best is at, a few steps of a tiny model), the record written; the second invocation trains
+    nothing."""
     cmd = [sys.executable, "-m", "eval.study", "--runs-dir", str(tmp_path / "runs"),
            "--results", str(tmp_path / "results"), "--phase", "lr", "--arms", "mla_dc32",
-           "--lrs", "1e-3", "3e-3", "--scale", "0.01", "--extra", "model=tiny",
+           "--lrs", "1e-3", "3e-3", "--lr-extensions", "1", "--scale", "0.01", "--extra", "model=tiny",
            "data.seq_len=32", "data.batch_size=4", "data.tokenizer.vocab_size=512",
            "trainer.limit_val_batches=2", "trainer.final_val_batches=2", "export=false"]
     first = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert first.returncode == 0, first.stderr[-3000:]
     summary = json.loads((tmp_path / "results" / "summary.json").read_text())
     arm = summary["arms"]["mla_dc32"]
-    assert set(arm["lr_grid_val_loss"]) == {"0.001", "0.003"}
-    assert arm["lr"] == min((0.001, 0.003), key=lambda lr: arm["lr_grid_val_loss"][f"{lr:g}"])
-    assert len(list((tmp_path / "results" / "runs").glob("*.json"))) == 2
+    grid = {float(lr): loss for lr, loss in arm["lr_grid_val_loss"].items()}
+    first_best = min((1e-3, 3e-3), key=grid.get)
+    assert set(grid) == {1e-3, 3e-3, first_best * 2 if first_best == 3e-3 else first_best / 2}
+    assert arm["lr"] == min(grid, key=grid.get)
+    assert len(list((tmp_path / "results" / "runs").glob("*.json"))) == 3
     assert not list((tmp_path / "runs").glob("*/*/checkpoints"))  # finished: export only
     # the KV-bytes figure (the chosen learning rate's run); the others wait for their phases
     assert sorted(p.name for p in (tmp_path / "results").glob("*.png")) == ["fig_loss_vs_kv_bytes.png"]
