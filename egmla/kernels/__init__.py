@@ -1,0 +1,214 @@
+"""CPU kernels of our own, compiled once with the system C++ compiler and loaded as a PyTorch
+operator library. Every caller keeps the plain PyTorch path as its fallback, so a machine with
+no compiler (or a CPU without AVX2 and FMA) runs the same code, only slower.
+
+    python -m egmla.kernels build      # compile now (scripts/setup.sh does this)
+    python -m egmla.kernels status     # what is built, where, and whether it is used
+
+`linear(x, weight, bias)` is `F.linear` with a decode fast path: when x has at most
+`MAX_ROWS` rows (one token, or a few batched), no gradient is wanted, and x and the weight are
+float32 or bfloat16 on the CPU, it calls `torch.ops.egmla.gemv` (decode.cpp), which streams the
+weight once on all of PyTorch's threads; PyTorch's own kernel for that shape runs on one
+thread at about half the machine's read bandwidth (benchmarks/decode_speed.py measures both).
+The result equals F.linear's up to the order of a float sum.
+
+`paged_attention(...)` is a decode step's attention read in place from the paged KV cache's
+pools (serve/paged_cache.py), instead of gathering every row's history into a padded copy per
+layer and masking it.
+
+The library is built into $EGMLA_CACHE/kernels/<key>/ (default ~/.cache/egmla), keyed by the
+source, the compiler flags and the torch version, so a new torch or an edited kernel rebuilds.
+EGMLA_KERNELS=0 turns the fast path off (the A/B switch of the benchmarks); CXX picks the
+compiler (default c++).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from egmla.paths import cache_dir
+
+SOURCE = Path(__file__).with_name("decode.cpp")
+LIBRARY = "libegmla_kernels.so"
+MAX_ROWS = 8  # beyond this many rows of x, PyTorch's GEMM is as fast (decode_speed.py)
+DTYPES = (torch.float32, torch.bfloat16)
+FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w")
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ kernels could not be compiled (the message carries the compiler's output)."""
+
+
+def unsupported() -> str | None:
+    """Why this machine cannot run the kernels, or None when it can."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"the kernels are written for x86-64 Linux, not {sys.platform}/{platform.machine()}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"the CPU lacks AVX2 and FMA (PyTorch reports {capability})"
+    return None
+
+
+def _torch_dirs() -> tuple[Path, Path]:
+    root = Path(torch.__file__).resolve().parent
+    return root / "include", root / "lib"
+
+
+def _command(output: Path) -> list[str]:
+    include, lib = _torch_dirs()
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [os.environ.get("CXX") or "c++", *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            f"-I{include}", str(SOURCE), "-o", str(output), f"-L{lib}", "-ltorch_cpu", "-lc10",
+            f"-Wl,-rpath,{lib}"]
+
+
+def library_path() -> Path:
+    """Where the library for this source, these flags and this torch lives."""
+    key = hashlib.sha256()
+    key.update(SOURCE.read_bytes())
+    key.update(" ".join((*FLAGS, torch.__version__, os.environ.get("CXX") or "c++")).encode())
+    return cache_dir() / "kernels" / key.hexdigest()[:16] / LIBRARY
+
+
+def build(force: bool = False) -> Path:
+    """Compile the kernels (unless built already) and return the library's path. Written to a
+    temporary file and renamed, so a concurrent or interrupted build never leaves half a file."""
+    target = library_path()
+    if target.is_file() and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=target.parent, prefix=".build-", suffix=".so")
+    os.close(fd)
+    command = _command(Path(partial))
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+    except OSError as error:  # no compiler at all
+        Path(partial).unlink(missing_ok=True)
+        raise KernelBuildError(f"cannot run the C++ compiler {command[0]!r}: {error}") from None
+    if done.returncode != 0:
+        Path(partial).unlink(missing_ok=True)
+        raise KernelBuildError(f"{' '.join(command)} failed (exit {done.returncode}):\n"
+                               f"{done.stderr[-3000:]}")
+    os.replace(partial, target)
+    return target
+
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "loaded": bool, "reason": why not, "path": the library
+
+
+def load() -> bool:
+    """Load the kernels once (building them first if needed); False, with the reason in
+    `status()`, when they are off, unsupported or fail to build: callers then use PyTorch."""
+    if "loaded" in _state:
+        return bool(_state["loaded"])
+    with _lock:
+        if "loaded" not in _state:
+            _state.update(_load())
+    return bool(_state["loaded"])
+
+
+def _load() -> dict[str, object]:
+    if os.environ.get("EGMLA_KERNELS", "1").strip().lower() in ("0", "off", "false", "no"):
+        return {"loaded": False, "reason": "turned off by EGMLA_KERNELS"}
+    reason = unsupported()
+    if reason:
+        return {"loaded": False, "reason": reason}
+    path = library_path()
+    try:
+        if not path.is_file():
+            print(f"egmla: building the CPU kernels once into {path.parent} (about 20 s)",
+                  file=sys.stderr, flush=True)
+            path = build()
+        if not hasattr(torch.ops.egmla, "gemv"):  # a second copy of the library cannot register
+            torch.ops.load_library(str(path))
+            # shapes without running it, so torch.compile can trace a model that calls it
+            torch.library.register_fake("egmla::gemv")(
+                lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
+            torch.library.register_fake("egmla::gemv_many")(
+                lambda x, ws: [x.new_empty(x.shape[0], w.shape[0]) for w in ws])
+            torch.library.register_fake("egmla::paged_attention")(
+                lambda q, k, v, slots, lengths, scale: q.new_empty(*q.shape[:2], v.shape[-1]))
+    except (KernelBuildError, OSError, RuntimeError) as error:
+        warnings.warn(f"egmla: CPU kernels unavailable, using PyTorch's: {error}", stacklevel=3)
+        return {"loaded": False, "reason": str(error).splitlines()[0]}
+    return {"loaded": True, "reason": None, "path": str(path)}
+
+
+def status() -> dict[str, object]:
+    """Whether the kernels are in use, and if not, why."""
+    load()
+    return {"loaded": _state["loaded"], "reason": _state["reason"],
+            "library": _state.get("path") or str(library_path()), "max_rows": MAX_ROWS,
+            "threads": torch.get_num_threads()}
+
+
+def _rows_for_kernel(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> int:
+    """x's rows when the kernel may take x @ w.T for every w, else 0."""
+    K = x.shape[-1]
+    rows = x.numel() // K if K else 0
+    if not 0 < rows <= MAX_ROWS or x.dtype not in DTYPES or x.device.type != "cpu":
+        return 0
+    grad = torch.is_grad_enabled()
+    if grad and x.requires_grad:
+        return 0
+    for w in weights:
+        if (w.dtype != x.dtype or w.device.type != "cpu" or not w.is_contiguous()
+                or (grad and w.requires_grad)):
+            return 0
+    return rows if load() else 0
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), through the kernel when x has few rows (see the module doc)."""
+    rows = _rows_for_kernel(x, (weight,))
+    if not rows:
+        return F.linear(x, weight, bias)
+    y = torch.ops.egmla.gemv(x.reshape(rows, x.shape[-1]).contiguous(), weight)
+    y = y.view(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
+
+
+def linears(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """[F.linear(x, w) for w in weights] (no biases): several projections of one input, such as
+    a layer's Q, K and V, in one pass of the kernel over all their rows, so that small weights
+    (a GQA layer's K and V) still read on every thread."""
+    rows = _rows_for_kernel(x, weights)
+    if not rows:
+        return [F.linear(x, w) for w in weights]
+    ys = torch.ops.egmla.gemv_many(x.reshape(rows, x.shape[-1]).contiguous(), list(weights))
+    return [y.view(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, weights)]
+
+
+def paged_attention_runs(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    """Whether `paged_attention` can take these tensors here."""
+    return (q.device.type == "cpu" and k_pool.device.type == "cpu" and k_pool.dtype in DTYPES
+            and v_pool.dtype == k_pool.dtype and k_pool.dim() == 3 and v_pool.dim() == 3
+            and not (torch.is_grad_enabled() and q.requires_grad) and load())
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    slots: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention read in place from a paged cache's pools (where `paged_attention_runs`).
+
+    q (B, H, D): each row's one query (its newest token); k_pool (slots, G, D) and v_pool
+    (slots, G, Dv) in float32 or bfloat16; slots (B, S) int64, of which row b's first
+    lengths[b] are its keys in order; -> (B, H, Dv) in q's dtype. Query head h reads K/V head
+    h // (H / G). Softmax and sums in float32."""
+    if not load():
+        raise RuntimeError(f"egmla kernels unavailable: {_state['reason']}")
+    out = torch.ops.egmla.paged_attention(q.float().contiguous(), k_pool, v_pool, slots, lengths,
+                                          float(scale))
+    return out.to(q.dtype)
