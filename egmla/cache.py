@@ -118,6 +118,16 @@ class LayerView(Protocol):
         """A per-sequence field (`CacheSpec.sequence`) for those keys, (B, S, ...)."""
         ...
 
+    def fused_attention(self, q: torch.Tensor, new: Mapping[str, torch.Tensor], key: str,
+                        value: str, scale: float) -> torch.Tensor | None:
+        """Attention computed by the cache where it can do better than `update` and SDPA (a
+        paged decode step reads its pools in place): write `new` (exactly the layer's fields,
+        as `update` would) and return softmax(q . k * scale) . v over every key each query may
+        see, q (B, T, H, D) -> (B, T, H, Dv), with the fields named `key` and `value` as K and
+        V (K/V heads shared by H / G query heads). None, with nothing written, where it cannot;
+        the layer then calls `update` and attends itself."""
+        ...
+
 
 @runtime_checkable
 class CacheStep(Protocol):
@@ -201,6 +211,9 @@ class LayerCache:
 
     def sequence_field(self, name: str) -> torch.Tensor:
         return self._cache.sequence_field(name)
+
+    def fused_attention(self, q, new, key, value, scale) -> None:
+        return None  # its history is a plain slice already: update + SDPA
 
 
 class ContiguousCache(CacheTensors):

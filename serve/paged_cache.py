@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from egmla import kernels
 from egmla.cache import CacheSpec, CacheTensors, write_sequence_fields
 
 # Key position of padding slots: larger than any query position, so `key <= query` is false.
@@ -92,6 +93,8 @@ class PagedStep:
             slots[b, :total], key_positions[b, :total] = row, pos
             new_slots[b, :new] = row[ctx:]
         self.slots, self.new_slots = slots.to(device), new_slots.to(device)
+        self.decode_only = T == 1  # every row adds one token: its query is its newest key
+        self.lengths = torch.tensor([c + n for c, n in zip(context_lens, new_lens)], device=device)
         self.flat_slots = self.slots.flatten()
         self.key_positions = key_positions.to(device)
         valid = (self.new_slots >= 0).flatten()  # real new tokens (the rest is padding)
@@ -145,3 +148,18 @@ class _PagedLayer:
 
     def sequence_field(self, name: str) -> torch.Tensor:
         return self._step.sequence_field(name)
+
+    def fused_attention(self, q: torch.Tensor, new: Mapping[str, torch.Tensor], key: str,
+                        value: str, scale: float) -> torch.Tensor | None:
+        """A decode step (one new token per row) attends straight from the pools through the
+        slot tables (egmla.kernels.paged_attention): no padded history copy, no mask."""
+        step = self._step
+        if not step.decode_only or set(new) != set(self._pools):
+            return None
+        k_pool, v_pool = self._pools[key], self._pools[value]
+        if not kernels.paged_attention_runs(q, k_pool, v_pool):
+            return None  # nothing written: the layer takes update + SDPA
+        for name, values in new.items():
+            step._write(self._pools[name], values)
+        out = kernels.paged_attention(q[:, 0], k_pool, v_pool, step.slots, step.lengths, scale)
+        return out[:, None]  # (B, 1, H, Dv)

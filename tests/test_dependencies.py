@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE = ["egmla/models", "egmla/config.py", "egmla/cache.py", "egmla/presets.py", "egmla/generate.py"]
+CORE = ["egmla/models", "egmla/kernels", "egmla/paths.py", "egmla/config.py", "egmla/cache.py",
+        "egmla/presets.py", "egmla/generate.py"]
 FRAMEWORKS = ["lightning", "pytorch_lightning", "hydra", "omegaconf", "transformers", "wandb",
               "lm_eval", "datasets"]
 

@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import Dataset
 
 from egmla.data.tokenizer import tokenizer_fingerprint
-from egmla.imports import cache_dir
+from egmla.paths import cache_dir
 
 TOKEN_FORMAT_VERSION = 1  # bump when what is written changes (e.g. eos placement)
 BATCH_DOCS = 256  # texts per call into the Rust tokenizer

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from egmla.data.corpus import corpus_fingerprint, split_corpus
-from egmla.imports import KNOWN_MODELS, cache_dir
+from egmla.imports import KNOWN_MODELS
+from egmla.paths import cache_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

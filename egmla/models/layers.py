@@ -1,15 +1,27 @@
-"""Building blocks shared by every backbone: RMSNorm, rotary embeddings, SwiGLU."""
+"""Building blocks shared by every backbone: linear layers, RMSNorm, rotary embeddings, SwiGLU."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from egmla import kernels
+
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Norms and RoPE angles run in at least float32 (float64 stays float64)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same state dict) whose inference on a few rows, a decode
+    step's, runs on egmla's CPU kernel where there is one (`egmla.kernels.linear`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -21,9 +33,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(_compute_dtype(x.dtype))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # F.rms_norm is one op where the formula is seven (a decode step runs 61 of these);
+        # in float32 it is the formula, and in bf16 the formula is: normalize in float32,
+        # round, then multiply by the weight in bf16.
+        work = _compute_dtype(x.dtype)
+        if x.dtype == work and self.weight.dtype == work:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.to(work), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
@@ -40,24 +56,40 @@ def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
 class Rotary:
     """Rotary position embedding in the half-split ("rotate_half") layout used by Llama.
 
-    The angles are computed from absolute positions on every call, so any offset (a cached
-    prefix, a chunk of a prompt) is just a different `positions` tensor. No buffers: the
-    frequencies cannot be silently cast to bf16 by `model.to(dtype)`.
+    The angles are computed from absolute positions, so any offset (a cached prefix, a chunk of
+    a prompt) is just a different `positions` tensor. No buffers: the frequencies cannot be
+    silently cast to bf16 by `model.to(dtype)`. Layers get their instance from `rotary(dim,
+    theta)`, which shares one per (dim, theta): every layer of a forward passes the same
+    `positions` tensor, so the angles are computed by the first layer and reused by the rest.
     """
 
     def __init__(self, dim: int, theta: float) -> None:
         if dim % 2:
             raise ValueError(f"RoPE dim must be even, got {dim}")
         self.dim, self.theta = dim, theta
+        self._last: tuple | None = None  # (positions, its version, dtype, cos, sin)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (B, T) integer -> cos, sin (B, T, dim) in `dtype`."""
+        last = self._last  # one read: another thread may replace it, never half of it
+        if (last is not None and last[0] is positions and last[1] == positions._version
+                and last[2] == dtype):
+            return last[3], last[4]
         work = _compute_dtype(dtype)
         exponent = torch.arange(0, self.dim, 2, device=positions.device, dtype=torch.int64).to(work)
         inv_freq = 1.0 / (self.theta ** (exponent / self.dim))  # (dim/2,)
         angles = positions.to(work)[..., None] * inv_freq  # (B, T, dim/2)
         angles = torch.cat((angles, angles), dim=-1)  # (B, T, dim)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        if not torch.compiler.is_compiling():
+            self._last = (positions, positions._version, dtype, cos, sin)
+        return cos, sin
+
+
+@functools.cache
+def rotary(dim: int, theta: float) -> Rotary:
+    """The shared Rotary for (dim, theta) (see Rotary)."""
+    return Rotary(dim, theta)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -73,9 +105,10 @@ class SwiGLU(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int) -> None:
         super().__init__()
-        self.w_gate = nn.Linear(d_model, d_ff, bias=False)
-        self.w_up = nn.Linear(d_model, d_ff, bias=False)
-        self.w_down = nn.Linear(d_ff, d_model, bias=False)
+        self.w_gate = Linear(d_model, d_ff, bias=False)
+        self.w_up = Linear(d_model, d_ff, bias=False)
+        self.w_down = Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        gate, up = kernels.linears(x, (self.w_gate.weight, self.w_up.weight))  # one pass
+        return self.w_down(F.silu(gate) * up)

@@ -18,7 +18,7 @@ from egmla.cache import TOKEN_IDS, CacheSpec, CacheStep, ContiguousCache
 from egmla.config import ModelConfig
 from egmla.models.attention import build_attention
 from egmla.models.attention.common import TOKEN_IDS_FIELD
-from egmla.models.layers import RMSNorm, SwiGLU
+from egmla.models.layers import Linear, RMSNorm, SwiGLU
 
 
 class Block(nn.Module):
@@ -43,7 +43,7 @@ class Transformer(nn.Module):
             Block(config, attention) for attention in build_attention(config)
         )
         self.norm = RMSNorm(config.d_model, config.norm_eps)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.reset_parameters()

@@ -176,6 +176,34 @@ def test_rmsnorm_matches_formula():
     assert torch.allclose(norm(x), expected, atol=1e-14)
 
 
+def test_rmsnorm_in_bf16_normalizes_in_float32_then_scales_in_bf16():
+    x = torch.randn(2, 3, 64).bfloat16()
+    norm = RMSNorm(64).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 2.0, 64))
+        h = x.float()
+        expected = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+        assert torch.equal(norm(x), expected)
+
+
+def test_the_layers_share_one_rope_whose_angles_are_computed_once_per_positions_tensor():
+    from egmla.models.layers import rotary
+
+    model = build(preset("tiny-mha"))
+    ropes = {id(block.attn.rope) for block in model.layers}
+    assert len(ropes) == 1 and rotary(model.layers[0].attn.head_dim, model.config.rope_theta) is \
+        model.layers[0].attn.rope
+    rope, positions = model.layers[0].attn.rope, torch.arange(6)[None]
+    first = rope.cos_sin(positions, torch.float32)
+    assert rope.cos_sin(positions, torch.float32)[0] is first[0]  # reused
+    assert rope.cos_sin(positions.clone(), torch.float32)[0] is not first[0]  # another tensor
+    positions.add_(3)  # the same tensor changed in place: recomputed, and right
+    moved = rope.cos_sin(positions, torch.float32)
+    assert moved[0] is not first[0]
+    assert torch.allclose(moved[0], Rotary(rope.dim, rope.theta).cos_sin(torch.arange(3, 9)[None],
+                                                                          torch.float32)[0])
+
+
 def test_rope_depends_only_on_relative_position():
     """q_p . k_s after RoPE is unchanged when both positions shift by the same offset."""
     rope = Rotary(16, 10000.0)

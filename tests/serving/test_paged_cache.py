@@ -87,3 +87,46 @@ def test_too_many_tokens_for_the_blocks_is_an_error():
     cache = PagedKVCache(cache_spec_for(preset("tiny-mha")), num_blocks=4, block_size=4)
     with pytest.raises(ValueError, match="do not fit"):
         cache.step([[0, 1]], [6], [3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_attention_read_in_place_equals_gather_and_sdpa(dtype):
+    """A decode step's fused attention (egmla.kernels.paged_attention, where the CPU runs it)
+    writes what `update` writes and returns what SDPA over the gathered history returns, GQA
+    heads included; a prefill step declines and writes nothing."""
+    from egmla import kernels
+    from egmla.cache import CacheSpec, FieldSpec
+    from egmla.models.attention.common import attend
+
+    torch.manual_seed(0)
+    G, H, D = 2, 6, 16
+    spec = CacheSpec(layers=({"k": FieldSpec((G, D)), "v": FieldSpec((G, D))},))
+    caches = [PagedKVCache(spec, num_blocks=12, block_size=4, dtype=dtype) for _ in range(2)]
+    for cache in caches:  # the same history in both
+        for name, pool in cache.layers[0].items():
+            torch.manual_seed(len(name))
+            pool.copy_(torch.randn(pool.shape))
+    tables, context = [[5, 2, 9], [0, 7], [11]], [9, 6, 0]
+    q = torch.randn(3, 1, H, D)
+    new = {"k": torch.randn(3, 1, G, D), "v": torch.randn(3, 1, G, D)}
+    fused_step, plain_step = (c.step(tables, context, [1, 1, 1]) for c in caches)
+    with torch.no_grad():
+        fused = fused_step.layer(0).fused_attention(q, new, key="k", value="v", scale=D**-0.5)
+        view = plain_step.layer(0)
+        history = view.update(**new)
+        positions = torch.tensor(context)[:, None]
+        plain = attend(q, history["k"].float(), history["v"].float(), D**-0.5, positions,
+                       view.key_positions)
+    if not kernels.paged_attention_runs(q, caches[0].layers[0]["k"], caches[0].layers[0]["v"]):
+        assert fused is None and kernels.unsupported() is not None
+        return
+    assert fused.shape == (3, 1, H, D)
+    assert torch.allclose(fused.float(), plain, atol=1e-5)
+    for name in ("k", "v"):
+        assert torch.equal(caches[0].layers[0][name], caches[1].layers[0][name])  # same writes
+    prefill = caches[0].step([[3]], [0], [2])
+    before = caches[0].layers[0]["k"].clone()
+    two = {"k": torch.randn(1, 2, G, D), "v": torch.randn(1, 2, G, D)}
+    assert prefill.layer(0).fused_attention(q[:1].expand(1, 2, H, D), two, key="k", value="v",
+                                            scale=1.0) is None
+    assert torch.equal(caches[0].layers[0]["k"], before)

@@ -68,13 +68,32 @@ def attend(
     if key_positions is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=G != H)
         return out.transpose(1, 2)  # (B, T, H, Dv)
-    kp = key_positions if key_positions.dim() == 2 else key_positions[None]  # (B or 1, S)
-    mask = kp[:, None, :] <= positions[:, :, None]  # (B or 1, T, S)
     # GQA/MQA with a mask: fold the R = H / G query heads that share a K/V head into the query
     # axis, (B, G, R * T, D), so SDPA sees plain MHA over G heads. Same function as
     # enable_gqa=True, which on CPU takes a slow path when a mask is given (20x at decode).
     R = H // G
     q = q.reshape(B, G, R * T, q.shape[-1])
-    mask = mask[:, None, None].expand(-1, -1, R, -1, -1).reshape(mask.shape[0], 1, R * T, -1)
+    mask = _causal_mask(positions, key_positions, R)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (B, G, R*T, Dv)
     return out.view(B, H, T, -1).transpose(1, 2)  # (B, T, H, Dv)
+
+
+_last_mask: tuple | None = None  # (positions, key_positions, their versions, R, mask)
+
+
+def _causal_mask(positions: torch.Tensor, key_positions: torch.Tensor, R: int) -> torch.Tensor:
+    """(B or 1, 1, R * T, S) boolean: query at position p sees keys at positions <= p, each
+    query repeated for the R heads folded into it. Every layer of a forward passes the same two
+    tensors, so the first layer builds the mask and the rest reuse it."""
+    global _last_mask
+    last = _last_mask  # one read: another thread may replace it, never half of it
+    versions = (positions._version, key_positions._version)
+    if (last is not None and last[0] is positions and last[1] is key_positions
+            and last[2] == versions and last[3] == R):
+        return last[4]
+    kp = key_positions if key_positions.dim() == 2 else key_positions[None]  # (B or 1, S)
+    mask = kp[:, None, :] <= positions[:, :, None]  # (B or 1, T, S)
+    mask = mask[:, None, None].expand(-1, -1, R, -1, -1).reshape(mask.shape[0], 1, -1, kp.shape[-1])
+    if not torch.compiler.is_compiling():
+        _last_mask = (positions, key_positions, versions, R, mask)
+    return mask

@@ -18,7 +18,7 @@ from egmla.config import ModelConfig
 from egmla.models.attention.common import attend
 from egmla.models.attention.egmla import EGMLA
 from egmla.models.attention.mla import MLA
-from egmla.models.layers import make_norm
+from egmla.models.layers import Linear, make_norm
 
 
 class EGMLAConstGate(EGMLA):
@@ -47,7 +47,7 @@ class EGMLAHiddenGate(MLA):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         a = config.attention
-        self.w_gate = nn.Linear(config.d_model, a.d_c, bias=False)  # W_G
+        self.w_gate = Linear(config.d_model, a.d_c, bias=False)  # W_G
         self.gate_norm = make_norm(a.gate_norm, a.d_c, config.norm_eps)
 
     def cached_fields(self, x, token_ids, cos, sin, with_auxiliary):
@@ -68,7 +68,7 @@ class MLAValueEmbed(MLA):
         a = config.attention
         self.d_e = a.d_e
         self.value_table = nn.Embedding(config.vocab_size, a.d_e)  # E
-        self.w_value = nn.Linear(a.d_e, config.n_heads * a.d_v, bias=False)  # W_VE
+        self.w_value = Linear(a.d_e, config.n_heads * a.d_v, bias=False)  # W_VE
 
     def lookup_tables(self) -> list[nn.Parameter]:
         return [self.value_table.weight]

@@ -36,7 +36,7 @@ from torch import nn
 from egmla.cache import FieldSpec, LayerSpec
 from egmla.config import EGMLAConfig, ModelConfig
 from egmla.models.attention.mla import MLA
-from egmla.models.layers import make_norm
+from egmla.models.layers import Linear, make_norm
 
 # The norm's per-token statistics: (mu, inv_sigma) for LayerNorm, (inv_sigma,) for RMSNorm. Kept
 # in float32 at least: inv_sigma can be large where the gated vector is small.
@@ -60,7 +60,7 @@ class EGMLA(MLA):
         self.needs_token_ids = self.gates_kv and self.gate_reads_ids
         gated = a.gated_width(config)
         self.gate_table = gate_table  # the same module in every layer of a group (shared weight)
-        self.w_gate = nn.Linear(a.d_e, gated, bias=False)  # W_UE
+        self.w_gate = Linear(a.d_e, gated, bias=False)  # W_UE
         self.gate_norm = make_norm(a.gate_norm, gated, config.norm_eps)
         stats = _STATS_WIDTH[a.gate_norm] if self.gates_kv and a.impl != "naive" else 0
         self.stats_width = stats

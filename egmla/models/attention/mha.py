@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
+from egmla import kernels
 from egmla.cache import FieldSpec, LayerSpec, LayerView
 from egmla.config import MHAConfig, ModelConfig
 from egmla.models.attention.common import AttentionLayer, attend
-from egmla.models.layers import Rotary, apply_rope
+from egmla.models.layers import Linear, apply_rope, rotary
 
 
 class MHA(AttentionLayer):
@@ -20,11 +20,11 @@ class MHA(AttentionLayer):
         assert isinstance(a, MHAConfig)
         d = config.d_model
         self.n_heads, self.n_kv, self.head_dim = config.n_heads, a.kv_heads(config), a.head_size(config)
-        self.wq = nn.Linear(d, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(d, self.n_kv * self.head_dim, bias=False)
-        self.wv = nn.Linear(d, self.n_kv * self.head_dim, bias=False)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
-        self.rope = Rotary(self.head_dim, config.rope_theta)
+        self.wq = Linear(d, self.n_heads * self.head_dim, bias=False)
+        self.wk = Linear(d, self.n_kv * self.head_dim, bias=False)
+        self.wv = Linear(d, self.n_kv * self.head_dim, bias=False)
+        self.wo = Linear(self.n_heads * self.head_dim, d, bias=False)
+        self.rope = rotary(self.head_dim, config.rope_theta)
 
     def cache_spec(self) -> LayerSpec:
         return {"k": FieldSpec((self.n_kv, self.head_dim)), "v": FieldSpec((self.n_kv, self.head_dim))}
@@ -42,14 +42,18 @@ class MHA(AttentionLayer):
     ) -> torch.Tensor:
         # B batch, T new tokens, S cached + new tokens, H query heads, G kv heads, D head dim
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
-        k = self.wk(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, G, D)
-        v = self.wv(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, G, D)
+        q, k, v = kernels.linears(x, (self.wq.weight, self.wk.weight, self.wv.weight))  # one pass
+        q = q.view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
+        k = k.view(B, T, self.n_kv, self.head_dim)  # (B, T, G, D)
+        v = v.view(B, T, self.n_kv, self.head_dim)  # (B, T, G, D)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        key_positions = None
+        scale, o, key_positions = self.head_dim**-0.5, None, None
         if cache is not None:
-            kv = cache.update(k=k, v=v)
-            k, v, key_positions = kv["k"], kv["v"], cache.key_positions  # (B, S, G, D)
-        o = attend(q, k, v, self.head_dim**-0.5, positions, key_positions)  # (B, T, H, D)
+            o = cache.fused_attention(q, {"k": k, "v": v}, key="k", value="v", scale=scale)
+            if o is None:
+                kv = cache.update(k=k, v=v)
+                k, v, key_positions = kv["k"], kv["v"], cache.key_positions  # (B, S, G, D)
+        if o is None:
+            o = attend(q, k, v, scale, positions, key_positions)  # (B, T, H, D)
         return self.wo(o.reshape(B, T, self.n_heads * self.head_dim))

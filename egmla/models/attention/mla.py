@@ -18,12 +18,11 @@ less arithmetic for long prefills.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from egmla.cache import FieldSpec, LayerSpec, LayerView
 from egmla.config import MLAConfig, ModelConfig
 from egmla.models.attention.common import TOKEN_IDS_FIELD, AttentionLayer, attend
-from egmla.models.layers import RMSNorm, Rotary, apply_rope
+from egmla.models.layers import Linear, RMSNorm, apply_rope, rotary
 
 
 class MLA(AttentionLayer):
@@ -38,16 +37,16 @@ class MLA(AttentionLayer):
         self.impl, self.d_q = a.impl, a.d_q
         q_width = H * (a.d_nope + a.d_rope)
         if a.d_q is None:
-            self.wq = nn.Linear(d, q_width, bias=False)
+            self.wq = Linear(d, q_width, bias=False)
         else:
-            self.wq_a = nn.Linear(d, a.d_q, bias=False)  # W_DQ
+            self.wq_a = Linear(d, a.d_q, bias=False)  # W_DQ
             self.q_norm = RMSNorm(a.d_q, config.norm_eps)
-            self.wq_b = nn.Linear(a.d_q, q_width, bias=False)  # W_UQ (and W_QR)
-        self.wkv_a = nn.Linear(d, a.d_c + a.d_rope, bias=False)  # [W_DKV; W_KR]
+            self.wq_b = Linear(a.d_q, q_width, bias=False)  # W_UQ (and W_QR)
+        self.wkv_a = Linear(d, a.d_c + a.d_rope, bias=False)  # [W_DKV; W_KR]
         self.kv_norm = RMSNorm(a.d_c, config.norm_eps)
-        self.wkv_b = nn.Linear(a.d_c, H * (a.d_nope + a.d_v), bias=False)  # [W_UK; W_UV] per head
-        self.wo = nn.Linear(H * a.d_v, d, bias=False)
-        self.rope = Rotary(a.d_rope, config.rope_theta)
+        self.wkv_b = Linear(a.d_c, H * (a.d_nope + a.d_v), bias=False)  # [W_UK; W_UV] per head
+        self.wo = Linear(H * a.d_v, d, bias=False)
+        self.rope = rotary(a.d_rope, config.rope_theta)
         self.scale = (a.d_nope + a.d_rope) ** -0.5
 
     def cache_spec(self) -> LayerSpec:

@@ -1,0 +1,146 @@
+"""egmla's CPU kernel (egmla/kernels): the decode fast path of every linear layer equals
+F.linear, is taken where the docs say, and falls back cleanly where it cannot run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from egmla import kernels
+from support import ROOT
+
+SUPPORTED = kernels.unsupported() is None
+
+
+def test_the_kernel_is_built_and_used_where_the_cpu_supports_it():
+    """On an AVX2 machine the fast path must really be on, or every test below compares
+    F.linear with itself."""
+    if not SUPPORTED:
+        assert not kernels.load() and kernels.status()["reason"] == kernels.unsupported()
+        return
+    assert kernels.load(), kernels.status()["reason"]
+    assert torch.ops.egmla.gemv.default is not None
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("K,N", [(576, 192), (577, 13), (64, 4099), (7, 1)])
+def test_fp32_matches_a_float64_reference_as_closely_as_f_linear(rows, K, N):
+    torch.manual_seed(rows * K + N)
+    x, w = torch.randn(rows, K), torch.randn(N, K)
+    exact = x.double() @ w.double().T
+    with torch.no_grad():
+        ours = kernels.linear(x, w)
+    theirs = F.linear(x, w)
+    assert ours.shape == theirs.shape and ours.dtype == torch.float32
+    bound = max((theirs.double() - exact).abs().max().item(), 1e-6) * 4
+    assert (ours.double() - exact).abs().max().item() <= bound
+
+
+@pytest.mark.parametrize("rows", [1, 4, 7])
+def test_bf16_is_fp32_accumulated_and_rounded_once(rows):
+    """Inputs in bf16, products summed in fp32, the sum rounded to bf16 once: within one bf16
+    rounding (2^-8 relative) of the exact result over the same bf16 inputs."""
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, 320).bfloat16(), torch.randn(1000, 320).bfloat16()
+    exact = x.double() @ w.double().T
+    with torch.no_grad():
+        ours = kernels.linear(x, w)
+    assert ours.dtype == torch.bfloat16
+    assert ((ours.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
+
+
+def test_leading_dimensions_and_bias_are_kept():
+    x, w, b = torch.randn(2, 1, 48), torch.randn(24, 48), torch.randn(24)
+    with torch.no_grad():
+        assert torch.allclose(kernels.linear(x, w, b), F.linear(x, w, b), atol=1e-5)
+
+
+def test_training_keeps_pytorchs_path_and_its_gradients():
+    x = torch.randn(1, 32, requires_grad=True)
+    w = torch.randn(16, 32, requires_grad=True)
+    kernels.linear(x, w).sum().backward()
+    assert torch.allclose(x.grad, w.sum(0).detach()) and torch.allclose(w.grad, x.detach().expand(16, 32))
+
+
+def test_many_rows_and_other_dtypes_go_to_f_linear():
+    """Past MAX_ROWS (prefill, training batches) and in float64 the result is F.linear's, bit
+    for bit."""
+    w = torch.randn(40, 24)
+    with torch.no_grad():
+        many = torch.randn(kernels.MAX_ROWS + 1, 24)
+        assert torch.equal(kernels.linear(many, w), F.linear(many, w))
+        x64 = torch.randn(1, 24, dtype=torch.float64)
+        assert torch.equal(kernels.linear(x64, w.double()), F.linear(x64, w.double()))
+
+
+def ops_called(fn) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key for e in prof.key_averages()}
+
+
+def test_a_models_decode_step_runs_its_linears_on_the_kernel():
+    """The model's layers are egmla's Linear: at one token per row they call the kernel, at
+    prefill they do not; the state dict is nn.Linear's."""
+    from egmla.models import Transformer
+    from egmla.presets import preset
+
+    model = Transformer(preset("tiny-mha")).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 12))
+    with torch.no_grad():
+        decode, prefill = ops_called(lambda: model(ids[:, :1])), ops_called(lambda: model(ids))
+    assert ("egmla::gemv" in decode) == SUPPORTED and "egmla::gemv" not in prefill
+    assert "aten::linear" in prefill
+    assert all(k.endswith(".weight") or "norm" in k for k in model.state_dict())
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **env}, timeout=300, check=False)
+
+
+def test_egmla_kernels_0_turns_the_fast_path_off():
+    out = run_python("from egmla import kernels; print(kernels.load(), kernels.status()['reason'])",
+                     EGMLA_KERNELS="0")
+    assert out.returncode == 0 and out.stdout.split(None, 1) == ["False", "turned off by EGMLA_KERNELS\n"]
+
+
+def test_a_failing_build_warns_once_and_falls_back(tmp_path):
+    """No compiler: a warning naming it (on a CPU that could run the kernels), F.linear's
+    results, exit 0; nothing half-written."""
+    code = ("import torch, warnings; from egmla import kernels\n"
+            "with torch.no_grad(): y = kernels.linear(torch.ones(1, 8), torch.ones(2, 8))\n"
+            "print(y.tolist(), kernels.status()['loaded'])")
+    out = run_python(code, CXX=str(tmp_path / "no-such-compiler"), EGMLA_CACHE=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[[8.0, 8.0]] False"
+    assert ("CPU kernels unavailable" in out.stderr and "no-such-compiler" in out.stderr) == SUPPORTED
+    assert "Traceback" not in out.stderr
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
+def test_status_and_build_commands():
+    out = subprocess.run([sys.executable, "-m", "egmla.kernels", "status"], capture_output=True,
+                         text=True, cwd=ROOT, check=False)
+    assert out.returncode == 0 and '"loaded": ' + ("true" if SUPPORTED else "false") in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "egmla.kernels", "compile"], capture_output=True,
+                         text=True, cwd=ROOT, check=False)
+    assert bad.returncode == 2 and "invalid choice: 'compile'" in bad.stderr
+
+
+def test_linears_is_one_pass_over_weights_that_share_an_input():
+    """The fused projections (Q, K, V; gate, up) equal one F.linear each, with or without the
+    kernel, including weights of a few rows that a thread's run of blocks spans."""
+    torch.manual_seed(1)
+    x = torch.randn(1, 3, 40)
+    ws = [torch.randn(n, 40) for n in (7, 300, 1, 64)]
+    with torch.no_grad():
+        ours = kernels.linears(x, ws)
+    assert [y.shape for y in ours] == [(1, 3, n) for n in (7, 300, 1, 64)]
+    for y, w in zip(ours, ws):
+        assert torch.allclose(y, F.linear(x, w), atol=1e-5)
