@@ -42,3 +42,28 @@ def parse_dtype(name: str, accepted: Sequence[str] = WEIGHT_DTYPES, aliases: boo
     if full is None:
         raise ValueError(f"unknown dtype {name!r}; accepted: {', '.join(names)}")
     return getattr(torch, full)
+
+
+VLLM_NAMES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+              "fp32": "float32"}  # the spellings vLLM's `dtype` takes besides the full names
+
+
+def parse_model_dtype(dtype: object) -> torch.dtype | None:
+    """A model's dtype as vLLM takes it: None or "auto" (the checkpoint's), a torch.dtype, or a
+    name ("bfloat16", "bf16", "half", "float", ...). Anything else is a ValueError naming it."""
+    import torch
+
+    if dtype is None or (isinstance(dtype, str) and dtype.lower() == "auto"):
+        return None
+    if isinstance(dtype, torch.dtype):
+        if dtype_name(dtype) not in WEIGHT_DTYPES:
+            raise ValueError(f"dtype={dtype}: accepted {', '.join(WEIGHT_DTYPES)}")
+        return dtype
+    if not isinstance(dtype, str):
+        raise ValueError(f"dtype={dtype!r}: expected a name such as 'bfloat16' or a torch.dtype")
+    name = VLLM_NAMES.get(dtype.lower(), dtype)
+    try:
+        return parse_dtype(name)
+    except ValueError:
+        raise ValueError(f"dtype={dtype!r}: accepted auto, {', '.join(WEIGHT_DTYPES)}, "
+                         f"{', '.join(VLLM_NAMES)}") from None

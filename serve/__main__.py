@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="the name clients pass as 'model' (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default %(default)s)")
-    p.add_argument("--dtype", choices=DTYPES, help="weights and KV-cache dtype (default: the export's)")
+    p.add_argument("--dtype", choices=DTYPES, help="the weights' dtype (default: the export's)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", *DTYPES], default="auto",
+                   help="the KV cache's dtype (default auto: the weights')")
     g = p.add_argument_group("KV cache and scheduling")
     g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (%(default)s)")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default="512MiB",
@@ -99,7 +101,6 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from egmla.checkpoint import CheckpointError
-    from egmla.dtypes import parse_dtype
     from serve.api import build_app
     from serve.async_engine import AsyncEngine
     from serve.llm import LLM
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=not args.no_prefix_caching,
                   enable_chunked_prefill=not args.no_chunked_prefill,
-                  dtype=parse_dtype(args.dtype) if args.dtype else None)
+                  dtype=args.dtype, cache_dtype=args.kv_cache_dtype)
     except (CheckpointError, ValueError, OSError) as error:
         print(f"error: cannot load --model {args.model}: {error}", file=sys.stderr)
         return 2

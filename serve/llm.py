@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from egmla.dtypes import parse_model_dtype
 from egmla.imports import load_pretrained
 from egmla.models import Transformer
 from serve.engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams
@@ -59,16 +60,23 @@ class LLM:
         self,
         model: str | os.PathLike | Transformer,
         tokenizer: Any = None,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         **engine_args: Any,
     ) -> None:
         """`model`: a Transformer (with `tokenizer`), an export directory or a known name, loaded
-        in `dtype` (default: the export's). `engine_args` are `EngineConfig`'s fields
-        (block_size, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
-        enable_prefix_caching, enable_chunked_prefill, cache_dtype), with its defaults."""
+        in `dtype`: "auto" or None (the export's), a name as vLLM takes it ("bfloat16", "bf16",
+        "float16", "half", "float32", "float") or a torch.dtype. `engine_args` are
+        `EngineConfig`'s fields (block_size, num_blocks, kv_cache_memory, max_num_seqs,
+        max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, cache_dtype:
+        the KV cache's dtype, by default the weights'), with its defaults."""
+        dtype = parse_model_dtype(dtype)  # a bad dtype fails before loading, naming itself
+        if "cache_dtype" in engine_args:
+            engine_args["cache_dtype"] = parse_model_dtype(engine_args["cache_dtype"])
         config = EngineConfig.from_args(**engine_args)  # a misspelled argument fails before loading
         if isinstance(model, Transformer):
             self.model, self.tokenizer = model, tokenizer
+            if dtype is not None:
+                self.model.to(dtype)
         else:
             self.model, loaded_tokenizer = load_pretrained(model, dtype=dtype)
             self.tokenizer = tokenizer or loaded_tokenizer

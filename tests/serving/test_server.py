@@ -289,7 +289,8 @@ def test_cli_serves_a_training_export(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "serve", "--model", str(export), "--port", str(port),
-         "--kv-cache-memory", "4MiB", "--log-level", "warning"],
+         "--kv-cache-memory", "4MiB", "--dtype", "bfloat16", "--kv-cache-dtype", "float32",
+         "--log-level", "warning"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -318,6 +319,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_cli_help_and_bad_arguments_fail_cleanly(tmp_path):
     help_text = run_cli("--help")
     assert help_text.returncode == 0 and "--kv-cache-memory" in help_text.stdout
+    assert "--kv-cache-dtype" in help_text.stdout
+    dtype = run_cli("--model", "x", "--kv-cache-dtype", "int8")
+    assert dtype.returncode == 2 and "'int8'" in dtype.stderr
     missing = run_cli("--model", str(tmp_path / "no-such-run"))
     assert missing.returncode == 2 and "no-such-run" in missing.stderr
     assert "Traceback" not in missing.stderr
