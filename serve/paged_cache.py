@@ -93,7 +93,7 @@ class PagedStep:
             slots[b, :total], key_positions[b, :total] = row, pos
             new_slots[b, :new] = row[ctx:]
         self.slots, self.new_slots = slots.to(device), new_slots.to(device)
-        self.decode_only = T == 1  # every row adds one token: its query is its newest key
+        self.decode_only = all(n == 1 for n in new_lens)  # each row's query is its newest key
         self.lengths = torch.tensor([c + n for c, n in zip(context_lens, new_lens)], device=device)
         self.flat_slots = self.slots.flatten()
         self.key_positions = key_positions.to(device)
@@ -102,7 +102,9 @@ class PagedStep:
         self._targets = self.new_slots.flatten().index_select(0, self._rows)  # and their slots
 
     def _write(self, pool: torch.Tensor, values: torch.Tensor) -> None:
-        rows = values.flatten(0, 1).index_select(0, self._rows)
+        rows = values.flatten(0, 1)
+        if not self.decode_only:  # a decode step has no padding: every row's one token is new
+            rows = rows.index_select(0, self._rows)
         pool.index_copy_(0, self._targets, rows.to(pool.dtype))
 
     def begin(self, sequence: Mapping[str, torch.Tensor], positions: torch.Tensor | None = None
