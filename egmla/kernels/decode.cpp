@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -86,9 +87,41 @@ inline void dot_block(const float* x, const W* w, float* acc_out, int64_t K, int
   }
 }
 
+// One row of w against rows [0, B) of x, k unrolled twice: a single sequential stream.
+template <int B, typename W>
+inline void dot_row(const float* x, const W* wr, float* out, int64_t K) {
+  __m256 acc[2][B];
+  for (int u = 0; u < 2; ++u)
+    for (int b = 0; b < B; ++b) acc[u][b] = _mm256_setzero_ps();
+  const int64_t K16 = K - K % 16;
+  int64_t k = 0;
+  for (; k < K16; k += 16) {
+    __m256 w0 = load8(wr + k), w1 = load8(wr + k + 8);
+    for (int b = 0; b < B; ++b) {
+      acc[0][b] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + b * K + k), acc[0][b]);
+      acc[1][b] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + b * K + k + 8), acc[1][b]);
+    }
+  }
+  for (int b = 0; b < B; ++b) {
+    float s = hsum(_mm256_add_ps(acc[0][b], acc[1][b]));
+    for (int64_t j = k; j < K; ++j) s += static_cast<float>(wr[j]) * x[b * K + j];
+    out[b] = s;
+  }
+}
+
+// Output rows [begin, end) for rows [0, B) of x. bf16 weight rows are short (a 576-wide row is
+// 18 cache lines), and reading them one after another as one stream measured faster than four
+// rows in lockstep (14 -> 18 GB/s); fp32 rows read best four at a time.
 template <int B, typename W, typename Y>
 void rows_range(const float* x, const W* w, Y* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
   float out[kRows * kMaxBatch];
+  if constexpr (std::is_same_v<W, c10::BFloat16>) {
+    for (int64_t r = begin; r < end; ++r) {
+      dot_row<B>(x, w + r * K, out, K);
+      for (int b = 0; b < B; ++b) y[b * N + r] = static_cast<Y>(out[b]);
+    }
+    return;
+  }
   int64_t r = begin;
   for (; r + kRows <= end; r += kRows) {
     dot_block<kRows, B>(x, w, out, K, r);
@@ -219,7 +252,9 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const a
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lp = lengths.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+  // A short context is a few microseconds of work: waking a second thread costs more.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, S * (D + Dv)));
+  at::parallel_for(0, B * H, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(S);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / H, h = i % H;
