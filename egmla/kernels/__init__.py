@@ -16,8 +16,9 @@ The result equals F.linear's up to the order of a float sum.
 pools (serve/paged_cache.py), instead of gathering every row's history into a padded copy per
 layer and masking it.
 
-The library is built into $EGMLA_CACHE/kernels/<key>/ (default ~/.cache/egmla), keyed by the
-source, the compiler flags and the torch version, so a new torch or an edited kernel rebuilds.
+The library is built into egmla/kernels/_build/<key>/ (or $EGMLA_KERNELS_DIR, or
+$EGMLA_CACHE/kernels where the package directory is read-only), keyed by the source, the
+compiler flags, the compiler and the torch version, so a new torch or an edited kernel rebuilds.
 EGMLA_KERNELS=0 turns the fast path off (the A/B switch of the benchmarks); CXX picks the
 compiler (default c++).
 """
@@ -74,12 +75,24 @@ def _command(output: Path) -> list[str]:
             f"-Wl,-rpath,{lib}"]
 
 
+def build_dir() -> Path:
+    """Where libraries are built: $EGMLA_KERNELS_DIR; else beside the source (egmla/kernels/
+    _build/, so one build serves every $EGMLA_CACHE, as tests set their own) when that is
+    writable; else $EGMLA_CACHE/kernels."""
+    if os.environ.get("EGMLA_KERNELS_DIR"):
+        return Path(os.environ["EGMLA_KERNELS_DIR"])
+    beside = SOURCE.parent / "_build"
+    if os.access(beside if beside.is_dir() else SOURCE.parent, os.W_OK):
+        return beside
+    return cache_dir() / "kernels"
+
+
 def library_path() -> Path:
-    """Where the library for this source, these flags and this torch lives."""
+    """Where the library for this source, these flags, this compiler and this torch lives."""
     key = hashlib.sha256()
     key.update(SOURCE.read_bytes())
     key.update(" ".join((*FLAGS, torch.__version__, os.environ.get("CXX") or "c++")).encode())
-    return cache_dir() / "kernels" / key.hexdigest()[:16] / LIBRARY
+    return build_dir() / key.hexdigest()[:16] / LIBRARY
 
 
 def build(force: bool = False) -> Path:

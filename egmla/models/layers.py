@@ -72,7 +72,7 @@ class Rotary:
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (B, T) integer -> cos, sin (B, T, dim) in `dtype`."""
         last = self._last  # one read: another thread may replace it, never half of it
-        if (last is not None and last[0] is positions and last[1] == positions._version
+        if (last is not None and last[0] is positions and last[1] == version(positions)
                 and last[2] == dtype):
             return last[3], last[4]
         work = _compute_dtype(dtype)
@@ -82,8 +82,15 @@ class Rotary:
         angles = torch.cat((angles, angles), dim=-1)  # (B, T, dim)
         cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
         if not torch.compiler.is_compiling():
-            self._last = (positions, positions._version, dtype, cos, sin)
+            self._last = (positions, version(positions), dtype, cos, sin)
         return cos, sin
+
+
+def version(t: torch.Tensor) -> int:
+    """t's in-place version counter; -1 for an inference tensor, which keeps none. (The model's
+    forward hands its layers a tensor object of its own, so per-forward memos keyed on the
+    object cannot outlive the forward even without a counter.)"""
+    return -1 if t.is_inference() else t._version
 
 
 @functools.cache

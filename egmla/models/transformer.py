@@ -111,8 +111,9 @@ class Transformer(nn.Module):
         if positions is None:  # a paged (ragged) step always passes its positions
             positions = (cache.next_positions(T) if cache is not None
                          else torch.arange(T, device=token_ids.device))
-        if positions.dim() == 1:
-            positions = positions[None]  # (1, T): broadcasts over the batch, RoPE computed once
+        # (1, T) broadcasts over the batch. A view either way: a tensor object of this forward's
+        # own, on which the layers' shared per-forward values (RoPE angles, the mask) are keyed.
+        positions = positions[None] if positions.dim() == 1 else positions.view(positions.shape)
         if cache is not None:
             cache.begin({TOKEN_IDS_FIELD: token_ids}, positions)
         x = self.tok_emb(token_ids)  # (B, T, d)

@@ -116,7 +116,7 @@ def test_a_failing_build_warns_once_and_falls_back(tmp_path):
     code = ("import torch, warnings; from egmla import kernels\n"
             "with torch.no_grad(): y = kernels.linear(torch.ones(1, 8), torch.ones(2, 8))\n"
             "print(y.tolist(), kernels.status()['loaded'])")
-    out = run_python(code, CXX=str(tmp_path / "no-such-compiler"), EGMLA_CACHE=str(tmp_path))
+    out = run_python(code, CXX=str(tmp_path / "no-such-compiler"), EGMLA_KERNELS_DIR=str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[[8.0, 8.0]] False"
     assert ("CPU kernels unavailable" in out.stderr and "no-such-compiler" in out.stderr) == SUPPORTED

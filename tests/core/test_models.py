@@ -204,6 +204,22 @@ def test_the_layers_share_one_rope_whose_angles_are_computed_once_per_positions_
                                                                           torch.float32)[0])
 
 
+def test_a_positions_buffer_reused_in_inference_mode_never_gets_stale_angles():
+    """Under torch.inference_mode (Lightning's validation) tensors keep no version counter; a
+    caller that refills one positions buffer in place between forwards still gets each
+    forward's own RoPE angles and mask: the forwards equal fresh ones."""
+    model = build(preset("tiny-mha")).eval()
+    ids = random_ids(preset("tiny-mha"), 2, 5)
+    with torch.inference_mode():
+        buffer = torch.arange(5)[None].expand(2, 5).clone()
+        first = model(ids, buffer)
+        buffer.add_(7)  # the same tensor, new positions
+        shifted = model(ids, buffer)
+        fresh = model(ids, torch.arange(7, 12)[None].expand(2, 5).clone())
+    assert not torch.equal(first, fresh)  # (RoPE is relative: they differ by rounding only)
+    assert torch.equal(shifted, fresh)  # a stale memo would give `first` bit for bit
+
+
 def test_rope_depends_only_on_relative_position():
     """q_p . k_s after RoPE is unchanged when both positions shift by the same offset."""
     rope = Rotary(16, 10000.0)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from egmla.config import ModelConfig
+from egmla.models.layers import version
 
 
 # The per-sequence cache field holding every token's id (EG-MLA `kv` reads its keys' ids).
@@ -87,7 +88,7 @@ def _causal_mask(positions: torch.Tensor, key_positions: torch.Tensor, R: int) -
     tensors, so the first layer builds the mask and the rest reuse it."""
     global _last_mask
     last = _last_mask  # one read: another thread may replace it, never half of it
-    versions = (positions._version, key_positions._version)
+    versions = (version(positions), version(key_positions))
     if (last is not None and last[0] is positions and last[1] is key_positions
             and last[2] == versions and last[3] == R):
         return last[4]
