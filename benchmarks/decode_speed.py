@@ -61,6 +61,8 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parents[1]))  # measure the checkout this script is in
+from serve.__main__ import positive_int  # noqa: E402  (after the path: this checkout's serve)
+
 MODEL = "SmolLM2-135M-Instruct"
 BATCH_PROMPT_LEN = 32
 BATCH_STRIDE = 3  # batch prompt i is the text's tokens [3i, 3i + 32): distinct windows
@@ -680,16 +682,6 @@ def systems_info(workers: dict) -> dict:
 
 
 # ---- command line -----------------------------------------------------------------------------
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
