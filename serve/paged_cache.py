@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from egmla import kernels
-from egmla.cache import CacheSpec, CacheTensors, write_sequence_fields
+from egmla.cache import CacheSpec, CacheTensors, DecodeSlots, write_sequence_fields
 
 # Key position of padding slots: larger than any query position, so `key <= query` is false.
 PAD_POSITION = 2**62
@@ -151,17 +151,21 @@ class _PagedLayer:
     def sequence_field(self, name: str) -> torch.Tensor:
         return self._step.sequence_field(name)
 
+    def decode_slots(self) -> DecodeSlots | None:
+        step = self._step
+        return DecodeSlots(self._pools, step._targets, step.slots, step.lengths) if step.decode_only else None
+
     def fused_attention(self, q: torch.Tensor, new: Mapping[str, torch.Tensor], key: str,
                         value: str, scale: float) -> torch.Tensor | None:
         """A decode step (one new token per row) attends straight from the pools through the
         slot tables (egmla.kernels.paged_attention): no padded history copy, no mask."""
-        step = self._step
-        if not step.decode_only or set(new) != set(self._pools):
+        where = self.decode_slots()
+        if where is None or set(new) != set(self._pools):
             return None
         k_pool, v_pool = self._pools[key], self._pools[value]
         if not kernels.paged_attention_runs(q, k_pool, v_pool):
             return None  # nothing written: the layer takes update + SDPA
         for name, values in new.items():
-            step._write(self._pools[name], values)
-        out = kernels.paged_attention(q[:, 0], k_pool, v_pool, step.slots, step.lengths, scale)
+            self._step._write(self._pools[name], values)
+        out = kernels.paged_attention(q[:, 0], k_pool, v_pool, where.slots, where.lengths, scale)
         return out[:, None]  # (B, 1, H, Dv)

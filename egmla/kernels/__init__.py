@@ -16,6 +16,10 @@ The result equals F.linear's up to the order of a float sum.
 pools (serve/paged_cache.py), instead of gathering every row's history into a padded copy per
 layer and masking it.
 
+`decode_block(...)` is a whole pre-norm Llama block (RMSNorm, RoPE attention over the paged
+cache, SwiGLU) for a decode step in one call: at one token a layer's ~40 PyTorch operator calls
+cost more than their arithmetic, and this is the same arithmetic without them.
+
 The library is built into egmla/kernels/_build/<key>/ (or $EGMLA_KERNELS_DIR, or
 $EGMLA_CACHE/kernels where the package directory is read-only), keyed by the source, the
 compiler flags, the compiler and the torch version, so a new torch or an edited kernel rebuilds.
@@ -154,6 +158,7 @@ def _load() -> dict[str, object]:
                 lambda x, ws: [x.new_empty(x.shape[0], w.shape[0]) for w in ws])
             torch.library.register_fake("egmla::paged_attention")(
                 lambda q, k, v, slots, lengths, scale: q.new_empty(*q.shape[:2], v.shape[-1]))
+            torch.library.register_fake("egmla::decode_block")(lambda x, *rest: torch.empty_like(x))
     except (KernelBuildError, OSError, RuntimeError) as error:
         warnings.warn(f"egmla: CPU kernels unavailable, using PyTorch's: {error}", stacklevel=3)
         return {"loaded": False, "reason": str(error).splitlines()[0]}
@@ -225,3 +230,29 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     out = torch.ops.egmla.paged_attention(q.float().contiguous(), k_pool, v_pool, slots, lengths,
                                           float(scale))
     return out.to(q.dtype)
+
+
+def decode_block(x: torch.Tensor, norms: Sequence[torch.nn.Module],
+                 attention: Sequence[torch.Tensor], mlp: Sequence[torch.Tensor],
+                 cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 new_slots: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                 scale: float) -> torch.Tensor | None:
+    """A pre-norm block `h = x + attn(norm1(x)); out = h + mlp(norm2(h))` for a decode step in
+    one kernel call, or None (nothing written) where the kernel cannot take it; the caller then
+    runs its modules.
+
+    x (B, 1, D) with B <= MAX_ROWS; norms: the two RMSNorm modules (`weight`, `eps`);
+    attention: wq, wk, wv, wo of RoPE attention whose K/V heads are the pools' (GQA when fewer);
+    mlp: w_gate, w_up, w_down of SwiGLU; cos, sin (B, 1, Dh) float32 at the rows' positions;
+    k_pool, v_pool (slots, G, Dh): the paged cache's pools, into which each row's new K and V go
+    at new_slots (B,) before it attends over its first lengths[b] slots of slots (B, S)."""
+    B, T, _ = x.shape
+    weights = (*(n.weight for n in norms), *attention, *mlp)
+    if T != 1 or not _rows_for_kernel(x, weights) or not paged_attention_runs(x, k_pool, v_pool):
+        return None
+    attn_norm, mlp_norm = norms
+    out = torch.ops.egmla.decode_block(
+        x.view(B, -1), attn_norm.weight, attn_norm.eps, *attention, mlp_norm.weight, mlp_norm.eps,
+        *mlp, cos.reshape(B, -1), sin.reshape(B, -1), k_pool, v_pool, new_slots, slots, lengths,
+        float(scale))
+    return out.view(x.shape)

@@ -11,6 +11,7 @@
 //   torch.ops.egmla.gemv(x, w) -> y                 x (M, K), w (N, K), y (M, N)
 //   torch.ops.egmla.gemv_many(x, [w1, w2]) -> [y1, y2]   several weights sharing x, one pass
 //   torch.ops.egmla.paged_attention(q, k_pool, v_pool, slots, lengths, scale)   decode attention
+//   torch.ops.egmla.decode_block(x, ...)   a whole Llama block for a decode step (see below)
 //
 // Supported: CPU tensors, x and w contiguous and of one dtype, float32 or bfloat16 (bf16 is
 // widened to fp32 in registers and accumulated in fp32; the result is rounded to nearest even,
@@ -144,19 +145,67 @@ inline void axpy(float* out, float p, const P* v, int64_t Dv) {
   for (; d < Dv; ++d) out[d] += p * static_cast<float>(v[d]);
 }
 
+// The horizontal sums of eight vectors, as one vector: {sum(v[0]), ..., sum(v[7])}.
+inline __m256 hsum8(const __m256* v) {
+  const __m256 a01 = _mm256_hadd_ps(v[0], v[1]), a23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 a45 = _mm256_hadd_ps(v[4], v[5]), a67 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 lo4 = _mm256_hadd_ps(a01, a23), hi4 = _mm256_hadd_ps(a45, a67);  // halves per lane
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo4, hi4, 0x20), _mm256_permute2f128_ps(lo4, hi4, 0x31));
+}
+
+// exp(x) for x <= 0 (softmax's shifted scores), 8 at a time: 2^n * p(r) with x = n ln2 + r,
+// |r| <= ln2 / 2, p the degree-6 Taylor polynomial (relative error about 2e-7, near a float's
+// rounding); below -87 (where exp underflows float's normal range) it returns 0.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+  return _mm256_and_ps(y, _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_GE_OQ));
+}
+
 // One query head over its row's keys in the pools: softmax(q . k_s * scale) . v_s, s < len.
+// Scores are taken eight keys at a time (one reduction for eight dot products) and
+// exponentiated eight at a time.
 template <typename P>
 void attend_head(const float* q, const P* k_pool, const P* v_pool, const int64_t* slots, int64_t len,
                  int64_t G, int64_t g, int64_t D, int64_t Dv, float scale, float* scores, float* out) {
-  float top = -INFINITY;
-  for (int64_t s = 0; s < len; ++s) {
-    scores[s] = dot(q, k_pool + (slots[s] * G + g) * D, D) * scale;
-    top = std::max(top, scores[s]);
+  int64_t s = 0;
+  if (D % 8 == 0) {
+    for (; s + 8 <= len; s += 8) {
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) {
+        const P* k = k_pool + (slots[s + j] * G + g) * D;
+        acc[j] = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
+        for (int64_t d = 8; d < D; d += 8) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), acc[j]);
+      }
+      _mm256_storeu_ps(scores + s, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+    }
   }
-  float total = 0.f;
-  for (int64_t s = 0; s < len; ++s) total += (scores[s] = std::exp(scores[s] - top));
+  for (; s < len; ++s) scores[s] = dot(q, k_pool + (slots[s] * G + g) * D, D) * scale;
+  float top = -INFINITY;
+  for (s = 0; s < len; ++s) top = std::max(top, scores[s]);
+  __m256 sum8 = _mm256_setzero_ps();
+  const __m256 top8 = _mm256_set1_ps(top);
+  for (s = 0; s + 8 <= len; s += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + s), top8));
+    _mm256_storeu_ps(scores + s, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float total = hsum(sum8);
+  for (; s < len; ++s) total += (scores[s] = std::exp(scores[s] - top));
   std::fill(out, out + Dv, 0.f);
-  for (int64_t s = 0; s < len; ++s) axpy(out, scores[s] / total, v_pool + (slots[s] * G + g) * Dv, Dv);
+  const float inv = 1.f / total;
+  for (s = 0; s < len; ++s) axpy(out, scores[s] * inv, v_pool + (slots[s] * G + g) * Dv, Dv);
 }
 
 #pragma GCC pop_options
@@ -240,28 +289,41 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w) { return gemv_many(x, 
 //   q (B, H, D) float32; k_pool (slots, G, D), v_pool (slots, G, Dv) float32 or bfloat16;
 //   slots (B, S) int64, the first lengths[b] of row b valid; lengths (B,) int64 >= 1.
 //   -> (B, H, Dv) float32. Query head h reads K/V head h / (H / G) (GQA).
+// Every (row, query head) of a decode step over its row's keys, split over the threads.
 template <typename P>
-void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                          const at::Tensor& slots, const at::Tensor& lengths, double scale,
-                          at::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), G = k_pool.size(1), Dv = v_pool.size(2);
-  const int64_t S = slots.size(1), R = H / G;
-  const float* qp = q.data_ptr<float>();
-  const P* kp = k_pool.data_ptr<P>();
-  const P* vp = v_pool.data_ptr<P>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t* lp = lengths.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
+void attend_rows(const float* qp, const P* kp, const P* vp, const int64_t* sp, const int64_t* lp,
+                 int64_t B, int64_t H, int64_t G, int64_t D, int64_t Dv, int64_t S, float scale,
+                 float* op) {
+  const int64_t R = H / G;
   // A short context is a few microseconds of work: waking a second thread costs more.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, S * (D + Dv)));
   at::parallel_for(0, B * H, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(S);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / H, h = i % H;
-      attend_head(qp + i * D, kp, vp, sp + b * S, lp[b], G, h / R, D, Dv, static_cast<float>(scale),
-                  scores.data(), op + i * Dv);
+      attend_head(qp + i * D, kp, vp, sp + b * S, lp[b], G, h / R, D, Dv, scale, scores.data(),
+                  op + i * Dv);
     }
   });
+}
+
+// The slot tables a decode step reads: every row's length in [1, S], every slot in the pool.
+void check_slots(const at::Tensor& slots, const at::Tensor& lengths, int64_t B, int64_t pool_slots,
+                 const char* op) {
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == B && lengths.dim() == 1 && lengths.size(0) == B &&
+                  slots.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong,
+              op, ": slots (B, S) and lengths (B,) int64");
+  TORCH_CHECK(slots.is_contiguous() && lengths.is_contiguous() && slots.device().is_cpu() &&
+                  lengths.device().is_cpu(), op, ": contiguous CPU slot tables");
+  const int64_t S = slots.size(1);
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= S, op, ": row ", b, " length ", lp[b], " outside [1, ", S, "]");
+    for (int64_t s = 0; s < lp[b]; ++s)
+      TORCH_CHECK(sp[b * S + s] >= 0 && sp[b * S + s] < pool_slots, op, ": row ", b, " names slot ",
+                  sp[b * S + s], " of a pool of ", pool_slots);
+  }
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -276,28 +338,183 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
                   k_pool.size(0) == v_pool.size(0) && q.size(1) % k_pool.size(1) == 0,
               "paged_attention: shapes do not agree: q ", q.sizes(), ", k ", k_pool.sizes(), ", v ",
               v_pool.sizes());
-  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == q.size(0) && lengths.dim() == 1 &&
-                  lengths.size(0) == q.size(0) && slots.scalar_type() == at::kLong &&
-                  lengths.scalar_type() == at::kLong,
-              "paged_attention: slots (B, S) and lengths (B,) int64");
-  for (const at::Tensor* t : {&q, &k_pool, &v_pool, &slots, &lengths})
+  for (const at::Tensor* t : {&q, &k_pool, &v_pool})
     TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "paged_attention: contiguous CPU tensors");
-  const int64_t* lp = lengths.data_ptr<int64_t>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t b = 0; b < q.size(0); ++b) {
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= slots.size(1), "paged_attention: row ", b, " length ", lp[b],
-                " outside [1, ", slots.size(1), "]");
-    for (int64_t s = 0; s < lp[b]; ++s)
-      TORCH_CHECK(sp[b * slots.size(1) + s] >= 0 && sp[b * slots.size(1) + s] < k_pool.size(0),
-                  "paged_attention: row ", b, " names slot ", sp[b * slots.size(1) + s],
-                  " of a pool of ", k_pool.size(0));
-  }
+  check_slots(slots, lengths, q.size(0), k_pool.size(0), "paged_attention");
   at::Tensor out = at::empty({q.size(0), q.size(1), v_pool.size(2)}, q.options());
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), G = k_pool.size(1), Dv = v_pool.size(2);
+  const auto run = [&](auto* pool_type) {
+    using P = std::remove_pointer_t<decltype(pool_type)>;
+    attend_rows(q.data_ptr<float>(), k_pool.data_ptr<P>(), v_pool.data_ptr<P>(),
+                slots.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), B, H, G, D, Dv, slots.size(1),
+                static_cast<float>(scale), out.data_ptr<float>());
+  };
   if (k_pool.scalar_type() == at::kFloat)
-    paged_attention_impl<float>(q, k_pool, v_pool, slots, lengths, scale, out);
+    run(static_cast<float*>(nullptr));
   else
-    paged_attention_impl<c10::BFloat16>(q, k_pool, v_pool, slots, lengths, scale, out);
+    run(static_cast<c10::BFloat16*>(nullptr));
   return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// A whole pre-norm Llama block for a decode step (one new token per row) in one call:
+//
+//   n1  = rms_norm(x) * attn_norm;    q, k, v = rope(wq n1), rope(wk n1), wv n1
+//   h   = x + wo . softmax(q . K * scale) V      (K, V: the row's keys in the pools, k and v
+//                                                 written at the row's new slot first)
+//   n2  = rms_norm(h) * mlp_norm;     out = h + w_down (silu(w_gate n2) * (w_up n2))
+//
+// The module path's arithmetic (same kernels for the products and the attention) without its
+// ~40 operator calls per layer, each of which costs more than its work at one token. The
+// activations stay float32 from input to output (bf16 weights widen in registers); a bf16
+// block rounds its residual stream to bf16 after each add, where the module path rounds it.
+
+template <typename W>
+void rms_norm_rows(const float* x, const W* w, float* y, int64_t B, int64_t D, float eps) {
+  for (int64_t b = 0; b < B; ++b) {
+    const float* xr = x + b * D;
+    float* yr = y + b * D;
+    float ss = 0.f;
+    for (int64_t d = 0; d < D; ++d) ss += xr[d] * xr[d];
+    const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+    for (int64_t d = 0; d < D; ++d) yr[d] = xr[d] * r * static_cast<float>(w[d]);
+  }
+}
+
+// Rotary embedding in place, half-split layout: pairs (i, i + Dh/2) share cos/sin[b] (B, Dh).
+void rope_rows(float* t, const float* cos, const float* sin, int64_t B, int64_t heads, int64_t Dh) {
+  const int64_t half = Dh / 2;
+  for (int64_t b = 0; b < B; ++b) {
+    const float* c = cos + b * Dh;
+    const float* s = sin + b * Dh;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* r = t + (b * heads + h) * Dh;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = r[i], x2 = r[i + half];
+        r[i] = x1 * c[i] - x2 * s[i];
+        r[i + half] = x2 * c[i + half] + x1 * s[i + half];
+      }
+    }
+  }
+}
+
+template <typename P>
+void write_rows(P* pool, const int64_t* new_slots, const float* src, int64_t B, int64_t row) {
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < row; ++i) pool[new_slots[b] * row + i] = static_cast<P>(src[b * row + i]);
+}
+
+// x += delta, rounded to bf16 when the block's dtype is bf16.
+void add_residual(float* x, const float* delta, int64_t n, bool to_bf16) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i] + delta[i];
+    x[i] = to_bf16 ? static_cast<float>(c10::BFloat16(v)) : v;
+  }
+}
+
+struct BlockShape {
+  int64_t B, D, H, G, Dh, F, S;
+};
+
+template <typename W, typename P>
+void decode_block_impl(float* x, bool to_bf16, const BlockShape& n, const W* attn_norm, float attn_eps,
+                       const W* wq, const W* wk, const W* wv, const W* wo, const W* mlp_norm,
+                       float mlp_eps, const W* w_gate, const W* w_up, const W* w_down, const float* cos,
+                       const float* sin, P* k_pool, P* v_pool, const int64_t* new_slots,
+                       const int64_t* slots, const int64_t* lengths, float scale) {
+  const int64_t B = n.B, D = n.D, HD = n.H * n.Dh, GD = n.G * n.Dh, F = n.F;
+  std::vector<float> normed(B * D), q(B * HD), k(B * GD), v(B * GD), att(B * HD), out(B * D),
+      gate(B * F), up(B * F);
+  rms_norm_rows(x, attn_norm, normed.data(), B, D, attn_eps);
+  gemv_impl<W, float>(normed.data(), {wq, wk, wv}, {q.data(), k.data(), v.data()}, {HD, GD, GD}, B, D);
+  rope_rows(q.data(), cos, sin, B, n.H, n.Dh);
+  rope_rows(k.data(), cos, sin, B, n.G, n.Dh);
+  write_rows(k_pool, new_slots, k.data(), B, GD);
+  write_rows(v_pool, new_slots, v.data(), B, GD);
+  attend_rows(q.data(), k_pool, v_pool, slots, lengths, B, n.H, n.G, n.Dh, n.Dh, n.S, scale, att.data());
+  gemv_impl<W, float>(att.data(), {wo}, {out.data()}, {D}, B, HD);
+  add_residual(x, out.data(), B * D, to_bf16);
+  rms_norm_rows(x, mlp_norm, normed.data(), B, D, mlp_eps);
+  gemv_impl<W, float>(normed.data(), {w_gate, w_up}, {gate.data(), up.data()}, {F, F}, B, D);
+  for (int64_t i = 0; i < B * F; ++i) gate[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+  gemv_impl<W, float>(gate.data(), {w_down}, {out.data()}, {D}, B, F);
+  add_residual(x, out.data(), B * D, to_bf16);
+}
+
+void check_matrix(const at::Tensor& w, int64_t rows, int64_t cols, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) == rows && w.size(1) == cols, "decode_block: ", name, " is ",
+              w.sizes(), ", expected (", rows, ", ", cols, ")");
+  TORCH_CHECK(w.scalar_type() == dtype && w.is_contiguous() && w.device().is_cpu(), "decode_block: ",
+              name, " must be a contiguous CPU tensor of x's dtype");
+}
+
+at::Tensor decode_block(const at::Tensor& x, const at::Tensor& attn_norm, double attn_eps,
+                        const at::Tensor& wq, const at::Tensor& wk, const at::Tensor& wv,
+                        const at::Tensor& wo, const at::Tensor& mlp_norm, double mlp_eps,
+                        const at::Tensor& w_gate, const at::Tensor& w_up, const at::Tensor& w_down,
+                        const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_pool,
+                        at::Tensor& v_pool, const at::Tensor& new_slots, const at::Tensor& slots,
+                        const at::Tensor& lengths, double scale) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
+              "decode_block: x must be a contiguous CPU (B, D) tensor, got ", x.sizes());
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "decode_block: float32 or bfloat16, got ",
+              dtype);
+  TORCH_CHECK(k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes() &&
+                  k_pool.scalar_type() == v_pool.scalar_type() &&
+                  (k_pool.scalar_type() == at::kFloat || k_pool.scalar_type() == at::kBFloat16) &&
+                  k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.device().is_cpu() &&
+                  v_pool.device().is_cpu(),
+              "decode_block: pools (slots, G, Dh) of one shape, float32 or bfloat16, got ",
+              k_pool.sizes(), " and ", v_pool.sizes());
+  BlockShape n{x.size(0), x.size(1), 0, k_pool.size(1), k_pool.size(2), w_gate.size(0), slots.size(1)};
+  TORCH_CHECK(n.Dh % 2 == 0 && wq.dim() == 2 && wq.size(0) % n.Dh == 0 && (wq.size(0) / n.Dh) % n.G == 0,
+              "decode_block: wq ", wq.sizes(), " is not a whole number of heads of ", n.Dh,
+              " grouped over ", n.G, " K/V heads");
+  n.H = wq.size(0) / n.Dh;
+  check_matrix(wq, n.H * n.Dh, n.D, dtype, "wq");
+  check_matrix(wk, n.G * n.Dh, n.D, dtype, "wk");
+  check_matrix(wv, n.G * n.Dh, n.D, dtype, "wv");
+  check_matrix(wo, n.D, n.H * n.Dh, dtype, "wo");
+  check_matrix(w_gate, n.F, n.D, dtype, "w_gate");
+  check_matrix(w_up, n.F, n.D, dtype, "w_up");
+  check_matrix(w_down, n.D, n.F, dtype, "w_down");
+  for (const at::Tensor* w : {&attn_norm, &mlp_norm})
+    TORCH_CHECK(w->dim() == 1 && w->size(0) == n.D && w->scalar_type() == dtype && w->is_contiguous(),
+                "decode_block: norm weights (D,) of x's dtype, got ", w->sizes());
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == n.B && t->size(1) == n.Dh &&
+                    t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "decode_block: cos and sin (B, Dh) float32, got ", t->sizes());
+  check_slots(slots, lengths, n.B, k_pool.size(0), "decode_block");
+  TORCH_CHECK(new_slots.dim() == 1 && new_slots.size(0) == n.B && new_slots.scalar_type() == at::kLong &&
+                  new_slots.is_contiguous(), "decode_block: new_slots (B,) int64");
+  const int64_t* ns = new_slots.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  for (int64_t b = 0; b < n.B; ++b)  // each row's query is its newest key
+    TORCH_CHECK(slots.data_ptr<int64_t>()[b * n.S + lp[b] - 1] == ns[b], "decode_block: row ", b,
+                "'s new slot ", ns[b], " is not its last key's");
+
+  at::Tensor h = x.to(at::kFloat).contiguous().clone();
+  const auto run = [&](auto* weight_type, auto* pool_type) {
+    using W = std::remove_pointer_t<decltype(weight_type)>;
+    using P = std::remove_pointer_t<decltype(pool_type)>;
+    decode_block_impl<W, P>(h.data_ptr<float>(), dtype == at::kBFloat16, n, attn_norm.data_ptr<W>(),
+                            static_cast<float>(attn_eps), wq.data_ptr<W>(), wk.data_ptr<W>(),
+                            wv.data_ptr<W>(), wo.data_ptr<W>(), mlp_norm.data_ptr<W>(),
+                            static_cast<float>(mlp_eps), w_gate.data_ptr<W>(), w_up.data_ptr<W>(),
+                            w_down.data_ptr<W>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                            k_pool.data_ptr<P>(), v_pool.data_ptr<P>(), ns, slots.data_ptr<int64_t>(),
+                            lp, static_cast<float>(scale));
+  };
+  const bool bf16_pool = k_pool.scalar_type() == at::kBFloat16;
+  if (dtype == at::kFloat)
+    bf16_pool ? run(static_cast<float*>(nullptr), static_cast<c10::BFloat16*>(nullptr))
+              : run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+  else
+    bf16_pool ? run(static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr))
+              : run(static_cast<c10::BFloat16*>(nullptr), static_cast<float*>(nullptr));
+  return h.to(dtype);
 }
 
 }  // namespace
@@ -307,10 +524,15 @@ TORCH_LIBRARY(egmla, m) {
   m.def("gemv_many(Tensor x, Tensor[] ws) -> Tensor[]");
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor lengths, "
         "float scale) -> Tensor");
+  m.def("decode_block(Tensor x, Tensor attn_norm, float attn_eps, Tensor wq, Tensor wk, Tensor wv, "
+        "Tensor wo, Tensor mlp_norm, float mlp_eps, Tensor w_gate, Tensor w_up, Tensor w_down, "
+        "Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor new_slots, "
+        "Tensor slots, Tensor lengths, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(egmla, CPU, m) {
   m.impl("gemv", gemv);
   m.impl("gemv_many", gemv_many);
   m.impl("paged_attention", paged_attention);
+  m.impl("decode_block", decode_block);
 }

@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from egmla import kernels
 from egmla.cache import TOKEN_IDS, CacheSpec, CacheStep, ContiguousCache
 from egmla.config import ModelConfig
 from egmla.models.attention import build_attention
@@ -30,8 +31,25 @@ class Block(nn.Module):
         self.mlp = SwiGLU(config.d_model, config.d_ff)
 
     def forward(self, x, positions, cache=None, token_ids=None) -> torch.Tensor:
+        if cache is not None and x.shape[1] == 1 and (fused := self._decode(x, positions, cache)) is not None:
+            return fused
         x = x + self.attn(self.attn_norm(x), positions, cache, token_ids)
         return x + self.mlp(self.mlp_norm(x))
+
+
+    def _decode(self, x, positions, cache) -> torch.Tensor | None:
+        """The whole block in one kernel call (egmla.kernels.decode_block) for a decode step over
+        a paged cache, where the attention is plain RoPE attention over K and V; else None."""
+        attn = self.attn.rope_kv_attention()
+        where = cache.decode_slots() if attn is not None else None
+        if where is None or set(where.pools) != {"k", "v"}:
+            return None
+        cos, sin = attn.rope.cos_sin(positions, torch.float32)
+        mlp = self.mlp
+        return kernels.decode_block(
+            x, (self.attn_norm, self.mlp_norm), (attn.wq, attn.wk, attn.wv, attn.wo),
+            (mlp.w_gate.weight, mlp.w_up.weight, mlp.w_down.weight), cos, sin,
+            where.pools["k"], where.pools["v"], where.new, where.slots, where.lengths, attn.scale)
 
 
 class Transformer(nn.Module):

@@ -130,3 +130,78 @@ def test_decode_attention_read_in_place_equals_gather_and_sdpa(dtype):
     assert prefill.layer(0).fused_attention(q[:1].expand(1, 2, H, D), two, key="k", value="v",
                                             scale=1.0) is None
     assert torch.equal(caches[0].layers[0]["k"], before)
+
+
+def block_by_modules(block, x, positions, view):
+    """The pre-norm block's definition, module by module (the reference for the fused block)."""
+    h = x + block.attn(block.attn_norm(x), positions, view)
+    return h + block.mlp(block.mlp_norm(h))
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32),
+                                               (torch.float32, torch.bfloat16),
+                                               (torch.bfloat16, torch.bfloat16)], ids=str)
+def test_a_decode_block_in_one_kernel_call_equals_its_modules(dtype, cache_dtype):
+    """A decode step's block in one call (Block._decode, egmla.kernels.decode_block) computes
+    what the block's modules compute and writes the same K/V into the pools, for a GQA model
+    over ragged rows; a prefill step declines and writes nothing. fp32: equal to 1e-5 (measured
+    1e-7); a bf16 model: within one bf16 ulp of the largest output (measured a quarter of one:
+    the fused block keeps its activations in fp32 where the modules round each to bf16)."""
+    from egmla import kernels
+
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny-gqa2")).eval()
+    with torch.no_grad():  # norms off their init, so a norm weight left out would show
+        for block in model.layers:
+            for norm in (block.attn_norm, block.mlp_norm):
+                norm.weight.uniform_(0.5, 1.5)
+    model = model.to(dtype)
+    block = model.layers[1]
+    spec = model.cache_spec()
+    caches = [PagedKVCache(spec, num_blocks=12, block_size=4, dtype=cache_dtype) for _ in range(2)]
+    for cache in caches:  # the same history in both
+        torch.manual_seed(1)
+        for pool in cache.tensors():
+            pool.copy_(torch.randn(pool.shape))
+    tables, context = [[5, 2, 9], [0, 7], [11]], [9, 6, 0]
+    x = torch.randn(3, 1, model.config.d_model).to(dtype)
+    positions = torch.tensor(context)[:, None]
+    fused_step, plain_step = (c.step(tables, context, [1, 1, 1]) for c in caches)
+    with torch.no_grad():
+        fused = block._decode(x, positions, fused_step.layer(1))
+        plain = block_by_modules(block, x, positions, plain_step.layer(1))
+    if kernels.unsupported() is not None:
+        assert fused is None
+        return
+    assert fused is not None and fused.shape == x.shape and fused.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.allclose(fused, plain, atol=1e-5)
+        for name in ("k", "v"):
+            assert torch.allclose(caches[0].layers[1][name].float(), caches[1].layers[1][name].float(),
+                                  atol=1e-6 if cache_dtype == torch.float32 else 1e-2)
+    else:
+        assert (fused.float() - plain.float()).abs().max() <= 2**-7 * plain.float().abs().max()
+    prefill = caches[0].step([[3]], [0], [2])
+    before = [t.clone() for t in caches[0].tensors()]
+    two = torch.randn(1, 2, model.config.d_model).to(dtype)
+    with torch.no_grad():
+        assert block._decode(two, torch.arange(2)[None], prefill.layer(1)) is None
+    assert all(torch.equal(a, b) for a, b in zip(caches[0].tensors(), before))
+
+
+def test_an_engine_decode_step_runs_one_kernel_call_per_mha_block():
+    """Decoding through the paged engine takes the fused block for MHA (and not the per-op
+    path); MLA's blocks, which it cannot express, take their modules."""
+    from egmla import kernels
+    from serve.engine import EngineConfig, LLMEngine, SamplingParams
+
+    for name, fused in (("tiny-gqa2", kernels.unsupported() is None), ("tiny-mla", False)):
+        torch.manual_seed(0)
+        model = Transformer(preset(name)).eval()
+        engine = LLMEngine(model, EngineConfig(num_blocks=8, block_size=4))
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=3))
+        engine.step()  # prefill
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            engine.step()  # one decode step
+        calls = {e.key: e.count for e in prof.key_averages()}
+        assert calls.get("egmla::decode_block", 0) == (model.config.n_layers if fused else 0), name

@@ -3,16 +3,29 @@ with the causal mask from positions."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from egmla.config import ModelConfig
-from egmla.models.layers import version
+from egmla.models.layers import Rotary, version
 
 
 # The per-sequence cache field holding every token's id (EG-MLA `kv` reads its keys' ids).
 TOKEN_IDS_FIELD = "token_ids"
+
+
+class RopeKV(NamedTuple):
+    """softmax(rope(x wq) . rope(x wk) * scale) (x wv) wo, K/V heads shared by query heads."""
+
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+    rope: Rotary
+    scale: float
 
 
 class AttentionLayer(nn.Module):
@@ -30,6 +43,12 @@ class AttentionLayer(nn.Module):
 
     def reset_parameters(self) -> None:
         """Init beyond the model's default N(0, init_std) (`Transformer.reset_parameters`): none."""
+
+    def rope_kv_attention(self) -> RopeKV | None:
+        """This layer's weights when it is plain RoPE attention over cached fields `k` and `v`
+        (MHA, GQA), which a fused decode block (egmla.kernels.decode_block) may run in place of
+        `forward`; None (the default) when its computation is anything else."""
+        return None
 
     def lookup_tables(self) -> list[nn.Parameter]:
         """Per-token lookup tables (EG-MLA's gate tables), which parameter counts may leave out."""

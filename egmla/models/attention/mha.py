@@ -7,7 +7,7 @@ import torch
 from egmla import kernels
 from egmla.cache import FieldSpec, LayerSpec, LayerView
 from egmla.config import MHAConfig, ModelConfig
-from egmla.models.attention.common import AttentionLayer, attend
+from egmla.models.attention.common import AttentionLayer, RopeKV, attend
 from egmla.models.layers import Linear, apply_rope, rotary
 
 
@@ -32,6 +32,10 @@ class MHA(AttentionLayer):
     def decode_cost(self, context: int, dtype: torch.dtype = torch.float32) -> dict[str, int]:
         return {"macs_per_key": 2 * self.n_heads * self.head_dim, "macs_per_query": 0,
                 "cache_bytes_per_key": self._cache_bytes_per_key(dtype), "lookup_bytes_per_key": 0}
+
+    def rope_kv_attention(self) -> RopeKV:
+        return RopeKV(self.wq.weight, self.wk.weight, self.wv.weight, self.wo.weight, self.rope,
+                      self.head_dim**-0.5)
 
     def forward(
         self,
