@@ -173,39 +173,59 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_and_ps(y, _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_GE_OQ));
 }
 
-// One query head over its row's keys in the pools: softmax(q . k_s * scale) . v_s, s < len.
-// Scores are taken eight keys at a time (one reduction for eight dot products) and
+// Every query head of one row over keys [s0, s1) of the row (n = s1 - s0 <= the scores'
+// width): with e_hs = exp(q_h . k_s * scale - m_h), m_h the head's largest score, writes
+// out_h = sum_s e_hs v_s (unnormalized), max[h] = m_h and sum[h] = sum_s e_hs, for the split
+// softmax of attend_rows. Query head h reads K/V head h / (H / G). The loops run over keys on
+// the outside, so each slot's (G, D) row of K and of V is read once, whole and in order;
+// scores are taken eight keys at a time (one reduction for eight dot products) and
 // exponentiated eight at a time.
 template <typename P>
-void attend_head(const float* q, const P* k_pool, const P* v_pool, const int64_t* slots, int64_t len,
-                 int64_t G, int64_t g, int64_t D, int64_t Dv, float scale, float* scores, float* out) {
+void attend_chunk(const float* q, const P* k_pool, const P* v_pool, const int64_t* slots, int64_t s0,
+                  int64_t s1, int64_t H, int64_t G, int64_t D, int64_t Dv, float scale, float* scores,
+                  int64_t width, float* out, float* max, float* sum) {
+  const int64_t n = s1 - s0, R = H / G;
+  slots += s0;
   int64_t s = 0;
   if (D % 8 == 0) {
-    for (; s + 8 <= len; s += 8) {
-      __m256 acc[8];
-      for (int j = 0; j < 8; ++j) {
-        const P* k = k_pool + (slots[s + j] * G + g) * D;
-        acc[j] = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
-        for (int64_t d = 8; d < D; d += 8) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), acc[j]);
+    for (; s + 8 <= n; s += 8) {
+      for (int64_t h = 0; h < H; ++h) {
+        const float* qh = q + h * D;
+        __m256 acc[8];
+        for (int j = 0; j < 8; ++j) {
+          const P* k = k_pool + (slots[s + j] * G + h / R) * D;
+          acc[j] = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(k));
+          for (int64_t d = 8; d < D; d += 8)
+            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(k + d), acc[j]);
+        }
+        _mm256_storeu_ps(scores + h * width + s, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
       }
-      _mm256_storeu_ps(scores + s, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
     }
   }
-  for (; s < len; ++s) scores[s] = dot(q, k_pool + (slots[s] * G + g) * D, D) * scale;
-  float top = -INFINITY;
-  for (s = 0; s < len; ++s) top = std::max(top, scores[s]);
-  __m256 sum8 = _mm256_setzero_ps();
-  const __m256 top8 = _mm256_set1_ps(top);
-  for (s = 0; s + 8 <= len; s += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + s), top8));
-    _mm256_storeu_ps(scores + s, e);
-    sum8 = _mm256_add_ps(sum8, e);
+  for (; s < n; ++s)
+    for (int64_t h = 0; h < H; ++h)
+      scores[h * width + s] = dot(q + h * D, k_pool + (slots[s] * G + h / R) * D, D) * scale;
+  for (int64_t h = 0; h < H; ++h) {
+    float* e = scores + h * width;
+    float top = -INFINITY;
+    for (s = 0; s < n; ++s) top = std::max(top, e[s]);
+    __m256 sum8 = _mm256_setzero_ps();
+    const __m256 top8 = _mm256_set1_ps(top);
+    for (s = 0; s + 8 <= n; s += 8) {
+      const __m256 x = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(e + s), top8));
+      _mm256_storeu_ps(e + s, x);
+      sum8 = _mm256_add_ps(sum8, x);
+    }
+    float total = hsum(sum8);
+    for (; s < n; ++s) total += (e[s] = std::exp(e[s] - top));
+    max[h] = top;
+    sum[h] = total;
   }
-  float total = hsum(sum8);
-  for (; s < len; ++s) total += (scores[s] = std::exp(scores[s] - top));
-  std::fill(out, out + Dv, 0.f);
-  const float inv = 1.f / total;
-  for (s = 0; s < len; ++s) axpy(out, scores[s] * inv, v_pool + (slots[s] * G + g) * Dv, Dv);
+  std::fill(out, out + H * Dv, 0.f);
+  for (s = 0; s < n; ++s) {
+    const P* v = v_pool + slots[s] * G * Dv;
+    for (int64_t h = 0; h < H; ++h) axpy(out + h * Dv, scores[h * width + s], v + (h / R) * Dv, Dv);
+  }
 }
 
 #pragma GCC pop_options
@@ -289,22 +309,53 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w) { return gemv_many(x, 
 //   q (B, H, D) float32; k_pool (slots, G, D), v_pool (slots, G, Dv) float32 or bfloat16;
 //   slots (B, S) int64, the first lengths[b] of row b valid; lengths (B,) int64 >= 1.
 //   -> (B, H, Dv) float32. Query head h reads K/V head h / (H / G) (GQA).
-// Every (row, query head) of a decode step over its row's keys, split over the threads.
+// Every row's query heads over the row's keys, split over the threads. A row's keys are cut
+// into chunks when there are fewer rows than threads (flash-decoding's split): each chunk's
+// softmax is taken on its own, with its maximum and sum, and the chunks are merged after,
+//   out = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c,   M = max_c m_c,
+// so one long sequence still reads its cache on every thread. A chunk covers every head of
+// its row, so each thread reads whole (G, D) slot rows.
 template <typename P>
 void attend_rows(const float* qp, const P* kp, const P* vp, const int64_t* sp, const int64_t* lp,
                  int64_t B, int64_t H, int64_t G, int64_t D, int64_t Dv, int64_t S, float scale,
                  float* op) {
-  const int64_t R = H / G;
+  // Chunks of at most 128 keys (their K and V rows stay in L2 while every head reads them), and
+  // at least as many chunks in all as there are threads.
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunks = std::max((threads + B - 1) / B, (S + 127) / 128);
+  const int64_t C = (S + chunks - 1) / chunks;
+  std::vector<float> part_out(B * chunks * H * Dv), part_max(B * chunks * H), part_sum(B * chunks * H);
   // A short context is a few microseconds of work: waking a second thread costs more.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, S * (D + Dv)));
-  at::parallel_for(0, B * H, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(S);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, C * (D + Dv) * H));
+  at::parallel_for(0, B * chunks, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(H * C);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / H, h = i % H;
-      attend_head(qp + i * D, kp, vp, sp + b * S, lp[b], G, h / R, D, Dv, scale, scores.data(),
-                  op + i * Dv);
+      const int64_t b = i / chunks, s0 = (i % chunks) * C, s1 = std::min(lp[b], s0 + C);
+      if (s0 >= s1) {  // a row shorter than this chunk's start: nothing to add
+        std::fill(&part_max[i * H], &part_max[i * H] + H, -INFINITY);
+        std::fill(&part_sum[i * H], &part_sum[i * H] + H, 0.f);
+        continue;
+      }
+      attend_chunk(qp + b * H * D, kp, vp, sp + b * S, s0, s1, H, G, D, Dv, scale, scores.data(), C,
+                   part_out.data() + i * H * Dv, &part_max[i * H], &part_sum[i * H]);
     }
   });
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      float top = -INFINITY, total = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) top = std::max(top, part_max[(b * chunks + c) * H + h]);
+      float* out = op + (b * H + h) * Dv;
+      std::fill(out, out + Dv, 0.f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t at = (b * chunks + c) * H + h;
+        if (part_sum[at] == 0.f) continue;
+        const float w = std::exp(part_max[at] - top);
+        total += w * part_sum[at];
+        for (int64_t d = 0; d < Dv; ++d) out[d] += w * part_out[at * Dv + d];
+      }
+      for (int64_t d = 0; d < Dv; ++d) out[d] /= total;
+    }
+  }
 }
 
 // The slot tables a decode step reads: every row's length in [1, S], every slot in the pool.

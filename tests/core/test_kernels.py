@@ -144,3 +144,72 @@ def test_linears_is_one_pass_over_weights_that_share_an_input():
     assert [y.shape for y in ours] == [(1, 3, n) for n in (7, 300, 1, 64)]
     for y, w in zip(ours, ws):
         assert torch.allclose(y, F.linear(x, w), atol=1e-5)
+
+
+def reference_attention(q, k_pool, v_pool, slots, lengths, scale):
+    """softmax(q . k * scale) . v in float64 over each row's first lengths[b] slots (GQA)."""
+    B, H, _ = q.shape
+    R = H // k_pool.shape[1]
+    out = torch.empty(B, H, v_pool.shape[-1], dtype=torch.float64)
+    for b in range(B):
+        keys = slots[b, : lengths[b]]
+        for h in range(H):
+            k, v = k_pool[keys, h // R].double(), v_pool[keys, h // R].double()
+            out[b, h] = torch.softmax(k @ q[b, h].double() * scale, 0) @ v
+    return out
+
+
+@pytest.mark.skipif(not SUPPORTED, reason="the kernels need x86-64 with AVX2 and FMA")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("lengths,D", [([300], 64), ([5, 700, 129], 64), ([1, 2], 12), ([257], 20)])
+def test_paged_attention_equals_a_float64_softmax_over_long_and_ragged_rows(lengths, D, pool_dtype,
+                                                                            threads):
+    """A row's keys are cut into chunks whose softmaxes are merged (several per row, rows shorter
+    than a chunk's start, one thread or two); the vectorized exp and the eight-keys-at-a-time
+    scores (D a multiple of 8) and their scalar tails (D 12, 20) all equal float64's softmax."""
+    torch.manual_seed(len(lengths) + D)
+    B, H, G, slots_n = len(lengths), 6, 2, 2048
+    k_pool = (torch.randn(slots_n, G, D) * 2).to(pool_dtype)  # scores spread over ~+-30
+    v_pool = torch.randn(slots_n, G, D).to(pool_dtype)
+    S = max(lengths)
+    slots = torch.stack([torch.randperm(slots_n)[:S] for _ in range(B)])  # scattered slots
+    q = torch.randn(B, H, D)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernels.paged_attention(q, k_pool, v_pool, slots, torch.tensor(lengths), 0.4)
+    finally:
+        torch.set_num_threads(before)
+    ref = reference_attention(q, k_pool, v_pool, slots, lengths, 0.4)
+    assert (out.double() - ref).abs().max() < 2e-5
+
+
+@pytest.mark.skipif(not SUPPORTED, reason="the kernels need x86-64 with AVX2 and FMA")
+def test_the_fused_block_refuses_inconsistent_inputs_with_a_message():
+    """decode_block checks what it is handed (shapes, dtypes, slots) before touching memory."""
+    assert kernels.load()
+    D, Dh, G, F_ = 32, 8, 2, 48
+    w = {"wq": torch.randn(4 * Dh, D), "wk": torch.randn(G * Dh, D), "wv": torch.randn(G * Dh, D),
+         "wo": torch.randn(D, 4 * Dh), "w_gate": torch.randn(F_, D), "w_up": torch.randn(F_, D),
+         "w_down": torch.randn(D, F_)}
+    pools = [torch.zeros(16, G, Dh), torch.zeros(16, G, Dh)]
+
+    def call(x=torch.randn(1, D), new=torch.tensor([2]), slots=torch.tensor([[0, 1, 2]]), **over):
+        m = {**w, **over}
+        return torch.ops.egmla.decode_block(
+            x, torch.ones(D), 1e-5, m["wq"], m["wk"], m["wv"], m["wo"], torch.ones(D), 1e-5,
+            m["w_gate"], m["w_up"], m["w_down"], torch.ones(1, Dh), torch.zeros(1, Dh), *pools,
+            new, slots, torch.tensor([3]), 0.3)
+
+    assert call().shape == (1, D) and pools[0][2].any()  # a good call writes its new K
+    for pool in pools:
+        pool.zero_()
+    for bad, message in [(dict(wo=torch.randn(D, 3 * Dh)), "wo is"),
+                         (dict(w_up=torch.randn(F_, D).bfloat16()), "x's dtype"),
+                         (dict(new=torch.tensor([1])), "is not its last key's"),
+                         (dict(slots=torch.tensor([[0, 1, 99]])), "names slot 99"),
+                         (dict(x=torch.randn(1, D).double()), "float32 or bfloat16")]:
+        with pytest.raises(RuntimeError, match=message):
+            call(**bad)
+    assert not pools[0].any()  # nothing written by a refused call
