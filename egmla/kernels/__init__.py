@@ -6,11 +6,15 @@ no compiler (or a CPU without AVX2 and FMA) runs the same code, only slower.
     python -m egmla.kernels status     # what is built, where, and whether it is used
 
 `linear(x, weight, bias)` is `F.linear` with a decode fast path: when x has at most
-`MAX_ROWS` rows (one token, or a few batched), no gradient is wanted, and x and the weight are
-float32 or bfloat16 on the CPU, it calls `torch.ops.egmla.gemv` (decode.cpp), which streams the
-weight once on all of PyTorch's threads; PyTorch's own kernel for that shape runs on one
-thread at about half the machine's read bandwidth (benchmarks/decode_speed.py measures both).
-The result equals F.linear's up to the order of a float sum.
+`MAX_ROWS[dtype]` rows (one token, or a batch of decodes), no gradient is wanted, and x and the
+weight are float32 or bfloat16 on the CPU, it calls `torch.ops.egmla.gemv` (decode.cpp), which
+streams the weight once on all of PyTorch's threads; PyTorch's own kernel for one row runs on
+one thread at about half the machine's read bandwidth, and up to 16 rows (fp32) ours stays
+faster (benchmarks/decode_speed.py measures both). The result equals F.linear's up to the
+order of a float sum. On a CPU without native bf16 arithmetic (no AVX512-BF16 or AMX),
+PyTorch's bf16 matmul is 4-6x slower than fp32's, so bf16 products of more rows (a prefill)
+widen the weight to fp32 for the product and round the result once: the same arithmetic
+(bf16 weights are exact in fp32, and PyTorch accumulates bf16 in fp32 too).
 
 `paged_attention(...)` is a decode step's attention read in place from the paged KV cache's
 pools (serve/paged_cache.py), instead of gathering every row's history into a padded copy per
@@ -29,6 +33,7 @@ compiler (default c++).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -47,7 +52,10 @@ from egmla.paths import cache_dir
 
 SOURCE = Path(__file__).with_name("decode.cpp")
 LIBRARY = "libegmla_kernels.so"
-MAX_ROWS = 8  # beyond this many rows of x, PyTorch's GEMM is as fast (decode_speed.py)
+# Rows of x up to which the kernel is faster than PyTorch's matmul (measured on a 2-core AVX2
+# EPYC over SmolLM2's layer shapes: fp32 1.6x at 1 row, 1.4x at 16, even at 32; bf16, against
+# widening to fp32, 2x at 16 and 1.4x at 64, slower at 128).
+MAX_ROWS = {torch.float32: 16, torch.bfloat16: 64}
 DTYPES = (torch.float32, torch.bfloat16)
 FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w")
 
@@ -169,15 +177,28 @@ def status() -> dict[str, object]:
     """Whether the kernels are in use, and if not, why."""
     load()
     return {"loaded": _state["loaded"], "reason": _state["reason"],
-            "library": _state.get("path") or str(library_path()), "max_rows": MAX_ROWS,
+            "library": _state.get("path") or str(library_path()),
+            "max_rows": {str(d).removeprefix("torch."): n for d, n in MAX_ROWS.items()},
+            "native_bf16": native_bf16(),
             "threads": torch.get_num_threads()}
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), so that PyTorch's bf16
+    matmul is fast; read from /proc/cpuinfo's flags (False where there is none)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
 def _rows_for_kernel(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> int:
     """x's rows when the kernel may take x @ w.T for every w, else 0."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    if not 0 < rows <= MAX_ROWS or x.dtype not in DTYPES or x.device.type != "cpu":
+    if x.dtype not in DTYPES or not 0 < rows <= MAX_ROWS[x.dtype] or x.device.type != "cpu":
         return 0
     grad = torch.is_grad_enabled()
     if grad and x.requires_grad:
@@ -189,11 +210,26 @@ def _rows_for_kernel(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> int:
     return rows if load() else 0
 
 
+def _widened(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether F.linear(x, weight) should run in fp32 on bf16 tensors (see the module doc)."""
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and not native_bf16())
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """PyTorch's F.linear, widened to fp32 for bf16 on a CPU without native bf16."""
+    if not _widened(x, weight):
+        return F.linear(x, weight, bias)
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return y.to(torch.bfloat16)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), through the kernel when x has few rows (see the module doc)."""
     rows = _rows_for_kernel(x, (weight,))
     if not rows:
-        return F.linear(x, weight, bias)
+        return _matmul(x, weight, bias)
     y = torch.ops.egmla.gemv(x.reshape(rows, x.shape[-1]).contiguous(), weight)
     y = y.view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
@@ -205,7 +241,7 @@ def linears(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> list[torch.Tens
     (a GQA layer's K and V) still read on every thread."""
     rows = _rows_for_kernel(x, weights)
     if not rows:
-        return [F.linear(x, w) for w in weights]
+        return [_matmul(x, w) for w in weights]
     ys = torch.ops.egmla.gemv_many(x.reshape(rows, x.shape[-1]).contiguous(), list(weights))
     return [y.view(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, weights)]
 
@@ -241,7 +277,7 @@ def decode_block(x: torch.Tensor, norms: Sequence[torch.nn.Module],
     one kernel call, or None (nothing written) where the kernel cannot take it; the caller then
     runs its modules.
 
-    x (B, 1, D) with B <= MAX_ROWS; norms: the two RMSNorm modules (`weight`, `eps`);
+    x (B, 1, D) with B <= MAX_ROWS[x.dtype]; norms: the two RMSNorm modules (`weight`, `eps`);
     attention: wq, wk, wv, wo of RoPE attention whose K/V heads are the pools' (GQA when fewer);
     mlp: w_gate, w_up, w_down of SwiGLU; cos, sin (B, 1, Dh) float32 at the rows' positions;
     k_pool, v_pool (slots, G, Dh): the paged cache's pools, into which each row's new K and V go

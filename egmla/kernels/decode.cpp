@@ -112,7 +112,8 @@ inline void dot_row(const float* x, const W* wr, float* out, int64_t K) {
 
 // Output rows [begin, end) for rows [0, B) of x. bf16 weight rows are short (a 576-wide row is
 // 18 cache lines), and reading them one after another as one stream measured faster than four
-// rows in lockstep (14 -> 18 GB/s); fp32 rows read best four at a time.
+// rows in lockstep (14 -> 18 GB/s); fp32 rows read best four at a time for one row of x, two at
+// a time for more (R * B accumulators, R weight and B x vectors must fit AVX2's 16 registers).
 template <int B, typename W, typename Y>
 void rows_range(const float* x, const W* w, Y* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
   float out[kRows * kMaxBatch];
@@ -123,11 +124,12 @@ void rows_range(const float* x, const W* w, Y* y, int64_t K, int64_t N, int64_t 
     }
     return;
   }
+  constexpr int R = B == 1 ? kRows : 2;
   int64_t r = begin;
-  for (; r + kRows <= end; r += kRows) {
-    dot_block<kRows, B>(x, w, out, K, r);
+  for (; r + R <= end; r += R) {
+    dot_block<R, B>(x, w, out, K, r);
     for (int b = 0; b < B; ++b)
-      for (int i = 0; i < kRows; ++i) y[b * N + r + i] = static_cast<Y>(out[b * kRows + i]);
+      for (int i = 0; i < R; ++i) y[b * N + r + i] = static_cast<Y>(out[b * R + i]);
   }
   for (; r < end; ++r) {
     dot_block<1, B>(x, w, out, K, r);
@@ -251,16 +253,20 @@ void gemv_impl(const float* x, const std::vector<const W*>& ws, const std::vecto
   const int64_t grain = std::max<int64_t>(1, 256 / kRows);  // no thread for fewer than 256 rows
   at::parallel_for(0, first_block.back(), grain, [&](int64_t b0, int64_t b1) {
     // A thread's run of blocks may span weights: take each weight's part of it in turn, and
-    // within a part every row of x, kMaxBatch at a time (the part's weight rows are read from
-    // memory once, the later passes find them in cache).
+    // within a part tiles of about 64 KiB of weight rows; each tile serves every row of x,
+    // kMaxBatch at a time, so it is read from memory once and the later passes find it in L2.
     for (size_t i = 0; i < ns.size(); ++i) {
       const int64_t lo = std::max(b0, first_block[i]), hi = std::min(b1, first_block[i + 1]);
       if (lo >= hi) continue;
       const int64_t N = ns[i];
       const int64_t begin = (lo - first_block[i]) * kRows;
       const int64_t end = std::min(N, (hi - first_block[i]) * kRows);
-      for (int64_t m = 0; m < M; m += kMaxBatch)
-        run_pass(x + m * K, ws[i], ys[i] + m * N, std::min(kMaxBatch, M - m), K, N, begin, end);
+      const int64_t tile = M <= kMaxBatch ? end - begin
+                                          : std::max<int64_t>(1, (1 << 16) / (K * sizeof(W)) / kRows) * kRows;
+      for (int64_t t0 = begin; t0 < end; t0 += tile)
+        for (int64_t m = 0; m < M; m += kMaxBatch)
+          run_pass(x + m * K, ws[i], ys[i] + m * N, std::min(kMaxBatch, M - m), K, N, t0,
+                   std::min(end, t0 + tile));
     }
   });
 }

@@ -72,10 +72,28 @@ def test_many_rows_and_other_dtypes_go_to_f_linear():
     for bit."""
     w = torch.randn(40, 24)
     with torch.no_grad():
-        many = torch.randn(kernels.MAX_ROWS + 1, 24)
+        many = torch.randn(kernels.MAX_ROWS[torch.float32] + 1, 24)
         assert torch.equal(kernels.linear(many, w), F.linear(many, w))
         x64 = torch.randn(1, 24, dtype=torch.float64)
         assert torch.equal(kernels.linear(x64, w.double()), F.linear(x64, w.double()))
+
+
+def test_bf16_products_of_many_rows_run_in_fp32_where_the_cpu_lacks_native_bf16():
+    """Past the kernel's rows, a bf16 product on a CPU without AVX512-BF16/AMX is the widened
+    fp32 product rounded once (bit for bit), which is also what PyTorch's bf16 matmul computes
+    (to its rounding); with native bf16, or with gradients, it is PyTorch's own."""
+    torch.manual_seed(3)
+    x = torch.randn(kernels.MAX_ROWS[torch.bfloat16] + 9, 96).bfloat16()
+    w = torch.randn(80, 96).bfloat16()
+    with torch.no_grad():
+        ours = kernels.linear(x, w)
+        widened = F.linear(x.float(), w.float()).bfloat16()
+        native = F.linear(x, w)
+    assert torch.equal(ours, native if kernels.native_bf16() else widened)
+    assert torch.allclose(ours.float(), native.float(), rtol=2**-7, atol=1e-2)
+    assert kernels.status()["native_bf16"] == kernels.native_bf16()
+    wg = w.clone().requires_grad_()
+    assert torch.equal(kernels.linear(x, wg).detach(), F.linear(x, w))
 
 
 def ops_called(fn) -> set[str]:
@@ -91,7 +109,7 @@ def test_a_models_decode_step_runs_its_linears_on_the_kernel():
     from egmla.presets import preset
 
     model = Transformer(preset("tiny-mha")).eval()
-    ids = torch.randint(0, model.config.vocab_size, (1, 12))
+    ids = torch.randint(0, model.config.vocab_size, (1, kernels.MAX_ROWS[torch.float32] + 8))
     with torch.no_grad():
         decode, prefill = ops_called(lambda: model(ids[:, :1])), ops_called(lambda: model(ids))
     assert ("egmla::gemv" in decode) == SUPPORTED and "egmla::gemv" not in prefill

@@ -138,10 +138,11 @@ def test_dtypes_are_named_as_vllm_names_them_and_the_kv_cache_dtype_is_separate(
 @pytest.mark.slow
 def test_bf16_decoding_agrees_with_fp32_on_greedy_tokens(llm):
     """SmolLM2 in bf16 (weights and KV cache) against the same weights in fp32, greedy, 24
-    tokens from each of six prompts. The tolerance: the two may part only where fp32 itself
-    nearly ties, its top two logits within 0.25 (a logit near 35 is rounded to 0.14 in bf16,
-    which keeps 8 bits); after that the continuations are different texts. Measured: four of
-    the six agree on all 24 tokens, the other two part at fp32 margins of 0.04 and 0.10."""
+    tokens from each of six prompts. The tolerance: the two may part only where the bf16
+    model's logits could reorder fp32's top two, i.e. fp32's top-two margin is below twice the
+    bf16 forward's largest logit error at that position; after that the continuations are
+    different texts. Measured: four of the six agree on all 24 tokens; the other two part at
+    fp32 margins of 0.04 and 0.30, where bf16's logits are off by up to 0.45 and 0.64."""
     import copy
 
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
@@ -157,7 +158,10 @@ def test_bf16_decoding_agrees_with_fp32_on_greedy_tokens(llm):
         if n is None:
             whole += 1
             continue
+        ids = torch.tensor([llm.encode(prompt) + b[:n]])
         with torch.no_grad():
-            top = llm.model(torch.tensor([llm.encode(prompt) + b[:n]]))[0, -1].topk(2).values
-        assert top[0] - top[1] < 0.25, (prompt, n, float(top[0] - top[1]))
+            exact, rounded = llm.model(ids)[0, -1], bf16.model(ids)[0, -1].float()
+        top = exact.topk(2).values
+        error = (rounded - exact).abs().max()
+        assert top[0] - top[1] < 2 * error, (prompt, n, float(top[0] - top[1]), float(error))
     assert whole >= len(prompts) // 2
