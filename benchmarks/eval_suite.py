@@ -9,8 +9,14 @@
     a generative one (rg_chain_sum). Reported per task: seconds for each, the ratio, whether the
     metrics are identical, and the largest loglikelihood difference.
 
-    python benchmarks/eval_suite.py                    # both parts (~30 min on 2 CPU cores)
+(c) precision: the loglikelihood tasks (`PRECISION_TASKS`) through `--model egmla` in float32
+    and in bfloat16 (weights and KV cache), whole: each metric in both and the difference, and
+    for per-document metrics (accuracy) the paired difference's mean with a 95% interval over
+    documents and how many documents changed.
+
+    python benchmarks/eval_suite.py                    # all parts (~55 min on 2 CPU cores)
     python benchmarks/eval_suite.py --quick            # smoke test: a few documents per task
+    python benchmarks/eval_suite.py --skip-accuracy --skip-timing   # only (c), ~25 min
 
 Writes benchmarks/results/eval_suite.{json,md} (eval_suite_quick.* with --quick) with the
 command, git SHA, versions and machine. Single runs on a shared CPU: compare the two models
@@ -21,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +43,7 @@ sys.path.insert(0, str(ROOT))  # measure the checkout this script is in
 RESULTS = ROOT / "benchmarks" / "results"
 TASKS = ROOT / "eval" / "tasks"
 TIMED = ["mqar_recall", "corpus_cloze", "corpus_perplexity", "rg_chain_sum"]
+PRECISION_TASKS = ["corpus_cloze", "corpus_perplexity", "mqar_recall"]
 
 
 def headline(task: str, results: dict[str, Any]) -> dict[str, float]:
@@ -93,12 +102,54 @@ def timing(ours, hf, manager, limit: int) -> list[dict]:
     return rows
 
 
-def _made_by(part: dict[str, Any]) -> list[str]:
+def per_document(samples: list[dict], metric: str) -> dict[int, float]:
+    """{doc_id: value} of a metric lm-eval logs per sample ("acc"), empty where it logs none."""
+    key = metric.split(",")[0]
+    return {s["doc_id"]: float(s[key]) for s in samples if isinstance(s.get(key), (int, float))}
+
+
+def paired(a: dict[int, float], b: dict[int, float]) -> dict[str, Any] | None:
+    """Mean of b - a over the documents both scored, its 95% normal interval, and how many
+    documents differ; None unless both scored the same documents."""
+    if not a or a.keys() != b.keys():
+        return None
+    diffs = [b[d] - a[d] for d in sorted(a)]
+    mean = statistics.fmean(diffs)
+    half = 1.96 * statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else 0.0
+    return {"mean": mean, "ci95": [mean - half, mean + half], "documents": len(diffs),
+            "documents_differing": sum(x != 0 for x in diffs)}
+
+
+def precision(model_class, manager, tasks: list[str], quick: bool) -> list[dict]:
+    """The tasks in float32 and bfloat16, whole (3 documents with --quick), compared."""
+    runs: dict[str, dict[str, dict]] = {}
+    seconds: dict[str, dict[str, float]] = {}
+    for dtype in ("float32", "bfloat16"):
+        model = model_class("SmolLM2-135M-Instruct", dtype=dtype, batch_size=8)
+        runs[dtype], seconds[dtype] = {}, {}
+        for task in tasks:
+            runs[dtype][task], seconds[dtype][task] = evaluate(model, task, manager, 3 if quick else None)
+            print(f"{task} {dtype}: {headline(task, runs[dtype][task]['results'])} "
+                  f"({seconds[dtype][task]:.0f} s)", flush=True)
+    rows = []
+    for task in tasks:
+        a, b = runs["float32"][task], runs["bfloat16"][task]
+        metrics_a, metrics_b = headline(task, a["results"]), headline(task, b["results"])
+        rows.append({
+            "task": task, "documents": a["results"][task]["sample_len"],
+            "float32": metrics_a, "bfloat16": metrics_b,
+            "seconds": {dtype: round(seconds[dtype][task], 1) for dtype in seconds},
+            "paired": {m: paired(per_document(a["samples"][task], m),
+                                 per_document(b["samples"][task], m)) for m in metrics_a}})
+    return rows
+
+
+def _made_by(part: dict[str, Any], dtype: str = "float32") -> list[str]:
     p = part["provenance"]
     return [f"{p['time_utc']}; {p['hardware'].get('cpu')} ({p['hardware'].get('cpu_count')} "
             f"cores); git {p['git']['sha']}{' (dirty)' if p['git']['dirty'] else ''}; "
             f"lm-eval {p['versions'].get('lm-eval')}; torch {p['versions'].get('torch')}; "
-            f"float32. Command: `{' '.join(part['command'])}`", ""]
+            f"{dtype}. Command: `{' '.join(part['command'])}`", ""]
 
 
 def render(report: dict[str, Any]) -> str:
@@ -123,6 +174,21 @@ def render(report: dict[str, Any]) -> str:
             lines.append(f"| {r['task']} | {r['egmla_s']} | {r['hf_s']} | {r['speedup']}x | "
                          f"{'yes' if r['identical'] else 'no'} | {rel:.1e} | "
                          f"{'-' if diff is None else f'{diff:.1e}'} |")
+        lines.append("")
+    if report.get("precision"):
+        lines += ["## bfloat16 against float32 (`--model egmla`, weights and KV cache in the dtype)",
+                  "", *_made_by(report["precision"], "float32 and bfloat16"),
+                  ("Paired: the mean over documents of (bf16 - fp32) with its 95% normal interval,"
+                   " and the documents whose score changed."), "",
+                  ("| task | documents | metric | float32 | bfloat16 | bf16 - fp32 | paired 95% CI "
+                   "| documents changed |"), "|---|---:|---|---:|---:|---:|---|---:|"]
+        for r in report["precision"]["rows"]:
+            for i, (name, a) in enumerate(r["float32"].items()):
+                b, p = r["bfloat16"][name], r["paired"].get(name)
+                ci = f"[{p['ci95'][0]:+.4f}, {p['ci95'][1]:+.4f}]" if p else "-"
+                changed = f"{p['documents_differing']}" if p else "-"
+                lines.append(f"| {r['task'] if i == 0 else ''} | {r['documents'] if i == 0 else ''} "
+                             f"| {name} | {a:.4f} | {b:.4f} | {b - a:+.4f} | {ci} | {changed} |")
     return "\n".join(lines) + "\n"
 
 
@@ -136,6 +202,8 @@ def main() -> int:
                         help="run only the wall-time part; keep the recorded accuracy part")
     parser.add_argument("--skip-timing", action="store_true",
                         help="run only the accuracy part; keep the recorded wall-time part")
+    parser.add_argument("--skip-precision", action="store_true",
+                        help="skip the bfloat16-against-float32 part; keep what is recorded")
     parser.add_argument("--quick", action="store_true", help="a few documents per task")
     args = parser.parse_args()
 
@@ -150,13 +218,15 @@ def main() -> int:
     install()
     manager = TaskManager(include_path=str(TASKS), include_defaults=False)
     suite = sorted(manager.load("egmla_offline")["tasks"])
-    ours = EgmlaLM("SmolLM2-135M-Instruct", dtype="float32", batch_size=8)
+    ours = (EgmlaLM("SmolLM2-135M-Instruct", dtype="float32", batch_size=8)
+            if not (args.skip_accuracy and args.skip_timing) else None)
     name = "eval_suite_quick" if args.quick else "eval_suite"
     # A skipped part keeps what the results file already holds (each part says what made it).
     previous = RESULTS / f"{name}.json"
     report: dict[str, Any] = json.loads(previous.read_text()) if previous.exists() else {}
     report.setdefault("accuracy", None)
     report.setdefault("timing", None)
+    report.setdefault("precision", None)
     made_by = {"command": ["python", "benchmarks/eval_suite.py", *sys.argv[1:]],
                "provenance": provenance()}
     if not args.skip_accuracy:
@@ -168,6 +238,9 @@ def main() -> int:
                   device="cpu", batch_size=8)
         limit = 3 if args.quick else args.limit
         report["timing"] = {**made_by, "limit": limit, "rows": timing(ours, hf, manager, limit)}
+    if not args.skip_precision:
+        report["precision"] = {**made_by, "rows": precision(EgmlaLM, manager, PRECISION_TASKS,
+                                                           args.quick)}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / f"{name}.md").write_text(render(report))

@@ -80,21 +80,25 @@ class PagedStep:
             raise ValueError("block_tables, context_lens and new_lens need one entry per row")
         self.cache = cache
         bs, device = cache.block_size, cache.device
-        B, T, S = len(new_lens), max(new_lens), max(c + n for c, n in zip(context_lens, new_lens))
-        slots = torch.zeros(B, S, dtype=torch.long)  # (B, S): slot of each history position
-        key_positions = torch.full((B, S), PAD_POSITION, dtype=torch.long)
-        new_slots = torch.full((B, T), -1, dtype=torch.long)  # (B, T): where new tokens go
         for b, (table, ctx, new) in enumerate(zip(block_tables, context_lens, new_lens)):
-            total = ctx + new
-            if total > len(table) * bs:
-                raise ValueError(f"row {b}: {total} tokens do not fit {len(table)} blocks of {bs}")
-            pos = torch.arange(total)
-            row = torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs
-            slots[b, :total], key_positions[b, :total] = row, pos
-            new_slots[b, :new] = row[ctx:]
+            if ctx + new > len(table) * bs:
+                raise ValueError(f"row {b}: {ctx + new} tokens do not fit {len(table)} blocks of {bs}")
+        # The slot tables, built with tensor ops over all rows at once (no per-row tensors).
+        width = max(1, max(len(t) for t in block_tables))
+        tables = torch.tensor([[*t, *[0] * (width - len(t))] for t in block_tables], dtype=torch.long)
+        context = torch.tensor(context_lens, dtype=torch.long)
+        added = torch.tensor(new_lens, dtype=torch.long)
+        total = context + added
+        T, S = int(added.max()), int(total.max())
+        pos = torch.arange(S)
+        held = pos < total[:, None]  # (B, S): positions each row has, the new ones included
+        slots = (tables[:, (pos // bs).clamp(max=width - 1)] * bs + pos % bs).where(held, 0)
+        key_positions = pos.expand(len(new_lens), S).where(held, PAD_POSITION)
+        new_pos = context[:, None] + torch.arange(T)  # (B, T): where new tokens go, -1 for padding
+        new_slots = slots.gather(1, new_pos.clamp(max=S - 1)).where(new_pos < total[:, None], -1)
         self.slots, self.new_slots = slots.to(device), new_slots.to(device)
         self.decode_only = all(n == 1 for n in new_lens)  # each row's query is its newest key
-        self.lengths = torch.tensor([c + n for c, n in zip(context_lens, new_lens)], device=device)
+        self.lengths = total.to(device)
         self.flat_slots = self.slots.flatten()
         self.key_positions = key_positions.to(device)
         valid = (self.new_slots >= 0).flatten()  # real new tokens (the rest is padding)

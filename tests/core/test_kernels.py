@@ -213,21 +213,22 @@ def test_the_fused_block_refuses_inconsistent_inputs_with_a_message():
          "w_down": torch.randn(D, F_)}
     pools = [torch.zeros(16, G, Dh), torch.zeros(16, G, Dh)]
 
-    def call(x=torch.randn(1, D), new=torch.tensor([2]), slots=torch.tensor([[0, 1, 2]]), **over):
-        m = {**w, **over}
+    def call(**over):
+        m = {"x": torch.randn(1, D), "new": torch.tensor([2]), "slots": torch.tensor([[0, 1, 2]]),
+             **w, **over}
         return torch.ops.egmla.decode_block(
-            x, torch.ones(D), 1e-5, m["wq"], m["wk"], m["wv"], m["wo"], torch.ones(D), 1e-5,
+            m["x"], torch.ones(D), 1e-5, m["wq"], m["wk"], m["wv"], m["wo"], torch.ones(D), 1e-5,
             m["w_gate"], m["w_up"], m["w_down"], torch.ones(1, Dh), torch.zeros(1, Dh), *pools,
-            new, slots, torch.tensor([3]), 0.3)
+            m["new"], m["slots"], torch.tensor([3]), 0.3)
 
     assert call().shape == (1, D) and pools[0][2].any()  # a good call writes its new K
     for pool in pools:
         pool.zero_()
-    for bad, message in [(dict(wo=torch.randn(D, 3 * Dh)), "wo is"),
-                         (dict(w_up=torch.randn(F_, D).bfloat16()), "x's dtype"),
-                         (dict(new=torch.tensor([1])), "is not its last key's"),
-                         (dict(slots=torch.tensor([[0, 1, 99]])), "names slot 99"),
-                         (dict(x=torch.randn(1, D).double()), "float32 or bfloat16")]:
+    for bad, message in [({"wo": torch.randn(D, 3 * Dh)}, "wo is"),
+                         ({"w_up": torch.randn(F_, D).bfloat16()}, "x's dtype"),
+                         ({"new": torch.tensor([1])}, "is not its last key's"),
+                         ({"slots": torch.tensor([[0, 1, 99]])}, "names slot 99"),
+                         ({"x": torch.randn(1, D).double()}, "float32 or bfloat16")]:
         with pytest.raises(RuntimeError, match=message):
             call(**bad)
     assert not pools[0].any()  # nothing written by a refused call

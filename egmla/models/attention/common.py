@@ -12,7 +12,6 @@ from torch import nn
 from egmla.config import ModelConfig
 from egmla.models.layers import Rotary, version
 
-
 # The per-sequence cache field holding every token's id (EG-MLA `kv` reads its keys' ids).
 TOKEN_IDS_FIELD = "token_ids"
 
