@@ -552,7 +552,7 @@ at::Tensor decode_block(const at::Tensor& x, const at::Tensor& attn_norm, double
     TORCH_CHECK(slots.data_ptr<int64_t>()[b * n.S + lp[b] - 1] == ns[b], "decode_block: row ", b,
                 "'s new slot ", ns[b], " is not its last key's");
 
-  at::Tensor h = x.to(at::kFloat).contiguous().clone();
+  at::Tensor h = x.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);  // one copy, ours to write
   const auto run = [&](auto* weight_type, auto* pool_type) {
     using W = std::remove_pointer_t<decltype(weight_type)>;
     using P = std::remove_pointer_t<decltype(pool_type)>;

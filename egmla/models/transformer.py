@@ -31,11 +31,10 @@ class Block(nn.Module):
         self.mlp = SwiGLU(config.d_model, config.d_ff)
 
     def forward(self, x, positions, cache=None, token_ids=None) -> torch.Tensor:
-        if cache is not None and x.shape[1] == 1 and (fused := self._decode(x, positions, cache)) is not None:
+        if cache is not None and (fused := self._decode(x, positions, cache)) is not None:
             return fused
         x = x + self.attn(self.attn_norm(x), positions, cache, token_ids)
         return x + self.mlp(self.mlp_norm(x))
-
 
     def _decode(self, x, positions, cache) -> torch.Tensor | None:
         """The whole block in one kernel call (egmla.kernels.decode_block) for a decode step over
