@@ -52,8 +52,8 @@ from egmla.paths import cache_dir
 
 SOURCE = Path(__file__).with_name("decode.cpp")
 LIBRARY = "libegmla_kernels.so"
-# Rows of x up to which the kernel is faster than PyTorch's matmul (measured on a 2-core AVX2
-# EPYC over SmolLM2's layer shapes: fp32 1.6x at 1 row, 1.4x at 16, even at 32; bf16, against
+# Rows of x up to which the kernel is faster than PyTorch's matmul (a quick microbenchmark on a
+# 2-core AVX2 EPYC over SmolLM2's layer shapes, not yet a recorded benchmark: fp32 1.6x at 1 row, 1.4x at 16, even at 32; bf16, against
 # widening to fp32, 2x at 16 and 1.4x at 64, slower at 128).
 MAX_ROWS = {torch.float32: 16, torch.bfloat16: 64}
 DTYPES = (torch.float32, torch.bfloat16)
