@@ -80,9 +80,9 @@ def step(path: str, layers: list[dict], x, h) -> None:
             mm(h, L["down"])
 
 
-def timed(fn) -> float:
+def timed(fn, *args) -> float:
     t0 = time.perf_counter()
-    fn()
+    fn(*args)
     return time.perf_counter() - t0
 
 
@@ -103,7 +103,7 @@ def measure(dtype_name: str, rows: list[int], rounds: int, layers: int) -> list[
         for r in range(rounds):
             for m in rows:
                 for p in (PATHS if r % 2 == 0 else PATHS[::-1]):
-                    times[m, p].append(timed(lambda: step(p, weights, *inputs[m])))
+                    times[m, p].append(timed(step, p, weights, *inputs[m]))
             print(f"  {dtype_name}: round {r + 1}/{rounds}", flush=True)
     out = []
     for m in rows:
@@ -133,10 +133,10 @@ def markdown(report: dict) -> str:
     lines = [
         "# Kernel rows: our gemv against PyTorch's matmul, one SmolLM2-135M decode step's linears",
         "",
-        f"CPU: {meta['cpu']}, {meta['torch_threads']} threads, native bf16: "
-        f"{meta['native_bf16']}; load average before/after: {meta['load_average_before_after']}; "
-        f"git {meta['git'].get('sha', '?')[:10]}; {report['rounds']} interleaved rounds, "
-        f"median (min..max) of {report['shapes']['layers']} layers' Q/K/V, O, gate/up, down.",
+        (f"CPU: {meta['cpu']}, {meta['torch_threads']} threads, native bf16: "
+         f"{meta['native_bf16']}; load average before/after: {meta['load_average_before_after']}; "
+         f"git {meta['git'].get('sha', '?')[:10]}; {report['rounds']} interleaved rounds, "
+         f"median (min..max) of {report['shapes']['layers']} layers' Q/K/V, O, gate/up, down."),
         "",
         "| dtype | rows | kernel ms | pytorch ms | speedup | kernel GB/s | pytorch GB/s |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -150,9 +150,9 @@ def markdown(report: dict) -> str:
     lines += ["", "| dtype | measured break-even rows | `MAX_ROWS` in force |", "|---|---:|---:|"]
     for d, b in report["break_even"].items():
         lines.append(f"| {d} | {b} | {report['max_rows'][d]} |")
-    lines += ["", "`pytorch` is `egmla.kernels._matmul`: F.linear, bf16 widened to fp32 where the CPU "
-              "has no native bf16. Break-even: the largest measured row count up to which the kernel "
-              "is never slower.", ""]
+    lines += ["", ("`pytorch` is `egmla.kernels._matmul`: F.linear, bf16 widened to fp32 where the "
+                   "CPU has no native bf16. Break-even: the largest measured row count up to which "
+                   "the kernel is never slower."), ""]
     return "\n".join(lines)
 
 

@@ -364,14 +364,16 @@ def attention_from_dict(data: dict[str, Any]) -> AttentionConfig:
 
 @dataclass
 class ModelConfig:
-    """A decoder-only transformer: pre-norm blocks of attention and a SwiGLU MLP."""
+    """A decoder-only transformer: pre-norm blocks of attention and an MLP (`ffn`: SwiGLU, or a
+    ReLU-family activation whose sparsity the activation-locality work uses;
+    egmla.models.layers.FeedForward gives the formulas)."""
 
     vocab_size: int
     d_model: int
     n_layers: int
     n_heads: int
     attention: AttentionConfig = field(default_factory=MHAConfig)
-    d_ff: int | None = None  # SwiGLU hidden width; None: 8/3 * d_model rounded up to 64
+    d_ff: int | None = None  # MLP width; None: 8/3 d_model rounded up to 64 (relu2: 1.5x that)
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
@@ -380,13 +382,23 @@ class ModelConfig:
     # Token ids, used by `generate` and imported tokenizers; optional.
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # The MLP's activation. The default widths give every activation the same parameters: relu2
+    # has no gate matrix, so its default d_ff is 1.5x the gated ones'.
+    ffn: Literal["swiglu", "reglu", "drelu", "relu2"] = "swiglu"
 
     def __post_init__(self) -> None:
         if isinstance(self.attention, dict):
             self.attention = attention_from_dict(self.attention)
-        if self.d_ff is None:
+        if self.d_ff is None and isinstance(self.d_model, int):
             self.d_ff = 64 * -(-(8 * self.d_model // 3) // 64)
+            if self.ffn == "relu2":
+                self.d_ff = 3 * self.d_ff // 2
         self.validate()
+
+    @property
+    def ffn_matrices(self) -> int:
+        """d_model x d_ff matrices per MLP: 3 (gate, up, down), or 2 for relu2 (no gate)."""
+        return 2 if self.ffn == "relu2" else 3
 
     def validate(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
@@ -395,6 +407,7 @@ class ModelConfig:
                 isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                 f"{name}={value!r}: must be a positive integer",
             )
+        _check_literals(self, "model")
         _check(self.rope_theta > 0, f"rope_theta={self.rope_theta}: must be > 0")
         _check(self.norm_eps > 0, f"norm_eps={self.norm_eps}: must be > 0")
         _check(
@@ -429,7 +442,7 @@ class ModelConfig:
     def num_params(self, include_gate_tables: bool = True) -> int:
         """Parameter count computed from the config (checked against the built module)."""
         d, V, L, a = self.d_model, self.vocab_size, self.n_layers, self.attention
-        per_layer = 2 * d + 3 * d * self.d_ff + a.layer_params(self)  # 2 norms + SwiGLU
+        per_layer = 2 * d + self.ffn_matrices * d * self.d_ff + a.layer_params(self)  # 2 norms + MLP
         total = V * d + L * per_layer + d + (0 if self.tie_embeddings else V * d)
         if include_gate_tables:
             total += len(a.table_groups(self)) * V * a.table_width()

@@ -78,7 +78,9 @@ def _single_id(value: Any) -> int | None:
 
 
 def _common_fields(hf: Any) -> dict[str, Any]:
-    _reject(hf.hidden_act != "silu", f"hidden_act={hf.hidden_act!r}: egmla's MLP is SwiGLU (silu)")
+    ffn = {"silu": "swiglu", "relu": "reglu"}.get(hf.hidden_act)
+    _reject(ffn is None, f"hidden_act={hf.hidden_act!r}: egmla's gated MLPs are SwiGLU (silu) and "
+            "ReGLU (relu)")
     _reject(getattr(hf, "attention_bias", False), "attention_bias=True: egmla has no qkv/o biases")
     _reject(getattr(hf, "mlp_bias", False), "mlp_bias=True: egmla's MLP has no biases")
     return {
@@ -87,6 +89,7 @@ def _common_fields(hf: Any) -> dict[str, Any]:
         "n_layers": hf.num_hidden_layers,
         "n_heads": hf.num_attention_heads,
         "d_ff": hf.intermediate_size,
+        "ffn": ffn,
         "max_seq_len": hf.max_position_embeddings,
         "rope_theta": _rope_theta(hf),
         "norm_eps": float(hf.rms_norm_eps),

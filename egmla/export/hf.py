@@ -99,6 +99,7 @@ def hf_config(config: ModelConfig, dtype: torch.dtype, meta: dict[str, Any]) -> 
         "auto_map": AUTO_MAP,
         **{hf: getattr(config, ours) for ours, hf in FIELDS.items()},
         "attention": config.attention.to_dict(),
+        "ffn": config.ffn,
         "dtype": str(dtype).removeprefix("torch."),
         "use_cache": True,
         "egmla": {"format": FORMAT, "format_version": FORMAT_VERSION, **meta},
@@ -223,6 +224,7 @@ def read_hf_config(directory: str | os.PathLike) -> ModelConfig:
     try:
         return ModelConfig.from_dict(
             {ours: data[hf] for ours, hf in FIELDS.items()} | {"attention": data["attention"]}
+            | {"ffn": data.get("ffn", "swiglu")}  # exports written before `ffn` are SwiGLU
         )
     except ConfigError as err:
         raise CheckpointError(f"{path}: {err}") from err

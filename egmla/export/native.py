@@ -26,6 +26,8 @@ What has no counterpart is refused with NativeExportError naming it, never appro
   norm_eps; only 1e-6 means the same model everywhere.
 - MHA with d_model not divisible by n_heads: LlamaConfig rejects such a config even when
   head_dim is given.
+- An MLP other than SwiGLU or ReGLU: Llama's and DeepSeek-V3's MLP is down(act(gate) * up),
+  so `hidden_act` "silu" is SwiGLU and "relu" ReGLU; dReLU and squared ReLU have no such form.
 
 Checked and exact, so not refused: DeepSeek-V3's softmax scale without RoPE scaling is
 (qk_nope_head_dim + qk_rope_head_dim) ** -0.5, egmla MLA's; Llama's is head_dim ** -0.5, egmla
@@ -45,6 +47,10 @@ from egmla.export.hf import rename_to_hf
 from egmla.imports import DEEPSEEK_LATENT_NORM_EPS, deinterleave_order
 from egmla.models.transformer import Transformer
 from egmla.weight_names import DEEPSEEK_ATTENTION, LLAMA_ATTENTION
+
+
+# egmla's MLP (ModelConfig.ffn) -> the `hidden_act` of a gated Llama / DeepSeek-V3 MLP.
+HIDDEN_ACT = {"swiglu": "silu", "reglu": "relu"}
 
 
 class NativeExportError(CheckpointError):
@@ -70,6 +76,11 @@ def native_architecture(config: ModelConfig) -> str:
             f"norm_eps={config.norm_eps}: DeepSeek-V3's latent norms always use eps="
             f"{DEEPSEEK_LATENT_NORM_EPS} in transformers, and egmla has one norm_eps, so "
             f"only norm_eps={DEEPSEEK_LATENT_NORM_EPS} exports exactly"
+        )
+    if config.ffn not in HIDDEN_ACT:
+        raise NativeExportError(
+            f"ffn={config.ffn!r}: Llama's and DeepSeek-V3's MLP is down(act(gate) * up), which "
+            f"holds only {sorted(HIDDEN_ACT)}; use --format hf (egmla's remote-code export)"
         )
     if arch == "llama" and config.d_model % config.n_heads:
         raise NativeExportError(
@@ -100,7 +111,7 @@ def _common_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         "num_hidden_layers": config.n_layers,
         "num_attention_heads": config.n_heads,
         "max_position_embeddings": config.max_seq_len,
-        "hidden_act": "silu",
+        "hidden_act": HIDDEN_ACT[config.ffn],
         "rms_norm_eps": config.norm_eps,
         "tie_word_embeddings": config.tie_embeddings,
         # Written even when None: both configs have non-None defaults (Llama 1/2, DeepSeek 0/1)

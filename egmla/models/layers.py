@@ -1,4 +1,4 @@
-"""Building blocks shared by every backbone: linear layers, RMSNorm, rotary embeddings, SwiGLU."""
+"""Building blocks shared by every backbone: linear layers, RMSNorm, rotary embeddings, the MLP."""
 
 from __future__ import annotations
 
@@ -107,15 +107,49 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+FFN_ACTIVATIONS = ("swiglu", "reglu", "drelu", "relu2")
+GATED = frozenset({"swiglu", "reglu", "drelu"})
 
-    def __init__(self, d_model: int, d_ff: int) -> None:
+
+class FeedForward(nn.Module):
+    """A block's MLP, down(h(x)), with the hidden activations h(x) one of (`activation`):
+
+        swiglu  silu(gate(x)) * up(x)        (Llama, SmolLM2)
+        reglu   relu(gate(x)) * up(x)
+        drelu   relu(gate(x)) * relu(up(x))  (TurboSparse's dReLU)
+        relu2   relu(up(x)) ** 2             (squared ReLU; no gate matrix)
+
+    A neuron (a column of h) is active for a token where its h is non-zero: in the ReLU family
+    that is exact sparsity, which the activation-locality work exploits; SwiGLU's h is almost
+    never exactly zero.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, activation: str = "swiglu") -> None:
         super().__init__()
-        self.w_gate = Linear(d_model, d_ff, bias=False)
+        if activation not in FFN_ACTIVATIONS:
+            raise ValueError(f"activation={activation!r}: must be one of {list(FFN_ACTIVATIONS)}")
+        self.activation = activation
+        self.w_gate = Linear(d_model, d_ff, bias=False) if activation in GATED else None
         self.w_up = Linear(d_model, d_ff, bias=False)
         self.w_down = Linear(d_ff, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """h(x), the (..., d_ff) activations that w_down mixes."""
+        if self.w_gate is None:
+            return F.relu(self.w_up(x)).square()
         gate, up = kernels.linears(x, (self.w_gate.weight, self.w_up.weight))  # one pass
-        return self.w_down(F.silu(gate) * up)
+        if self.activation == "swiglu":
+            return F.silu(gate) * up
+        if self.activation == "reglu":
+            return F.relu(gate) * up
+        return F.relu(gate) * F.relu(up)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(self.hidden(x))
+
+    def swiglu_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(gate, up, down) weights when this is SwiGLU (what egmla.kernels.decode_block
+        computes), else None."""
+        if self.activation != "swiglu":
+            return None
+        return self.w_gate.weight, self.w_up.weight, self.w_down.weight

@@ -19,7 +19,7 @@ from egmla.cache import TOKEN_IDS, CacheSpec, CacheStep, ContiguousCache
 from egmla.config import ModelConfig
 from egmla.models.attention import build_attention
 from egmla.models.attention.common import TOKEN_IDS_FIELD
-from egmla.models.layers import Linear, RMSNorm, SwiGLU
+from egmla.models.layers import FeedForward, Linear, RMSNorm
 
 
 class Block(nn.Module):
@@ -28,7 +28,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn = attention
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.mlp = SwiGLU(config.d_model, config.d_ff)
+        self.mlp = FeedForward(config.d_model, config.d_ff, config.ffn)
 
     def forward(self, x, positions, cache=None, token_ids=None) -> torch.Tensor:
         if cache is not None and (fused := self._decode(x, positions, cache)) is not None:
@@ -38,16 +38,15 @@ class Block(nn.Module):
 
     def _decode(self, x, positions, cache) -> torch.Tensor | None:
         """The whole block in one kernel call (egmla.kernels.decode_block) for a decode step over
-        a paged cache, where the attention is plain RoPE attention over K and V; else None."""
-        attn = self.attn.rope_kv_attention()
-        where = cache.decode_slots() if attn is not None else None
+        a paged cache, where the attention is plain RoPE attention over K and V and the MLP is
+        SwiGLU; else None."""
+        attn, mlp = self.attn.rope_kv_attention(), self.mlp.swiglu_weights()
+        where = cache.decode_slots() if attn is not None and mlp is not None else None
         if where is None or set(where.pools) != {"k", "v"}:
             return None
         cos, sin = attn.rope.cos_sin(positions, torch.float32)
-        mlp = self.mlp
         return kernels.decode_block(
-            x, (self.attn_norm, self.mlp_norm), (attn.wq, attn.wk, attn.wv, attn.wo),
-            (mlp.w_gate.weight, mlp.w_up.weight, mlp.w_down.weight), cos, sin,
+            x, (self.attn_norm, self.mlp_norm), (attn.wq, attn.wk, attn.wv, attn.wo), mlp, cos, sin,
             where.pools["k"], where.pools["v"], where.new, where.slots, where.lengths, attn.scale)
 
 

@@ -26,6 +26,7 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
+from egmla.config import ConfigError
 from egmla.data.tokenizer import tokenizer_fingerprint
 from egmla.models import cache_spec_for
 from egmla.provenance import provenance
@@ -63,13 +64,25 @@ def _is_rank_zero() -> bool:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0
 
 
+def _built_model(model: Any) -> Any:
+    """A saved model section as the model it builds (defaults filled in, `d_ff: null` resolved),
+    so that a run saved before a model field existed resumes under that field's default; the
+    section as saved where it does not parse."""
+    try:
+        return TrainConfig(name="saved", model=model).model_config().to_dict()
+    except (ConfigError, TypeError, ValueError):
+        return model
+
+
 def check_resume(run_dir: Path, config: TrainConfig, tokenizer_id: str | None) -> Path | None:
     """Raise RunError if run_dir holds a different run; return last.ckpt if there is one."""
     saved_path = run_dir / "config.json"
     if not saved_path.is_file():
         return None
     saved = json.loads(saved_path.read_text())
-    current = {**config.to_dict(), "tokenizer_fingerprint": tokenizer_id}
+    saved["model"] = _built_model(saved.get("model"))
+    current = {**config.to_dict(), "model": _built_model(config.model),
+               "tokenizer_fingerprint": tokenizer_id}
     for key in (*FROZEN, "tokenizer_fingerprint"):
         difference = _first_difference(_get(saved, key), _get(current, key), key)
         if difference:

@@ -31,16 +31,19 @@ VARIANTS = {
     "egmla-kv": {"type": "egmla", **MLA, "d_e": 16, "gate_group_size": 2},
     "egmla-latent": {"type": "egmla", **MLA, "d_e": 16, "gate_position": "latent",
                      "gate_norm": "rmsnorm"},
+    "gqa-relu2": {"type": "mha", "n_kv_heads": 2},
+    "mla-drelu": {"type": "mla", **MLA},
 }
+FFN = {"gqa-relu2": "relu2", "mla-drelu": "drelu"}  # the MLP of a variant, where not SwiGLU
 
 
-def tiny_model(attention: dict, tie: bool = True, seed: int = 0) -> Transformer:
+def tiny_model(attention: dict, tie: bool = True, seed: int = 0, ffn: str = "swiglu") -> Transformer:
     """4 layers, d=64, weights large enough that greedy decoding does not settle into a loop;
     norms moved off one so a norm mapped to the wrong place shows."""
     torch.manual_seed(seed)
     config = ModelConfig.from_dict({"vocab_size": 256, "d_model": 64, "n_layers": 4, "n_heads": 4,
                                     "attention": attention, "tie_embeddings": tie,
-                                    "init_std": 0.3})  # no eos: 32 tokens every time
+                                    "init_std": 0.3, "ffn": ffn})  # no eos: 32 tokens every time
     model = Transformer(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -57,7 +60,8 @@ def load_transformers(directory: Path, **kwargs):
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def exported(request, tmp_path_factory):
-    model = tiny_model(VARIANTS[request.param], tie=request.param != "mla")
+    model = tiny_model(VARIANTS[request.param], tie=request.param != "mla",
+                       ffn=FFN.get(request.param, "swiglu"))
     directory = save_hf(model, tmp_path_factory.mktemp("hf") / request.param)
     return model, directory, load_transformers(directory)
 

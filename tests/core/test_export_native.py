@@ -30,14 +30,16 @@ VOCAB = 256
 TOL = 1e-4  # float32
 NEW_TOKENS = 32
 
-# name -> (attention, tie_embeddings). MLA needs norm_eps 1e-6 (DeepSeek's latent norms).
-CASES: dict[str, tuple[Any, bool]] = {
+# name -> (attention, tie_embeddings[, ffn]). MLA needs norm_eps 1e-6 (DeepSeek's latent norms).
+CASES: dict[str, tuple] = {
     "mha-tied": (MHAConfig(), True),
     "mha-untied": (MHAConfig(), False),
     "gqa2-tied": (MHAConfig(n_kv_heads=2), True),
     "gqa2-untied": (MHAConfig(n_kv_heads=2), False),
     "mla-full-q-tied": (MLAConfig(d_c=16, d_nope=8, d_rope=8, d_v=12), True),
     "mla-lora-q-untied": (MLAConfig(d_c=16, d_q=24, d_nope=8, d_rope=8, d_v=12), False),
+    "gqa2-reglu-tied": (MHAConfig(n_kv_heads=2), True, "reglu"),  # hidden_act "relu"
+    "mla-reglu-untied": (MLAConfig(d_c=16, d_nope=8, d_rope=8, d_v=12), False, "reglu"),
 }
 NATIVE_CLASS = {"mha": transformers.LlamaForCausalLM, "mla": transformers.DeepseekV3ForCausalLM}
 
@@ -53,11 +55,11 @@ def tiny_config(attention: Any, tie: bool, **overrides: Any) -> ModelConfig:
     return ModelConfig(**{**fields, **overrides})
 
 
-def tiny_model(attention: Any, tie: bool) -> Transformer:
+def tiny_model(attention: Any, tie: bool, ffn: str = "swiglu") -> Transformer:
     """A seeded random model. init_std 0.2 makes attention sharp, so a wrong head or RoPE layout
     moves the logits by whole units; norm weights away from 1 catch a mis-mapped norm."""
     torch.manual_seed(0)
-    model = Transformer(tiny_config(attention, tie)).eval()
+    model = Transformer(tiny_config(attention, tie, ffn=ffn)).eval()
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, RMSNorm):
@@ -160,6 +162,7 @@ CONFIG_CASES = {
         bos_token_id=1, eos_token_id=2,
     ),
     "llama-defaults": tiny_config(MHAConfig(), True, bos_token_id=None),
+    "llama-reglu": tiny_config(MHAConfig(n_kv_heads=2), True, ffn="reglu"),
     "deepseek-lora-q": tiny_config(
         MLAConfig(d_c=32, d_q=48, d_nope=16, d_rope=4, d_v=8, impl="absorbed"), True,
         rope_theta=50000.0, eos_token_id=7,
@@ -212,6 +215,14 @@ def test_egmla_is_refused_naming_the_gate():
     torch.manual_seed(0)
     with pytest.raises(NativeExportError, match="embedding gate"):
         native_state_dict(Transformer(config))
+
+
+@pytest.mark.parametrize("ffn", ["drelu", "relu2"])
+@pytest.mark.parametrize("attention", [MHAConfig(), MLAConfig(d_c=16, d_nope=8, d_rope=8, d_v=12)])
+def test_an_mlp_with_no_hidden_act_is_refused_naming_it(ffn, attention):
+    config = tiny_config(attention, False, ffn=ffn)
+    with pytest.raises(NativeExportError, match=f"ffn='{ffn}'.*--format hf"):
+        native_config(config, torch.float32)
 
 
 def test_mla_with_another_norm_eps_is_refused_naming_the_value():

@@ -190,18 +190,20 @@ def test_a_decode_block_in_one_kernel_call_equals_its_modules(dtype, cache_dtype
 
 
 def test_an_engine_decode_step_runs_one_kernel_call_per_mha_block():
-    """Decoding through the paged engine takes the fused block for MHA (and not the per-op
-    path); MLA's blocks, which it cannot express, take their modules."""
+    """Decoding through the paged engine takes the fused block for MHA with SwiGLU (and not the
+    per-op path); MLA's blocks and other MLPs, which it cannot express, take their modules."""
     from egmla import kernels
     from serve.engine import EngineConfig, LLMEngine, SamplingParams
 
-    for name, fused in (("tiny-gqa2", kernels.unsupported() is None), ("tiny-mla", False)):
+    cases = (("tiny-gqa2", "swiglu", kernels.unsupported() is None), ("tiny-mla", "swiglu", False),
+             ("tiny-gqa2", "reglu", False))
+    for name, ffn, fused in cases:
         torch.manual_seed(0)
-        model = Transformer(preset(name)).eval()
+        model = Transformer(preset(name, ffn=ffn)).eval()
         engine = LLMEngine(model, EngineConfig(num_blocks=8, block_size=4))
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=3))
         engine.step()  # prefill
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             engine.step()  # one decode step
         calls = {e.key: e.count for e in prof.key_averages()}
-        assert calls.get("egmla::decode_block", 0) == (model.config.n_layers if fused else 0), name
+        assert calls.get("egmla::decode_block", 0) == (model.config.n_layers if fused else 0), (name, ffn)

@@ -40,6 +40,10 @@ VARIANTS = {
     "egmla-const-gate-absorbed": with_attention(preset("tiny-egmla-const-gate"), impl="absorbed"),
     "egmla-hidden-gate": preset("tiny-egmla-hidden-gate"),
     "mla-value-embed-absorbed": with_attention(preset("tiny-mla-value-embed"), impl="absorbed"),
+    # the ReLU-family MLPs of the activation-locality work (ModelConfig.ffn)
+    "gqa-reglu": preset("tiny-gqa2", ffn="reglu"),
+    "mha-relu2": preset("tiny-mha", ffn="relu2"),
+    "mla-drelu-absorbed": with_attention(preset("tiny-mla", ffn="drelu"), impl="absorbed"),
 }
 
 

@@ -90,6 +90,7 @@ def test_unknown_attention_type_fails_naming_it():
         ("optim.schedule=linear", "schedule='linear'"),
         ("wandb.mode=sometimes", "mode='sometimes'"),
         ("data.kind=parquet", "kind='parquet'"),
+        ("model.ffn=gelu", "model.ffn='gelu': must be one of"),
     ],
 )
 def test_bad_values_fail_naming_them(override, message):
@@ -145,3 +146,30 @@ def test_the_final_validation_covers_the_whole_split_unless_told():
     for bad in ("0", "-1"):
         with pytest.raises(ConfigError, match="trainer.final_val_batches"):
             TrainConfig.from_dict(compose_config([f"trainer.final_val_batches={bad}"]))
+
+
+@pytest.mark.parametrize("ffn", ["swiglu", "reglu", "drelu", "relu2"])
+def test_the_mlp_activation_is_a_hydra_option_at_equal_parameters(ffn):
+    config = TrainConfig.from_dict(compose_config(["model=small", f"model.ffn={ffn}"]))
+    model = Transformer(config.model_config())
+    assert all(block.mlp.activation == ffn for block in model.layers)
+    swiglu = TrainConfig.from_dict(compose_config(["model=small"])).model_config()
+    assert model.num_params() == swiglu.num_params()  # relu2: no gate, 1.5x the width
+
+
+def test_a_run_saved_before_a_model_field_existed_resumes_under_its_default(tmp_path):
+    """A run directory written before `model.ffn` existed holds no such key: it is SwiGLU, and
+    resumes as such; a run saved with another activation is still refused by name."""
+    import json
+
+    from egmla.training.run import RunError, check_resume
+
+    config = TrainConfig.from_dict(compose_config(["model=small"]))
+    saved = config.to_dict()
+    del saved["model"]["ffn"]
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "tokenizer_fingerprint": "t"}))
+    assert check_resume(tmp_path, config, "t") is None  # no checkpoint yet, and no refusal
+    saved["model"]["ffn"] = "drelu"
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "tokenizer_fingerprint": "t"}))
+    with pytest.raises(RunError, match="different model.ffn \\('drelu' there, 'swiglu' now\\)"):
+        check_resume(tmp_path, config, "t")

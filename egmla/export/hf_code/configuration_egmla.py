@@ -4,6 +4,9 @@ This file is copied into every directory written by `python -m egmla.export --fo
 loaded by `AutoConfig.from_pretrained(directory, trust_remote_code=True)`. It needs only
 transformers and torch, not egmla.
 
+`ffn` names the MLP: "swiglu" (down(silu(gate) * up)), "reglu" (relu(gate) * up), "drelu"
+(relu(gate) * relu(up)) or "relu2" (relu(up) ** 2, no gate_proj).
+
 `attention` holds egmla's attention config verbatim, a dict with a `type`:
 
     {"type": "mha", "n_kv_heads": 3, "head_dim": 64}
@@ -19,6 +22,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 ATTENTION_TYPES = ("mha", "mla", "egmla")
+FFN_TYPES = ("swiglu", "reglu", "drelu", "relu2")
 
 
 class EgmlaConfig(PretrainedConfig):
@@ -32,6 +36,7 @@ class EgmlaConfig(PretrainedConfig):
         num_hidden_layers: int = 2,
         num_attention_heads: int = 4,
         attention: dict[str, Any] | None = None,
+        ffn: str = "swiglu",
         max_position_embeddings: int = 2048,
         rope_theta: float = 10000.0,
         rms_norm_eps: float = 1e-5,
@@ -48,6 +53,9 @@ class EgmlaConfig(PretrainedConfig):
             raise ValueError(
                 f"attention.type={attention.get('type')!r}: must be one of {list(ATTENTION_TYPES)}"
             )
+        if ffn not in FFN_TYPES:
+            raise ValueError(f"ffn={ffn!r}: must be one of {list(FFN_TYPES)}")
+        self.ffn = ffn
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size

@@ -78,15 +78,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class EgmlaMLP(nn.Module):
+    """down_proj of the hidden activations `config.ffn` names (configuration_egmla.py)."""
+
     def __init__(self, config: EgmlaConfig) -> None:
         super().__init__()
         d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.ffn = getattr(config, "ffn", "swiglu")
+        self.gate_proj = None if self.ffn == "relu2" else nn.Linear(d, f, bias=False)
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        up = self.up_proj(x)
+        if self.ffn == "relu2":
+            return self.down_proj(F.relu(up).square())
+        gate = self.gate_proj(x)
+        if self.ffn == "swiglu":
+            hidden = F.silu(gate) * up
+        elif self.ffn == "reglu":
+            hidden = F.relu(gate) * up
+        else:  # drelu
+            hidden = F.relu(gate) * F.relu(up)
+        return self.down_proj(hidden)
 
 
 def eager_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
