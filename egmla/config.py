@@ -361,6 +361,10 @@ def attention_from_dict(data: dict[str, Any]) -> AttentionConfig:
 # --------------------------------------------------------------------------------------------
 # Model
 
+# ModelConfig.ffn -> the `hidden_act` of a gated Llama / DeepSeek-V3 MLP, down(act(gate) * up),
+# that computes it; dReLU and squared ReLU have no such form (egmla.export.native refuses them).
+FFN_HIDDEN_ACT = {"swiglu": "silu", "reglu": "relu"}
+
 
 @dataclass
 class ModelConfig:

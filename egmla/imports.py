@@ -35,7 +35,7 @@ from egmla.checkpoint import (
     save_export,
     tokenizer_or_none,
 )
-from egmla.config import MHAConfig, MLAConfig, ModelConfig
+from egmla.config import FFN_HIDDEN_ACT, MHAConfig, MLAConfig, ModelConfig
 from egmla.models.transformer import Transformer
 from egmla.paths import cache_dir
 from egmla.weight_names import (
@@ -78,7 +78,7 @@ def _single_id(value: Any) -> int | None:
 
 
 def _common_fields(hf: Any) -> dict[str, Any]:
-    ffn = {"silu": "swiglu", "relu": "reglu"}.get(hf.hidden_act)
+    ffn = {act: ffn for ffn, act in FFN_HIDDEN_ACT.items()}.get(hf.hidden_act)
     _reject(ffn is None, f"hidden_act={hf.hidden_act!r}: egmla's gated MLPs are SwiGLU (silu) and "
             "ReGLU (relu)")
     _reject(getattr(hf, "attention_bias", False), "attention_bias=True: egmla has no qkv/o biases")

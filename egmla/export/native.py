@@ -41,16 +41,12 @@ from typing import Any
 import torch
 
 from egmla.checkpoint import CheckpointError
-from egmla.config import ModelConfig
+from egmla.config import FFN_HIDDEN_ACT, ModelConfig
 from egmla.dtypes import dtype_name
 from egmla.export.hf import rename_to_hf
 from egmla.imports import DEEPSEEK_LATENT_NORM_EPS, deinterleave_order
 from egmla.models.transformer import Transformer
 from egmla.weight_names import DEEPSEEK_ATTENTION, LLAMA_ATTENTION
-
-
-# egmla's MLP (ModelConfig.ffn) -> the `hidden_act` of a gated Llama / DeepSeek-V3 MLP.
-HIDDEN_ACT = {"swiglu": "silu", "reglu": "relu"}
 
 
 class NativeExportError(CheckpointError):
@@ -77,10 +73,10 @@ def native_architecture(config: ModelConfig) -> str:
             f"{DEEPSEEK_LATENT_NORM_EPS} in transformers, and egmla has one norm_eps, so "
             f"only norm_eps={DEEPSEEK_LATENT_NORM_EPS} exports exactly"
         )
-    if config.ffn not in HIDDEN_ACT:
+    if config.ffn not in FFN_HIDDEN_ACT:
         raise NativeExportError(
             f"ffn={config.ffn!r}: Llama's and DeepSeek-V3's MLP is down(act(gate) * up), which "
-            f"holds only {sorted(HIDDEN_ACT)}; use --format hf (egmla's remote-code export)"
+            f"holds only {sorted(FFN_HIDDEN_ACT)}; use --format hf (egmla's remote-code export)"
         )
     if arch == "llama" and config.d_model % config.n_heads:
         raise NativeExportError(
@@ -111,7 +107,7 @@ def _common_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         "num_hidden_layers": config.n_layers,
         "num_attention_heads": config.n_heads,
         "max_position_embeddings": config.max_seq_len,
-        "hidden_act": HIDDEN_ACT[config.ffn],
+        "hidden_act": FFN_HIDDEN_ACT[config.ffn],
         "rms_norm_eps": config.norm_eps,
         "tie_word_embeddings": config.tie_embeddings,
         # Written even when None: both configs have non-None defaults (Llama 1/2, DeepSeek 0/1)
