@@ -132,6 +132,7 @@ class FeedForward(nn.Module):
         self.w_gate = Linear(d_model, d_ff, bias=False) if activation in GATED else None
         self.w_up = Linear(d_model, d_ff, bias=False)
         self.w_down = Linear(d_ff, d_model, bias=False)
+        self.sparse = None  # activation-locality decoding (egmla.models.sparse_ffn.attach)
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """h(x), the (..., d_ff) activations that w_down mixes."""
@@ -145,11 +146,13 @@ class FeedForward(nn.Module):
         return F.relu(gate) * F.relu(up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sparse is not None and self.sparse.runs(x):
+            return self.sparse(x)
         return self.w_down(self.hidden(x))
 
     def swiglu_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(gate, up, down) weights when this is SwiGLU (what egmla.kernels.decode_block
+        """(gate, up, down) weights when this is a dense SwiGLU (what egmla.kernels.decode_block
         computes), else None."""
-        if self.activation != "swiglu":
+        if self.activation != "swiglu" or self.sparse is not None:
             return None
         return self.w_gate.weight, self.w_up.weight, self.w_down.weight

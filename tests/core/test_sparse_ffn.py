@@ -1,0 +1,138 @@
+"""Activation-locality decoding (egmla.models.sparse_ffn): computing only the neurons that fire
+equals the dense MLP exactly for the ReLU family, in a whole model's prefill + decode; reordering
+the neurons leaves the model's function unchanged; SwiGLU's thresholded form is what it says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from egmla.models import FeedForward
+from egmla.models.sparse_ffn import attach, detach, permute_neurons
+from egmla.presets import preset
+from support.models import build, random_ids
+
+RELU_FAMILY = ("reglu", "drelu", "relu2")
+
+
+def decode(model, ids, prompt: int) -> torch.Tensor:
+    """Logits of a prefill of `prompt` tokens, then one token per step over a cache."""
+    cache = model.new_cache(ids.shape[0], ids.shape[1])
+    with torch.no_grad():
+        steps = [model(ids[:, :prompt], cache=cache)]
+        steps += [model(ids[:, t:t + 1], cache=cache) for t in range(prompt, ids.shape[1])]
+    return torch.cat(steps, dim=1)
+
+
+@pytest.mark.parametrize("mode", ["gate", "oracle"])
+@pytest.mark.parametrize("ffn", RELU_FAMILY)
+@pytest.mark.parametrize("base", ["tiny-gqa2", "tiny-mla"])
+def test_sparse_decode_equals_dense_decode_in_float64(base, ffn, mode):
+    cfg = preset(base, ffn=ffn)
+    model, ids = build(cfg), random_ids(cfg, 3, 14)
+    with torch.no_grad():
+        dense = model(ids)
+    sparse = [attach(block.mlp, mode) for block in model.layers]
+    got = decode(model, ids, prompt=6)  # 3 x 6 rows: more than MAX_ROWS, a dense prefill
+    assert (got - dense).abs().max().item() < 1e-12
+    assert sparse[0].stats["steps"] == 14 - 6  # every decode step took the sparse path
+    assert all(0 < s.density() < 0.9 for s in sparse)  # and skipped some neurons
+
+
+@pytest.mark.parametrize("ffn", RELU_FAMILY)
+def test_the_sparse_path_computes_only_the_neurons_that_fire(ffn):
+    torch.manual_seed(0)
+    mlp = FeedForward(32, 256, ffn).double().eval()
+    sparse = attach(mlp, "gate")
+    x = torch.randn(1, 32, dtype=torch.float64)
+    with torch.no_grad():
+        fired = (mlp.hidden(x) != 0).sum().item()
+        idx = sparse.active(x)
+        mlp(x)
+    # gate (relu2: up) > 0 is the set; drelu's up may still zero some of it
+    assert fired <= idx.numel() < 256
+    assert ffn == "drelu" or fired == idx.numel()
+    assert sparse.stats["active"] == idx.numel()
+
+
+def test_a_batch_computes_the_union_of_its_rows_neurons():
+    torch.manual_seed(0)
+    mlp = FeedForward(32, 256, "reglu").double().eval()
+    sparse = attach(mlp, "gate")
+    x = torch.randn(8, 32, dtype=torch.float64)
+    with torch.no_grad():
+        union = (mlp.hidden(x) != 0).any(0).sum().item()
+        one = (mlp.hidden(x[:1]) != 0).sum().item()
+        assert union == sparse.active(x).numel() > one
+        got = mlp(x)
+        detach(mlp)
+        assert (got - mlp(x)).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("ffn", ["swiglu", *RELU_FAMILY])
+def test_reordering_the_neurons_leaves_the_model_unchanged(ffn):
+    cfg = preset("tiny-gqa2", ffn=ffn)
+    model, ids = build(cfg), random_ids(cfg, 2, 12)
+    with torch.no_grad():
+        before = model(ids)
+        d_ff = cfg.d_ff
+        for i, block in enumerate(model.layers):
+            order = torch.randperm(d_ff, generator=torch.Generator().manual_seed(i))
+            gate = None if block.mlp.w_gate is None else block.mlp.w_gate.weight[order[0]].clone()
+            permute_neurons(block.mlp, order)
+            if gate is not None:  # neuron order[0] is now neuron 0
+                assert torch.equal(block.mlp.w_gate.weight[0], gate)
+        after = model(ids)
+    assert (after - before).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("order", [torch.arange(5), torch.zeros(192, dtype=torch.long),
+                                   torch.arange(1, 193)])
+def test_a_non_permutation_is_refused(order):
+    mlp = FeedForward(64, 192, "reglu")
+    with pytest.raises(ValueError, match="permutation of range\\(192\\)"):
+        permute_neurons(mlp, order)
+
+
+def test_swiglu_needs_a_threshold_and_then_computes_the_thresholded_mlp():
+    torch.manual_seed(0)
+    mlp = FeedForward(32, 128, "swiglu").double().eval()
+    with pytest.raises(ValueError, match="SwiGLU MLP is not sparse"):
+        attach(mlp, "gate")
+    x = torch.randn(2, 32, dtype=torch.float64)
+    t = 0.1
+    with torch.no_grad():
+        gate, up = mlp.w_gate(x), mlp.w_up(x)
+        h = F.silu(gate) * up * (F.silu(gate).abs() > t)
+        expected = mlp.w_down(h)
+        sparse = attach(mlp, "gate", threshold=t)
+        got = mlp(x)
+    assert (got - expected).abs().max().item() < 1e-12
+    assert 0 < sparse.density() < 1
+
+
+def test_a_sparse_swiglu_block_leaves_the_fused_decode_kernel():
+    mlp = FeedForward(32, 128, "swiglu")
+    assert mlp.swiglu_weights() is not None
+    attach(mlp, "gate", threshold=0.05)
+    assert mlp.swiglu_weights() is None
+
+
+@pytest.mark.parametrize("kwargs, message", [({"mode": "predicted"}, "mode='predicted'"),
+                                             ({"threshold": -1}, "threshold=-1"),
+                                             ({"threshold": "0.1"}, "threshold='0.1'")])
+def test_bad_settings_are_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        attach(FeedForward(16, 64, "reglu"), **kwargs)
+
+
+def test_training_and_prefill_stay_dense():
+    torch.manual_seed(0)
+    mlp = FeedForward(16, 64, "relu2")
+    sparse = attach(mlp, "gate", max_rows=4)
+    x = torch.randn(3, 16, requires_grad=True)
+    mlp(x).sum().backward()  # grad wanted: dense
+    with torch.no_grad():
+        mlp(torch.randn(5, 16))  # more rows than max_rows: dense
+    assert sparse.stats["steps"] == 0 and x.grad is not None
