@@ -1,0 +1,387 @@
+"""Activation locality of a model's MLPs: which neurons fire, how often, and how stable that is.
+
+    python -m eval.locality profile --model runs/drelu --out runs/drelu/locality
+    python -m eval.locality profile --model SmolLM2-135M-Instruct --threshold 0.05 --tokens 20000
+
+A neuron of a layer's MLP fires for a token where its hidden activation h is non-zero
+(egmla.models.layers.FeedForward; exact sparsity for the ReLU family) and, with `--threshold t`,
+where its deciding score is above t as well: |silu(gate)| for SwiGLU (TEAL / CATS-style
+magnitude thresholds, the training-free baseline), the gate (relu2: up) pre-activation for the
+ReLU family. This is the set `egmla.models.sparse_ffn.SparseDecode` computes.
+
+For each text source (`--data`: the embedded corpus's two halves, GSM8K questions, HumanEval
+prompts), windows of `--seq-len` tokens in batches of 16 sequences, and for each layer:
+
+- the fraction of neurons that fire per token (mean and quantiles over tokens); its complement
+  is the sparsity;
+- each neuron's firing frequency, and its concentration: the share of neurons that give 80% of
+  all firings (PowerInfer's "26% of neurons give 80% of activations"), per layer and pooled over
+  the model, with the curve (share of firings against share of neurons, most frequent first);
+- the union sparsity of a decode batch: the fraction of neurons that fire for some row of a
+  batch of B sequences at one position (B = 1, 4, 16; Deja Vu's point that batching erodes it);
+- across sources: the overlap of the top 20% most frequent neurons (PowerInfer: > 90%).
+
+Writes OUT/profile.json (config, git SHA, versions, everything above), OUT/profile.md,
+OUT/profile.png (the curves and the union sparsity), and OUT/neuron_counts.safetensors (per
+source and layer, the firing count of every neuron, for reordering neurons hot-first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SOURCES = ("corpus-a", "corpus-b", "gsm8k", "humaneval")
+UNION_BATCHES = (1, 4, 16)
+BATCH = 16  # sequences per forward pass: the largest union batch
+TOP_SHARE = 0.2  # the hot set whose stability across sources is reported
+COVERAGE = 0.8  # "X% of neurons give 80% of firings"
+CURVE_POINTS = 101
+
+
+class UsageError(ValueError):
+    """A bad command-line value or input; `main` prints it as one line and exits 2."""
+
+
+# ---- text sources -----------------------------------------------------------------------------
+
+
+def source_texts(name: str) -> list[str]:
+    """The texts of one source (see the module doc); offline, from installed packages."""
+    if name in ("corpus-a", "corpus-b"):
+        from egmla.data.corpus import corpus_documents, stable_fraction
+
+        first = name == "corpus-a"
+        return [d.text for d in corpus_documents() if (stable_fraction(d.name) < 0.5) == first]
+    if name == "gsm8k":
+        from eval.tasks.gsm8k.utils import data_file
+
+        with open(data_file()) as f:
+            return ["\n\n".join(json.loads(line)["question"] for line in f if line.strip())]
+    if name == "humaneval":
+        from eval.selfdebug.datasets import load_humaneval
+
+        return ["\n\n".join(problem.prompt for problem in load_humaneval())]
+    raise UsageError(f"unknown source {name!r}; known: {', '.join(SOURCES)}")
+
+
+def token_stream(tokenizer, texts: list[str], needed: int, piece: int = 50_000) -> list[int]:
+    """The texts' token ids, in order, tokenized a piece of characters at a time until there are
+    `needed` (a piece boundary may split a word: a few tokens in tens of thousands)."""
+    ids: list[int] = []
+    for text in texts:
+        for start in range(0, len(text), piece):
+            ids += tokenizer.encode(text[start:start + piece])
+            if len(ids) >= needed:
+                return ids
+    return ids
+
+
+def windows(token_ids: list[int], seq_len: int, tokens: int) -> torch.Tensor:
+    """(n, seq_len) consecutive windows of the token stream, n * seq_len <= tokens, n a
+    multiple of BATCH (at least one batch)."""
+    n = min(len(token_ids) // seq_len, max(tokens // seq_len, BATCH)) // BATCH * BATCH
+    if n == 0:
+        raise UsageError(f"the source has {len(token_ids)} tokens, fewer than one batch of "
+                         f"{BATCH} x {seq_len}; lower --seq-len")
+    return torch.tensor(token_ids[: n * seq_len]).view(n, seq_len)
+
+
+# ---- what fires -------------------------------------------------------------------------------
+
+
+def firing(mlp, x: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
+    """Boolean (..., d_ff): the neurons of `mlp` that fire for each row of x (module doc)."""
+    h = mlp.hidden(x)
+    fired = h != 0
+    if threshold > 0:
+        if mlp.w_gate is None:
+            score = mlp.w_up(x)
+        else:
+            score = mlp.w_gate(x)
+            if mlp.activation == "swiglu":
+                score = F.silu(score).abs()
+        fired &= score > threshold
+    return fired
+
+
+class LayerStats:
+    """Firing statistics of one layer, accumulated over batches of (B, T, d_ff) masks."""
+
+    def __init__(self, d_ff: int) -> None:
+        self.counts = torch.zeros(d_ff, dtype=torch.long)
+        self.tokens = 0
+        self.per_token: list[torch.Tensor] = []  # active fraction of each token
+        self.union = {b: [] for b in UNION_BATCHES}
+
+    def add(self, mask: torch.Tensor) -> None:
+        B, T, d_ff = mask.shape
+        self.counts += mask.sum((0, 1))
+        self.tokens += B * T
+        self.per_token.append(mask.float().mean(-1).flatten())
+        for b in UNION_BATCHES:
+            if B % b == 0:
+                grouped = mask.view(B // b, b, T, d_ff).any(1)  # b sequences at one position
+                self.union[b].append(grouped.float().mean(-1).flatten())
+
+    def summary(self) -> dict[str, Any]:
+        fractions = torch.cat(self.per_token)
+        q = torch.quantile(fractions, torch.tensor([0.1, 0.5, 0.9])).tolist()
+        return {
+            "tokens": self.tokens,
+            "active_fraction": {"mean": fractions.mean().item(), "p10": q[0], "p50": q[1],
+                                "p90": q[2]},
+            "sparsity": 1 - fractions.mean().item(),
+            "neurons_for_80pct": coverage_share(self.counts),
+            "never_fired": (self.counts == 0).float().mean().item(),
+            "union_sparsity": {str(b): 1 - torch.cat(v).mean().item()
+                               for b, v in self.union.items() if v},
+            "curve": concentration_curve(self.counts),
+        }
+
+
+def coverage_share(counts: torch.Tensor, coverage: float = COVERAGE) -> float | None:
+    """The smallest share of neurons (most frequent first) that give `coverage` of all firings;
+    None when nothing fired."""
+    total = counts.sum().item()
+    if total == 0:
+        return None
+    cum = counts.sort(descending=True).values.cumsum(0).double() / total
+    k = int(torch.searchsorted(cum, torch.tensor([coverage], dtype=torch.float64)).item()) + 1
+    return min(k, counts.numel()) / counts.numel()
+
+
+def concentration_curve(counts: torch.Tensor, points: int = CURVE_POINTS) -> list[float]:
+    """Share of all firings given by the top x share of neurons, at x = 0, 1/(points-1), ..., 1."""
+    total = counts.sum().item()
+    cum = torch.cat([torch.zeros(1), counts.sort(descending=True).values.cumsum(0).double()])
+    idx = torch.linspace(0, counts.numel(), points).round().long()
+    return (cum[idx] / total).tolist() if total else [0.0] * points
+
+
+def top_overlap(a: torch.Tensor, b: torch.Tensor, share: float = TOP_SHARE) -> float:
+    """|top(a) & top(b)| / |top(a)|, top = the `share` most frequent neurons."""
+    k = max(1, round(share * a.numel()))
+    ta, tb = set(a.topk(k).indices.tolist()), set(b.topk(k).indices.tolist())
+    return len(ta & tb) / k
+
+
+def profile_model(model, batches: Iterator[torch.Tensor], threshold: float = 0.0,
+                  progress: Callable[[int], None] | None = None) -> list[LayerStats]:
+    """Run `model` over the (B, T) token batches and gather each layer's LayerStats."""
+    layers = [LayerStats(block.mlp.w_up.out_features) for block in model.layers]
+    hooks = []
+    for block, stats in zip(model.layers, layers):
+        def record(mlp, args, stats=stats):
+            stats.add(firing(mlp, args[0], threshold))
+        hooks.append(block.mlp.register_forward_pre_hook(record))
+    try:
+        with torch.inference_mode():
+            for ids in batches:
+                model(ids)
+                if progress:
+                    progress(ids.numel())
+    finally:
+        for h in hooks:
+            h.remove()
+    return layers
+
+
+def pooled(layers: list[LayerStats]) -> dict[str, Any]:
+    counts = torch.cat([s.counts for s in layers])
+    return {"neurons_for_80pct": coverage_share(counts), "curve": concentration_curve(counts),
+            "sparsity": sum(s.summary()["sparsity"] for s in layers) / len(layers)}
+
+
+# ---- the report -------------------------------------------------------------------------------
+
+
+def build_report(model, tokenizer, sources: list[str], tokens: int, seq_len: int,
+                 threshold: float) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    from tqdm import tqdm
+
+    per_source, counts = {}, {}
+    for name in sources:
+        ids = token_stream(tokenizer, source_texts(name), max(tokens, BATCH * seq_len))
+        data = windows(ids, seq_len, tokens)
+        with tqdm(total=data.numel(), desc=f"profile {name}", unit="tok", file=sys.stderr) as bar:
+            layers = profile_model(model, iter(data.split(BATCH)), threshold, bar.update)
+        per_source[name] = {"layers": [s.summary() for s in layers], "model": pooled(layers)}
+        for i, s in enumerate(layers):
+            counts[f"{name}.layer{i}"] = s.counts
+    overlaps = {}
+    for a_i, a in enumerate(sources):
+        for b in sources[a_i + 1:]:
+            overlaps[f"{a} vs {b}"] = [top_overlap(counts[f"{a}.layer{i}"], counts[f"{b}.layer{i}"])
+                                       for i in range(len(model.layers))]
+    return {"sources": per_source, "top20_overlap": overlaps}, counts
+
+
+def markdown(report: dict[str, Any]) -> str:
+    meta = report["meta"]
+    lines = [f"# Activation locality: {meta['model']}", "",
+             f"ffn {meta['ffn']}, threshold {meta['threshold']}, {meta['seq_len']}-token windows; "
+             f"git {str(meta['git'].get('sha'))[:10]}.", "",
+             "| source | layer | tokens | sparsity | active p10/p50/p90 | neurons for 80% | "
+             "never fired | union sparsity B=1/4/16 |", "|---|---|---:|---:|---|---:|---:|---|"]
+    for name, src in report["sources"].items():
+        rows = [(str(i), s) for i, s in enumerate(src["layers"])]
+        for layer, s in rows:
+            a, u = s["active_fraction"], s["union_sparsity"]
+            lines.append(
+                f"| {name} | {layer} | {s['tokens']} | {s['sparsity']:.1%} | {a['p10']:.1%} / "
+                f"{a['p50']:.1%} / {a['p90']:.1%} | {_pct(s['neurons_for_80pct'])} | "
+                f"{s['never_fired']:.1%} | {' / '.join(f'{u[k]:.1%}' for k in sorted(u, key=int))} |")
+        m = src["model"]
+        lines.append(f"| {name} | all | | {m['sparsity']:.1%} | | {_pct(m['neurons_for_80pct'])} "
+                     "| | |")
+    if report["top20_overlap"]:
+        lines += ["", "Overlap of the top 20% most frequent neurons, per layer:", "",
+                  "| sources | per layer |", "|---|---|"]
+        for pair, v in report["top20_overlap"].items():
+            lines.append(f"| {pair} | {', '.join(f'{x:.0%}' for x in v)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    x = [i / (CURVE_POINTS - 1) for i in range(CURVE_POINTS)]
+    first = next(iter(report["sources"]))
+    for i, s in enumerate(report["sources"][first]["layers"]):
+        left.plot(x, s["curve"], label=f"layer {i}", lw=1)
+    left.plot(x, report["sources"][first]["model"]["curve"], "k--", label="whole model", lw=1.5)
+    left.axhline(COVERAGE, color="grey", lw=0.5)
+    left.set(xlabel="share of neurons (most frequent first)", ylabel="share of all firings",
+             title=f"concentration ({first})")
+    left.legend(fontsize=7)
+    for name, src in report["sources"].items():
+        sizes = sorted({int(b) for s in src["layers"] for b in s["union_sparsity"]})
+        mean = [sum(s["union_sparsity"][str(b)] for s in src["layers"]) / len(src["layers"])
+                for b in sizes]
+        right.plot(sizes, [100 * m for m in mean], marker="o", label=name)
+    right.set(xscale="log", xlabel="decode batch (sequences)", ylabel="union sparsity (%)",
+              title="neurons no row of the batch needs (mean over layers)")
+    right.set_xticks(list(UNION_BATCHES), [str(b) for b in UNION_BATCHES])
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+# ---- command line -----------------------------------------------------------------------------
+
+
+def positive(kind: type) -> Callable[[str], Any]:
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a {kind.__name__}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
+        return value
+    return parse
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number >= 0")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m eval.locality",
+        description="Activation locality of a model's MLPs (PowerInfer's measurements).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("profile", help="which neurons fire, how often, how stably (module doc)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True,
+                   help="an export or run directory, a known name (SmolLM2-135M-Instruct), or a "
+                        "transformers directory: what egmla.imports.load_pretrained takes")
+    p.add_argument("--data", nargs="+", choices=SOURCES, default=list(SOURCES), metavar="SOURCE",
+                   help=f"text sources (default: all of {', '.join(SOURCES)})")
+    p.add_argument("--tokens", type=positive(int), default=50_000,
+                   help="tokens per source, at most (default 50000; whole batches of 16 windows)")
+    p.add_argument("--seq-len", type=positive(int), default=256,
+                   help="tokens per window (default 256)")
+    p.add_argument("--threshold", type=non_negative_float, default=0.0,
+                   help="a neuron fires only above this score (default 0: exact zeros only; "
+                        "needed for SwiGLU)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output directory (default: <model>/locality for a directory, else "
+                        "runs/locality/<name>)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from egmla.checkpoint import CheckpointError
+    from egmla.imports import load_pretrained
+    from egmla.provenance import provenance
+
+    start = time.perf_counter()
+    try:
+        model, tokenizer = load_pretrained(args.model, dtype=torch.float32)
+        if tokenizer is None:
+            raise UsageError(f"{args.model}: no tokenizer comes with this model, so its text "
+                             "sources cannot be tokenized")
+        if args.seq_len > model.config.max_seq_len:
+            raise UsageError(f"--seq-len {args.seq_len}: the model's max_seq_len is "
+                             f"{model.config.max_seq_len}")
+        model.eval()
+        report, counts = build_report(model, tokenizer, list(dict.fromkeys(args.data)),
+                                      args.tokens, args.seq_len, args.threshold)
+    except (UsageError, CheckpointError, FileNotFoundError) as err:
+        print(f"locality: error: {err}", file=sys.stderr)
+        return 2
+    out = args.out or (Path(args.model) / "locality" if Path(args.model).is_dir()
+                       else Path("runs") / "locality" / Path(args.model).name)
+    report["meta"] = {**provenance(), "model": str(args.model), "ffn": model.config.ffn,
+                      "d_ff": model.config.d_ff, "n_layers": model.config.n_layers,
+                      "threshold": args.threshold, "seq_len": args.seq_len, "tokens": args.tokens,
+                      "elapsed_s": round(time.perf_counter() - start, 1)}
+    import safetensors.torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "profile.json", (json.dumps(report, indent=2) + "\n").encode())
+    md = markdown(report)
+    write_atomic(out / "profile.md", md.encode())
+    write_atomic(out / "neuron_counts.safetensors", safetensors.torch.save(counts))
+    plot(report, out / "profile.png")
+    print(md)
+    print(f"wrote {out}/profile.json, profile.md, profile.png, neuron_counts.safetensors")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""`python -m eval.locality profile`: the firing statistics are what they claim on masks whose
+answer is known, the firing set is the one sparse decoding computes, and the command runs on an
+export directory with its tokenizer (a real subprocess), refusing bad input in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import safetensors.torch
+import torch
+
+from egmla.models import FeedForward, Transformer
+from egmla.models.sparse_ffn import SparseDecode
+from egmla.presets import preset
+from eval.locality import (
+    LayerStats,
+    concentration_curve,
+    coverage_share,
+    firing,
+    profile_model,
+    top_overlap,
+)
+from egmla.checkpoint import save_export
+from egmla.data.tokenizer import get_tokenizer
+from support import ROOT
+
+
+def test_coverage_share_is_the_fewest_neurons_giving_80_percent():
+    assert coverage_share(torch.tensor([8, 1, 1, 0])) == 0.25  # neuron 0 alone gives 80%
+    assert coverage_share(torch.tensor([1, 1, 1, 1, 1])) == 0.8
+    assert coverage_share(torch.tensor([7, 2, 1, 0])) == 0.5
+    assert coverage_share(torch.zeros(4, dtype=torch.long)) is None
+
+
+def test_the_concentration_curve_runs_from_nothing_to_everything_and_is_concave():
+    counts = torch.tensor([50, 30, 10, 5, 5] * 20)
+    curve = concentration_curve(counts)
+    assert curve[0] == 0 and curve[-1] == pytest.approx(1.0)
+    steps = torch.tensor(curve, dtype=torch.float64).diff()
+    assert (steps >= 0).all() and (steps.diff() <= 1e-12).all()
+
+
+def test_top_overlap():
+    a = torch.arange(10.0)
+    assert top_overlap(a, a) == 1.0
+    assert top_overlap(a, -a) == 0.0  # the top 2 of one are the bottom 2 of the other
+
+
+def test_layer_stats_on_a_mask_with_a_known_answer():
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(16, 5, 64, generator=g) < 0.1  # (B, T, d_ff)
+    stats = LayerStats(64)
+    stats.add(mask)
+    s = stats.summary()
+    assert s["tokens"] == 80 and torch.equal(stats.counts, mask.sum((0, 1)))
+    assert s["sparsity"] == pytest.approx(1 - mask.float().mean().item())
+    four = torch.stack([mask[i:i + 4].any(0) for i in range(0, 16, 4)])  # 4 sequences per step
+    assert s["union_sparsity"]["4"] == pytest.approx(1 - four.float().mean().item())
+    assert s["union_sparsity"]["16"] < s["union_sparsity"]["4"] < s["union_sparsity"]["1"]
+
+
+@pytest.mark.parametrize("ffn", ["reglu", "relu2"])
+def test_what_fires_is_what_sparse_decoding_computes(ffn):
+    torch.manual_seed(0)
+    mlp = FeedForward(32, 128, ffn).eval()
+    x = torch.randn(6, 32)
+    with torch.no_grad():
+        fired = firing(mlp, x)
+        assert torch.equal(fired, mlp.hidden(x) != 0)
+        computed = SparseDecode(mlp, "gate").active(x)
+    assert torch.equal(fired.any(0).nonzero().squeeze(1), computed)
+
+
+def test_a_neuron_that_cannot_fire_is_never_counted():
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny-gqa2", ffn="relu2")).eval()
+    with torch.no_grad():
+        model.layers[1].mlp.w_up.weight[7].zero_()  # relu(0)^2 = 0 for every token
+    ids = torch.randint(0, model.config.vocab_size, (32, 8), generator=torch.Generator().manual_seed(1))
+    layers = profile_model(model, iter(ids.split(16)))
+    assert layers[1].counts[7] == 0 and layers[1].tokens == 256
+    assert (layers[0].counts > 0).float().mean() > 0.9
+
+
+def profile(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "eval.locality", "profile", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def relu2_export(tmp_path_factory):
+    """A relu2 model's export with the 512-token BPE of the training tests (built once, cached)."""
+    tokenizer = get_tokenizer("bpe", vocab_size=512)
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny-mha", ffn="relu2", vocab_size=len(tokenizer)))
+    return save_export(model, tmp_path_factory.mktemp("locality") / "export", tokenizer=tokenizer)
+
+
+def test_the_command_profiles_an_export(relu2_export, tmp_path):
+    out = tmp_path / "out"
+    result = profile("--model", str(relu2_export), "--data", "corpus-a", "corpus-b",
+                     "--tokens", "1024", "--seq-len", "32", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "profile.json").read_text())
+    assert report["meta"]["ffn"] == "relu2" and report["meta"]["git"]["sha"]
+    for source in ("corpus-a", "corpus-b"):
+        layers = report["sources"][source]["layers"]
+        assert len(layers) == 2 and all(s["tokens"] == 1024 for s in layers)
+        assert all(0 < s["sparsity"] < 1 for s in layers)
+    assert len(report["top20_overlap"]["corpus-a vs corpus-b"]) == 2
+    counts = safetensors.torch.load_file(out / "neuron_counts.safetensors")
+    assert counts["corpus-a.layer0"].sum() > 0
+    assert (out / "profile.png").stat().st_size > 10_000
+    assert "| corpus-a | all |" in (out / "profile.md").read_text()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--threshold", "-1"], "--threshold: '-1': must be a finite number >= 0"),
+    (["--tokens", "0"], "--tokens: '0': must be > 0"),
+    (["--data", "wiki"], "invalid choice: 'wiki'"),
+    (["--seq-len", "100000"], "--seq-len 100000: the model's max_seq_len is"),
+])
+def test_bad_input_is_refused_in_one_line(relu2_export, args, needle):
+    result = profile("--model", str(relu2_export), *args)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert needle in result.stderr, result.stderr[-2000:]
+
+
+def test_a_missing_model_is_refused_in_one_line(tmp_path):
+    result = profile("--model", str(tmp_path / "nothing"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "nothing" in result.stderr
