@@ -228,13 +228,12 @@ def build_report(model, tokenizer, sources: list[str], tokens: int, seq_len: int
 def markdown(report: dict[str, Any]) -> str:
     meta = report["meta"]
     lines = [f"# Activation locality: {meta['model']}", "",
-             f"ffn {meta['ffn']}, threshold {meta['threshold']}, {meta['seq_len']}-token windows; "
-             f"git {str(meta['git'].get('sha'))[:10]}.", "",
-             "| source | layer | tokens | sparsity | active p10/p50/p90 | neurons for 80% | "
-             "never fired | union sparsity B=1/4/16 |", "|---|---|---:|---:|---|---:|---:|---|"]
+             (f"ffn {meta['ffn']}, threshold {meta['threshold']}, {meta['seq_len']}-token "
+              f"windows; git {str(meta['git'].get('sha'))[:10]}."), "",
+             ("| source | layer | tokens | sparsity | active p10/p50/p90 | neurons for 80% | "
+              "never fired | union sparsity B=1/4/16 |"), "|---|---|---:|---:|---|---:|---:|---|"]
     for name, src in report["sources"].items():
-        rows = [(str(i), s) for i, s in enumerate(src["layers"])]
-        for layer, s in rows:
+        for layer, s in enumerate(src["layers"]):
             a, u = s["active_fraction"], s["union_sparsity"]
             lines.append(
                 f"| {name} | {layer} | {s['tokens']} | {s['sparsity']:.1%} | {a['p10']:.1%} / "

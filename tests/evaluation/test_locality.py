@@ -12,6 +12,8 @@ import pytest
 import safetensors.torch
 import torch
 
+from egmla.checkpoint import save_export
+from egmla.data.tokenizer import get_tokenizer
 from egmla.models import FeedForward, Transformer
 from egmla.models.sparse_ffn import SparseDecode
 from egmla.presets import preset
@@ -23,8 +25,6 @@ from eval.locality import (
     profile_model,
     top_overlap,
 )
-from egmla.checkpoint import save_export
-from egmla.data.tokenizer import get_tokenizer
 from support import ROOT
 
 
