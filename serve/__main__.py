@@ -85,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM or Ctrl-C: seconds to let running requests finish (new ones get "
                         "503) before the rest are ended; a second signal ends them at once "
                         "(default %(default)s)")
+    g = p.add_argument_group("activation-locality decoding (egmla.models.sparse_ffn)")
+    g.add_argument("--ffn-sparsity", choices=("gate", "oracle"),
+                   help="decode the MLPs over only the neurons that fire: gate (exact for ReLU-"
+                        "family MLPs; SwiGLU needs --ffn-threshold) or oracle (exact, slower); "
+                        "default: dense")
+    g.add_argument("--ffn-threshold", type=non_negative_float, default=0.0,
+                   help="a neuron fires only above this score (|silu(gate)| for SwiGLU, the gate "
+                        "for the ReLU family); default %(default)s")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
@@ -114,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=not args.no_prefix_caching,
                   enable_chunked_prefill=not args.no_chunked_prefill,
-                  dtype=args.dtype, cache_dtype=args.kv_cache_dtype)
+                  dtype=args.dtype, cache_dtype=args.kv_cache_dtype,
+                  ffn_sparsity=args.ffn_sparsity, ffn_threshold=args.ffn_threshold)
     except (CheckpointError, ValueError, OSError) as error:
         print(f"error: cannot load --model {args.model}: {error}", file=sys.stderr)
         return 2

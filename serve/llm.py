@@ -21,6 +21,8 @@ import torch
 from egmla.dtypes import parse_model_dtype
 from egmla.imports import load_pretrained
 from egmla.models import Transformer
+from egmla.models.sparse_ffn import check_settings as check_sparsity
+from egmla.models.sparse_ffn import sparsify
 from serve.engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams
 from serve.outputs import OutputProcessor
 
@@ -61,6 +63,8 @@ class LLM:
         model: str | os.PathLike | Transformer,
         tokenizer: Any = None,
         dtype: torch.dtype | str | None = None,
+        ffn_sparsity: str | None = None,
+        ffn_threshold: float = 0.0,
         **engine_args: Any,
     ) -> None:
         """`model`: a Transformer (with `tokenizer`), an export directory or a known name, loaded
@@ -68,8 +72,14 @@ class LLM:
         "float16", "half", "float32", "float") or a torch.dtype. `engine_args` are
         `EngineConfig`'s fields (block_size, num_blocks, kv_cache_memory, max_num_seqs,
         max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, cache_dtype:
-        the KV cache's dtype, by default the weights'), with its defaults."""
+        the KV cache's dtype, by default the weights'), with its defaults.
+
+        `ffn_sparsity` decodes the MLPs over only the neurons that fire
+        (egmla.models.sparse_ffn): "gate" (exact for ReLU-family MLPs; SwiGLU needs
+        `ffn_threshold` > 0, an approximation) or "oracle" (exact, slower: a check); None, the
+        default, is dense."""
         dtype = parse_model_dtype(dtype)  # a bad dtype fails before loading, naming itself
+        check_sparsity(ffn_sparsity, ffn_threshold)
         if "cache_dtype" in engine_args:
             engine_args["cache_dtype"] = parse_model_dtype(engine_args["cache_dtype"])
         config = EngineConfig.from_args(**engine_args)  # a misspelled argument fails before loading
@@ -81,6 +91,7 @@ class LLM:
             self.model, loaded_tokenizer = load_pretrained(model, dtype=dtype)
             self.tokenizer = tokenizer or loaded_tokenizer
         self.model.eval()
+        sparsify(self.model, ffn_sparsity, ffn_threshold)
         self.name = str(model) if not isinstance(model, Transformer) else "egmla"
         self.engine = LLMEngine(self.model, config)
         self.outputs = OutputProcessor(self.engine, self.decode)

@@ -143,3 +143,25 @@ def attach(mlp: FeedForward, mode: Mode = "gate", threshold: float = 0.0,
 
 def detach(mlp: FeedForward) -> None:
     mlp.sparse = None
+
+
+def check_settings(mode: str | None, threshold: float = 0.0) -> None:
+    """ValueError naming a bad `mode` (None: dense) or `threshold`, before any model is loaded."""
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"ffn_sparsity={mode!r}: must be None (dense) or one of {list(MODES)}")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
+            0 <= threshold < float("inf")):
+        raise ValueError(f"ffn_threshold={threshold!r}: must be a finite number >= 0")
+    if mode is None and threshold:
+        raise ValueError(f"ffn_threshold={threshold!r} needs an ffn_sparsity mode")
+
+
+def sparsify(model, mode: str | None, threshold: float = 0.0) -> list[SparseDecode]:
+    """Attach (mode) or remove (None) sparse decoding on every block's MLP of a Transformer;
+    a SwiGLU model needs a threshold > 0 in "gate" mode (see SparseDecode)."""
+    check_settings(mode, threshold)
+    if mode is None:
+        for block in model.layers:
+            detach(block.mlp)
+        return []
+    return [attach(block.mlp, mode, threshold) for block in model.layers]
