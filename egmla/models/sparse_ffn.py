@@ -18,6 +18,9 @@ the few rows of a decode step; training, prefill and larger batches keep the den
 - `"oracle"`: the active set taken from a dense pass (every neuron with h != 0 in some row), then
   the sparse computation over it: exact, and slower than dense; it checks the sparse arithmetic
   and is the ideal a predictor is measured against.
+- `"predicted"`: the first `hot` neurons (after `permute_neurons`, the most frequent) always,
+  and the others where a `Predictor` says they fire in some row; each computed neuron's h is
+  exact, a missed one is lost: an approximation whose quality is the predictor's recall.
 
 `permute_neurons(mlp, order)` reorders the hidden neurons in place (rows of w_gate and w_up,
 columns of w_down), which leaves the function unchanged: with the most frequently active neurons
@@ -30,11 +33,12 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from egmla.models.layers import FeedForward
 
-Mode = Literal["gate", "oracle"]
-MODES = ("gate", "oracle")
+Mode = Literal["gate", "oracle", "predicted"]
+MODES = ("gate", "oracle", "predicted")
 MAX_ROWS = 16  # rows (decode sequences) up to which the sparse path is taken; dense above
 
 
@@ -57,6 +61,40 @@ def permute_neurons(mlp: FeedForward, order: torch.Tensor) -> None:
         mlp.sparse.refresh()
 
 
+class Predictor:
+    """A layer's guess of which neurons fire, from the MLP's input: a low-rank MLP,
+    scores = relu(x @ w1.T) @ w2.T + bias, neuron i predicted to fire where scores[:, i] > 0.
+
+    Plain tensors, not a module, so that the model's state dict is unchanged; trained and
+    calibrated by `python -m eval.locality predictors`, saved with `state()`.
+    """
+
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor, bias: torch.Tensor) -> None:
+        if w1.dim() != 2 or w2.dim() != 2 or w2.shape[1] != w1.shape[0] or bias.shape != (
+                w2.shape[0],):
+            raise ValueError(f"predictor shapes do not chain: w1 {tuple(w1.shape)}, w2 "
+                             f"{tuple(w2.shape)}, bias {tuple(bias.shape)}")
+        self.w1, self.w2, self.bias = w1, w2, bias
+
+    @property
+    def rank(self) -> int:
+        return self.w1.shape[0]
+
+    def params(self) -> int:
+        return self.w1.numel() + self.w2.numel() + self.bias.numel()
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.w1.dtype)
+        return F.relu(x @ self.w1.t()) @ self.w2.t() + self.bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Boolean (rows, d_ff): the neurons predicted to fire for each row of x."""
+        return self.scores(x) > 0
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"w1": self.w1, "w2": self.w2, "bias": self.bias}
+
+
 class SparseDecode:
     """mlp(x) over only the neurons that fire, for a decode step's rows (see the module doc).
 
@@ -66,16 +104,27 @@ class SparseDecode:
     """
 
     def __init__(self, mlp: FeedForward, mode: Mode = "gate", threshold: float = 0.0,
-                 max_rows: int = MAX_ROWS) -> None:
+                 max_rows: int = MAX_ROWS, predictor: Predictor | None = None,
+                 hot: int = 0) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: must be one of {list(MODES)}")
-        if not (isinstance(threshold, (int, float)) and threshold >= 0):
-            raise ValueError(f"threshold={threshold!r}: must be a number >= 0")
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
+                0 <= threshold < float("inf")):
+            raise ValueError(f"threshold={threshold!r}: must be a finite number >= 0")
         if mlp.activation == "swiglu" and mode == "gate" and threshold == 0:
             raise ValueError("a SwiGLU MLP is not sparse: silu is non-zero almost everywhere, so "
                              "mode='gate' needs a threshold > 0 (an approximation), or use 'oracle'")
+        d_ff = mlp.w_up.out_features
+        if (mode == "predicted") != (predictor is not None):
+            raise ValueError("mode='predicted' takes a predictor, and only it does")
+        if predictor is not None and predictor.w2.shape[0] != d_ff:
+            raise ValueError(f"the predictor scores {predictor.w2.shape[0]} neurons, the MLP has "
+                             f"{d_ff}")
+        if not (isinstance(hot, int) and 0 <= hot <= d_ff):
+            raise ValueError(f"hot={hot!r}: must be an int in [0, {d_ff}]")
         self.mlp, self.mode, self.threshold, self.max_rows = mlp, mode, float(threshold), max_rows
-        self.stats = {"steps": 0, "rows": 0, "active": 0, "neurons": mlp.w_up.out_features}
+        self.predictor, self.hot = predictor, hot
+        self.stats = {"steps": 0, "rows": 0, "active": 0, "neurons": d_ff}
         self.refresh()
 
     def refresh(self) -> None:
@@ -85,15 +134,25 @@ class SparseDecode:
         rows = x.numel() // x.shape[-1]
         return 0 < rows <= self.max_rows and not (torch.is_grad_enabled() and x.requires_grad)
 
-    def active(self, x: torch.Tensor) -> torch.Tensor:
-        """Indices of the neurons this step computes, for x (rows, d_model)."""
+    def _deciding(self) -> nn.Linear:
+        mlp = self.mlp
+        return mlp.w_up if mlp.w_gate is None else mlp.w_gate
+
+    def _score(self, pre: torch.Tensor) -> torch.Tensor:
+        return F.silu(pre).abs() if self.mlp.activation == "swiglu" else pre
+
+    def active(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(indices of the neurons this step computes, for x (rows, d_model); the deciding
+        projection of every neuron where this mode computed it, else None)."""
         mlp = self.mlp
         if self.mode == "oracle":
-            return (mlp.hidden(x) != 0).any(0).nonzero().squeeze(1)
-        deciding = mlp.w_up if mlp.w_gate is None else mlp.w_gate
-        pre = deciding(x)
-        score = F.silu(pre).abs() if mlp.activation == "swiglu" else pre
-        return (score > self.threshold).any(0).nonzero().squeeze(1)
+            return (mlp.hidden(x) != 0).any(0).nonzero().squeeze(1), None
+        if self.mode == "predicted":
+            wanted = self.predictor(x).any(0)
+            wanted[: self.hot] = True
+            return wanted.nonzero().squeeze(1), None
+        pre = self._deciding()(x)
+        return (self._score(pre) > self.threshold).any(0).nonzero().squeeze(1), pre
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.mlp.w_down.weight
@@ -101,31 +160,32 @@ class SparseDecode:
             self.refresh()
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        idx = self.active(x)
-        y = self.hidden_at(x, idx) @ self.down_t[idx]
+        idx, pre = self.active(x)
+        y = self.hidden_at(x, idx, None if pre is None else pre[:, idx]) @ self.down_t[idx]
         self.stats["steps"] += 1
         self.stats["rows"] += x.shape[0]
         self.stats["active"] += idx.numel()
         return y.view(*shape[:-1], y.shape[-1])
 
-    def hidden_at(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """h(x) of neurons idx only: (rows, len(idx)); the threshold's neurons are zeroed."""
+    def hidden_at(self, x: torch.Tensor, idx: torch.Tensor,
+                  deciding: torch.Tensor | None = None) -> torch.Tensor:
+        """h(x) of neurons idx only: (rows, len(idx)), with the deciding projection's columns
+        `deciding` where already computed; neurons at or below the threshold are zeroed."""
         mlp = self.mlp
-        up = x @ mlp.w_up.weight[idx].t()
+        if deciding is None:
+            deciding = x @ self._deciding().weight[idx].t()
         if mlp.w_gate is None:
-            h = F.relu(up).square()
+            h = F.relu(deciding).square()
         else:
-            gate = x @ mlp.w_gate.weight[idx].t()
+            up = x @ mlp.w_up.weight[idx].t()
             if mlp.activation == "swiglu":
-                h = F.silu(gate) * up
+                h = F.silu(deciding) * up
             elif mlp.activation == "reglu":
-                h = F.relu(gate) * up
+                h = F.relu(deciding) * up
             else:
-                h = F.relu(gate) * F.relu(up)
+                h = F.relu(deciding) * F.relu(up)
         if self.threshold > 0:  # a row computes only the neurons above the threshold in it
-            deciding = F.silu(gate).abs() if mlp.activation == "swiglu" else (
-                up if mlp.w_gate is None else gate)
-            h = h * (deciding > self.threshold)
+            h = h * (self._score(deciding) > self.threshold)
         return h
 
     def density(self) -> float | None:
@@ -135,9 +195,10 @@ class SparseDecode:
 
 
 def attach(mlp: FeedForward, mode: Mode = "gate", threshold: float = 0.0,
-           max_rows: int = MAX_ROWS) -> SparseDecode:
+           max_rows: int = MAX_ROWS, predictor: Predictor | None = None,
+           hot: int = 0) -> SparseDecode:
     """Make mlp's decode steps sparse (`mlp.sparse`); `detach(mlp)` undoes it."""
-    mlp.sparse = SparseDecode(mlp, mode, threshold, max_rows)
+    mlp.sparse = SparseDecode(mlp, mode, threshold, max_rows, predictor, hot)
     return mlp.sparse
 
 
@@ -145,10 +206,14 @@ def detach(mlp: FeedForward) -> None:
     mlp.sparse = None
 
 
+SERVING_MODES = ("gate", "oracle")  # "predicted" needs predictors, which serving cannot load yet
+
+
 def check_settings(mode: str | None, threshold: float = 0.0) -> None:
     """ValueError naming a bad `mode` (None: dense) or `threshold`, before any model is loaded."""
-    if mode is not None and mode not in MODES:
-        raise ValueError(f"ffn_sparsity={mode!r}: must be None (dense) or one of {list(MODES)}")
+    if mode is not None and mode not in SERVING_MODES:
+        raise ValueError(f"ffn_sparsity={mode!r}: must be None (dense) or one of "
+                         f"{list(SERVING_MODES)}")
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
             0 <= threshold < float("inf")):
         raise ValueError(f"ffn_threshold={threshold!r}: must be a finite number >= 0")

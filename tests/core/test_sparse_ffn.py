@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from egmla.models import FeedForward
-from egmla.models.sparse_ffn import attach, detach, permute_neurons
+from egmla.models.sparse_ffn import Predictor, attach, detach, permute_neurons
 from egmla.presets import preset
 from support.models import build, random_ids
 
@@ -48,7 +48,7 @@ def test_the_sparse_path_computes_only_the_neurons_that_fire(ffn):
     x = torch.randn(1, 32, dtype=torch.float64)
     with torch.no_grad():
         fired = (mlp.hidden(x) != 0).sum().item()
-        idx = sparse.active(x)
+        idx, _ = sparse.active(x)
         mlp(x)
     # gate (relu2: up) > 0 is the set; drelu's up may still zero some of it
     assert fired <= idx.numel() < 256
@@ -64,7 +64,7 @@ def test_a_batch_computes_the_union_of_its_rows_neurons():
     with torch.no_grad():
         union = (mlp.hidden(x) != 0).any(0).sum().item()
         one = (mlp.hidden(x[:1]) != 0).sum().item()
-        assert union == sparse.active(x).numel() > one
+        assert union == sparse.active(x)[0].numel() > one
         got = mlp(x)
         detach(mlp)
         assert (got - mlp(x)).abs().max().item() < 1e-12
@@ -136,3 +136,55 @@ def test_training_and_prefill_stay_dense():
     with torch.no_grad():
         mlp(torch.randn(5, 16))  # more rows than max_rows: dense
     assert sparse.stats["steps"] == 0 and x.grad is not None
+
+
+def exact_predictor(mlp: FeedForward) -> Predictor:
+    """relu(W x) - relu(-W x) = W x, with W the deciding projection: predicts exactly the
+    neurons whose deciding pre-activation is > 0 (a superset of drelu's)."""
+    w = (mlp.w_up if mlp.w_gate is None else mlp.w_gate).weight.detach()
+    eye = torch.eye(w.shape[0], dtype=w.dtype)
+    return Predictor(torch.cat([w, -w]), torch.cat([eye, -eye], dim=1), torch.zeros(w.shape[0],
+                                                                                    dtype=w.dtype))
+
+
+@pytest.mark.parametrize("ffn", RELU_FAMILY)
+def test_predicted_mode_with_an_exact_predictor_equals_dense(ffn):
+    cfg = preset("tiny-gqa2", ffn=ffn)
+    model, ids = build(cfg), random_ids(cfg, 3, 14)
+    with torch.no_grad():
+        dense = model(ids)
+    sparse = [attach(b.mlp, "predicted", predictor=exact_predictor(b.mlp)) for b in model.layers]
+    assert (decode(model, ids, prompt=6) - dense).abs().max().item() < 1e-12
+    assert all(0 < s.density() < 0.9 for s in sparse)
+
+
+def test_predicted_mode_computes_the_hot_block_and_what_the_predictor_adds():
+    torch.manual_seed(0)
+    mlp = FeedForward(32, 96, "reglu").double().eval()
+    x = torch.randn(3, 32, dtype=torch.float64)
+    never = Predictor(torch.zeros(4, 32, dtype=torch.float64), torch.zeros(96, 4, dtype=torch.float64),
+                      torch.full((96,), -1.0, dtype=torch.float64))  # predicts nothing fires
+    with torch.no_grad():
+        h = mlp.hidden(x)
+        for hot in (0, 40, 96):
+            attach(mlp, "predicted", predictor=never, hot=hot)
+            expected = h[:, :hot] @ mlp.w_down.weight[:, :hot].t()
+            assert (mlp(x) - expected).abs().max().item() < 1e-12, hot
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mode": "predicted"}, "takes a predictor"),
+    ({"mode": "gate", "predictor": Predictor(torch.zeros(2, 16), torch.zeros(64, 2), torch.zeros(64))},
+     "takes a predictor, and only it does"),
+    ({"mode": "predicted", "predictor": Predictor(torch.zeros(2, 16), torch.zeros(32, 2),
+                                                  torch.zeros(32))}, "scores 32 neurons, the MLP has 64"),
+    ({"mode": "gate", "hot": 65}, "hot=65"),
+])
+def test_bad_predicted_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        attach(FeedForward(16, 64, "reglu"), **kwargs)
+
+
+def test_a_predictor_whose_shapes_do_not_chain_is_refused():
+    with pytest.raises(ValueError, match="do not chain"):
+        Predictor(torch.zeros(4, 16), torch.zeros(64, 5), torch.zeros(64))

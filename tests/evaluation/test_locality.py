@@ -70,7 +70,7 @@ def test_what_fires_is_what_sparse_decoding_computes(ffn):
     with torch.no_grad():
         fired = firing(mlp, x)
         assert torch.equal(fired, mlp.hidden(x) != 0)
-        computed = SparseDecode(mlp, "gate").active(x)
+        computed, _ = SparseDecode(mlp, "gate").active(x)
     assert torch.equal(fired.any(0).nonzero().squeeze(1), computed)
 
 
