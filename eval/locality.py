@@ -317,20 +317,23 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m eval.locality",
-        description="Activation locality of a model's MLPs (PowerInfer's measurements).")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("profile", help="which neurons fire, how often, how stably (module doc)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be in [0, 1]")
+    return value
+
+
+def _common(p: argparse.ArgumentParser, tokens: int) -> None:
     p.add_argument("--model", required=True,
                    help="an export or run directory, a known name (SmolLM2-135M-Instruct), or a "
                         "transformers directory: what egmla.imports.load_pretrained takes")
-    p.add_argument("--data", nargs="+", choices=SOURCES, default=list(SOURCES), metavar="SOURCE",
-                   help=f"text sources (default: all of {', '.join(SOURCES)})")
-    p.add_argument("--tokens", type=positive(int), default=50_000,
-                   help="tokens per source, at most (default 50000; whole batches of 16 windows)")
+    p.add_argument("--tokens", type=positive(int), default=tokens,
+                   help=f"tokens per source, at most (default {tokens}; whole batches of 16 "
+                        "windows)")
     p.add_argument("--seq-len", type=positive(int), default=256,
                    help="tokens per window (default 256)")
     p.add_argument("--threshold", type=non_negative_float, default=0.0,
@@ -339,6 +342,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None,
                    help="output directory (default: <model>/locality for a directory, else "
                         "runs/locality/<name>)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from eval import predictors
+
+    parser = argparse.ArgumentParser(
+        prog="python -m eval.locality",
+        description="Activation locality of a model's MLPs (PowerInfer's measurements).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("profile", help="which neurons fire, how often, how stably (module doc)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(p, 50_000)
+    p.add_argument("--data", nargs="+", choices=SOURCES, default=list(SOURCES), metavar="SOURCE",
+                   help=f"text sources (default: all of {', '.join(SOURCES)})")
+    p = sub.add_parser("predictors", help="train per-layer predictors of the firing neurons",
+                       description=predictors.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(p, 20_000)
+    p.add_argument("--held-out-tokens", type=positive(int), default=8192,
+                   help="held-out tokens (corpus-b) for recall and perplexity (default 8192)")
+    p.add_argument("--ranks", type=positive(int), nargs="+", default=[32, 64, 128],
+                   help="predictor ranks to try, in order (default 32 64 128)")
+    p.add_argument("--hot", type=share, default=0.1,
+                   help="share of neurons, most frequent first, always computed (default 0.1)")
+    p.add_argument("--recall", type=share, default=0.95,
+                   help="recall of the cold neurons' firings the bias is calibrated to (0.95)")
+    p.add_argument("--tolerance", type=non_negative_float, default=0.01,
+                   help="relative perplexity increase over dense that is accepted (0.01: 1%%)")
+    p.add_argument("--steps", type=positive(int), default=400,
+                   help="training steps per predictor (default 400)")
     return parser
 
 
@@ -358,28 +391,117 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--seq-len {args.seq_len}: the model's max_seq_len is "
                              f"{model.config.max_seq_len}")
         model.eval()
-        report, counts = build_report(model, tokenizer, list(dict.fromkeys(args.data)),
-                                      args.tokens, args.seq_len, args.threshold)
+        if args.command == "profile":
+            report, tensors = build_report(model, tokenizer, list(dict.fromkeys(args.data)),
+                                           args.tokens, args.seq_len, args.threshold)
+        else:
+            report, tensors = build_predictors(model, tokenizer, args)
     except (UsageError, CheckpointError, FileNotFoundError) as err:
         print(f"locality: error: {err}", file=sys.stderr)
         return 2
     out = args.out or (Path(args.model) / "locality" if Path(args.model).is_dir()
                        else Path("runs") / "locality" / Path(args.model).name)
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     report["meta"] = {**provenance(), "model": str(args.model), "ffn": model.config.ffn,
                       "d_ff": model.config.d_ff, "n_layers": model.config.n_layers,
-                      "threshold": args.threshold, "seq_len": args.seq_len, "tokens": args.tokens,
+                      "threshold": args.threshold, "seq_len": args.seq_len, "config": config,
                       "elapsed_s": round(time.perf_counter() - start, 1)}
     import safetensors.torch
 
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "profile.json", (json.dumps(report, indent=2) + "\n").encode())
-    md = markdown(report)
-    write_atomic(out / "profile.md", md.encode())
-    write_atomic(out / "neuron_counts.safetensors", safetensors.torch.save(counts))
-    plot(report, out / "profile.png")
+    name = args.command
+    write_atomic(out / f"{name}.json", (json.dumps(report, indent=2) + "\n").encode())
+    if name == "profile":
+        md = markdown(report)
+        write_atomic(out / "neuron_counts.safetensors", safetensors.torch.save(tensors))
+        plot(report, out / "profile.png")
+        files = "profile.json, profile.md, profile.png, neuron_counts.safetensors"
+    else:
+        md = predictors_markdown(report)
+        write_atomic(out / "predictors.safetensors", safetensors.torch.save(tensors))
+        files = "predictors.json, predictors.md, predictors.safetensors"
+    write_atomic(out / f"{name}.md", md.encode())
     print(md)
-    print(f"wrote {out}/profile.json, profile.md, profile.png, neuron_counts.safetensors")
+    print(f"wrote {', '.join(f'{out}/{f}' for f in files.split(', '))}")
     return 0
+
+
+# ---- predictors -------------------------------------------------------------------------------
+
+
+def build_predictors(model, tokenizer, args) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Train and choose predictors (eval.predictors' doc); the report and the tensors to save."""
+    from eval import predictors as P
+
+    def data(source: str, tokens: int) -> torch.Tensor:
+        ids = token_stream(tokenizer, source_texts(source), max(tokens, BATCH * args.seq_len))
+        return windows(ids, args.seq_len, tokens)
+
+    train_ids, held_ids = data("corpus-a", args.tokens), data("corpus-b", args.held_out_tokens)
+    print(f"collecting MLP inputs: {train_ids.numel()} training and {held_ids.numel()} held-out "
+          "tokens ...", file=sys.stderr, flush=True)
+    train = P.collect(model, train_ids.split(BATCH), args.threshold)
+    orders = [P.frequency_order(fired) for _, fired in train]
+    P.reorder(model, orders)
+    train = [(x, fired[:, order]) for (x, fired), order in zip(train, orders)]
+    held = P.collect(model, held_ids.split(BATCH), args.threshold)
+    held_x, held_fired = [x for x, _ in held], [f for _, f in held]
+    dense = P.perplexity(model, held_ids.split(BATCH))
+    tried, chosen, tensors = [], None, {}
+    for rank, preds, rows in P.fit(model, train, held_x, held_fired, args.ranks, args.hot,
+                                   args.recall, args.steps):
+        hots = [r["hot"] for r in rows]
+
+        def keep(i, mlp, x, preds=preds, hots=hots):
+            mask = preds[i](x)
+            mask[:, :hots[i]] = True
+            return mask & firing(mlp, x, args.threshold)
+
+        ppl = P.perplexity(model, held_ids.split(BATCH), keep)
+        entry = {"rank": rank, "perplexity": ppl, "relative_increase": ppl / dense - 1,
+                 "layers": rows,
+                 "params_share_of_model": sum(p.params() for p in preds) / model.num_params()}
+        tried.append(entry)
+        print(f"rank {rank}: perplexity {ppl:.3f} (dense {dense:.3f}, "
+              f"{entry['relative_increase']:+.2%}), recall "
+              f"{sum(r['recall'] or 0 for r in rows) / len(rows):.3f}, density "
+              f"{sum(r['density'] for r in rows) / len(rows):.3f}", file=sys.stderr, flush=True)
+        if entry["relative_increase"] <= args.tolerance:
+            chosen = rank
+            for i, (p, order, hot) in enumerate(zip(preds, orders, hots)):
+                tensors.update({f"layer{i}.{k}": v.contiguous() for k, v in p.state().items()})
+                tensors[f"layer{i}.order"] = order.contiguous()
+                tensors[f"layer{i}.hot"] = torch.tensor(hot)
+            break
+    report = {"dense_perplexity": dense, "tried": tried, "chosen_rank": chosen,
+              "tolerance": args.tolerance, "recall_target": args.recall, "hot_share": args.hot,
+              "train_tokens": train_ids.numel(), "held_out_tokens": held_ids.numel()}
+    if chosen is None:
+        report["note"] = (f"no rank in {args.ranks} kept perplexity within {args.tolerance:.1%} "
+                          "of dense; nothing saved")
+    return report, tensors
+
+
+def predictors_markdown(report: dict[str, Any]) -> str:
+    meta = report["meta"]
+    lines = [f"# Predictors: {meta['model']}", "",
+             (f"ffn {meta['ffn']}; {report['train_tokens']} training tokens (corpus-a), "
+              f"{report['held_out_tokens']} held out (corpus-b); hot share {report['hot_share']}, "
+              f"recall target {report['recall_target']}; dense perplexity "
+              f"{report['dense_perplexity']:.3f}; git {str(meta['git'].get('sha'))[:10]}."), "",
+             "| rank | perplexity | vs dense | mean recall | mean density | mean firing | "
+             "predictor params / model |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for t in report["tried"]:
+        n = len(t["layers"])
+        lines.append(
+            f"| {t['rank']} | {t['perplexity']:.3f} | {t['relative_increase']:+.2%} | "
+            f"{sum(r['recall'] or 0 for r in t['layers']) / n:.3f} | "
+            f"{sum(r['density'] for r in t['layers']) / n:.1%} | "
+            f"{sum(r['firing_density'] for r in t['layers']) / n:.1%} | "
+            f"{t['params_share_of_model']:.1%} |")
+    lines += ["", f"Chosen rank: {report['chosen_rank']}" + (
+        f" ({report['note']})" if report.get("note") else "")]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

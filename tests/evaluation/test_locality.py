@@ -133,3 +133,54 @@ def test_a_missing_model_is_refused_in_one_line(tmp_path):
     result = profile("--model", str(tmp_path / "nothing"))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "nothing" in result.stderr
+
+
+# ---- predictors ---------------------------------------------------------------------------------
+
+
+def test_calibration_reaches_the_recall_it_is_asked_for_on_its_own_tokens():
+    from eval.predictors import calibrate, collect, measure, train_predictor
+
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny-gqa2", ffn="reglu")).eval()
+    ids = torch.randint(0, model.config.vocab_size, (32, 16), generator=torch.Generator().manual_seed(2))
+    (x, fired), _ = collect(model, ids.split(16))
+    p = train_predictor(x, fired, rank=16, steps=50)
+    for recall in (0.5, 0.9, 0.99):
+        got = measure(calibrate(p, x, fired, 0, recall), x, fired, 0, 3)
+        assert got["recall"] == pytest.approx(recall, abs=0.01)
+        assert got["density"] < 1
+    hot = measure(calibrate(p, x, fired, 64, 0.9), x, fired, 64, 3)  # the hot block counts
+    assert hot["density"] >= 64 / fired.shape[1]
+
+
+def test_a_predictor_learns_which_neurons_fire_on_held_out_tokens():
+    """The firing of a ReLU MLP is a function of its input: a rank of the input's width can
+    learn it, measured on tokens it was not trained on."""
+    from eval.predictors import collect, measure, train_predictor
+
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny-gqa2", ffn="reglu")).eval()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, model.config.vocab_size, (96, 16), generator=g)
+    (x, fired), _ = collect(model, ids[:80].split(16))
+    (hx, hfired), _ = collect(model, ids[80:].split(16))
+    got = measure(train_predictor(x, fired, rank=64, steps=300), hx, hfired, 0, 3)
+    assert got["recall"] > 0.85 and got["precision"] > 0.85
+
+
+def test_the_predictors_command_trains_chooses_and_saves(relu2_export, tmp_path):
+    out = tmp_path / "pred"
+    result = subprocess.run(
+        [sys.executable, "-m", "eval.locality", "predictors", "--model", str(relu2_export),
+         "--tokens", "2048", "--held-out-tokens", "512", "--seq-len", "32", "--ranks", "8", "64",
+         "--steps", "60", "--tolerance", "0.5", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "predictors.json").read_text())
+    assert report["chosen_rank"] == report["tried"][-1]["rank"]
+    layers = report["tried"][-1]["layers"]
+    assert len(layers) == 2 and all(0 < r["recall"] <= 1 and 0 < r["density"] <= 1 for r in layers)
+    saved = safetensors.torch.load_file(out / "predictors.safetensors")
+    assert saved["layer0.w1"].shape[0] == report["chosen_rank"]
+    assert torch.equal(saved["layer1.order"].sort().values, torch.arange(saved["layer1.order"].numel()))

@@ -1,0 +1,176 @@
+"""Per-layer predictors of which MLP neurons fire (PowerInfer's), trained on profiled activations.
+
+    python -m eval.locality predictors --model runs/drelu --ranks 32 64 128 --recall 0.95
+
+From the MLP inputs x of `--tokens` tokens of the embedded corpus's first half (corpus-a) and the
+neurons that fire for them (eval.locality.firing), for each layer:
+
+1. the neurons are ordered by firing frequency, most frequent first, and the first `--hot` share
+   of them is the hot block, computed densely (egmla.models.sparse_ffn, mode "predicted"; the
+   model's MLPs are reordered the same way with `permute_neurons`, which changes nothing else);
+2. a low-rank MLP, scores = relu(x W1^T) W2^T + b, is trained (AdamW on a class-balanced binary
+   cross-entropy) to predict the firing of every neuron;
+3. its bias is shifted until it recalls `--recall` of the cold neurons' firings on a calibration
+   tenth of the training tokens;
+4. it is measured on held-out tokens (corpus-b): recall of the firing neurons (a hot neuron is
+   always computed), the density (share of neurons computed per token: hot + predicted), the
+   precision, and its parameters and multiply-adds against the MLP's.
+
+Then the whole model's perplexity on the held-out tokens when every token's MLPs keep only the
+neurons computed for it, against dense. Ranks are tried in the given order and the first whose
+perplexity is within `--tolerance` of dense is chosen (PowerInfer widens its predictors until
+WikiText-2 perplexity is within 0.1%); every rank tried is reported.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from egmla.models.sparse_ffn import Predictor, permute_neurons
+
+CALIBRATION = 0.1  # share of the training tokens kept aside to calibrate the bias
+
+
+def collect(model, batches: Iterable[torch.Tensor], threshold: float = 0.0
+            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, (x: the MLP inputs (N, d_model) float32, fired: (N, d_ff) bool)."""
+    from eval.locality import firing
+
+    xs: list[list[torch.Tensor]] = [[] for _ in model.layers]
+    fired: list[list[torch.Tensor]] = [[] for _ in model.layers]
+    hooks = []
+    for i, block in enumerate(model.layers):
+        def record(mlp, args, i=i):
+            x = args[0].reshape(-1, args[0].shape[-1])
+            xs[i].append(x.float())
+            fired[i].append(firing(mlp, x, threshold))
+        hooks.append(block.mlp.register_forward_pre_hook(record))
+    try:
+        with torch.inference_mode():
+            for ids in batches:
+                model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [(torch.cat(x), torch.cat(f)) for x, f in zip(xs, fired)]
+
+
+def frequency_order(fired: torch.Tensor) -> torch.Tensor:
+    """Neuron indices, most often firing first (ties by index, so the order is deterministic)."""
+    return torch.sort(-fired.sum(0), stable=True).indices
+
+
+def train_predictor(x: torch.Tensor, fired: torch.Tensor, rank: int, steps: int = 400,
+                    batch: int = 512, lr: float = 3e-3, seed: int = 0) -> Predictor:
+    """A low-rank MLP from x to the firing of each neuron (class-balanced BCE, AdamW)."""
+    g = torch.Generator().manual_seed(seed)
+    d, d_ff = x.shape[1], fired.shape[1]
+    net = nn.Sequential(nn.Linear(d, rank, bias=False), nn.ReLU(), nn.Linear(rank, d_ff))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (1 / p.shape[-1]) ** 0.5)
+    rate = fired.float().mean(0).clamp(1e-4, 1 - 1e-4)
+    pos_weight = (1 - rate) / rate  # each neuron's firings weigh as much as its silences
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    with torch.enable_grad():
+        for _ in range(steps):
+            idx = torch.randint(0, x.shape[0], (min(batch, x.shape[0]),), generator=g)
+            loss = F.binary_cross_entropy_with_logits(net(x[idx]), fired[idx].float(),
+                                                      pos_weight=pos_weight)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            schedule.step()
+    w1, w2 = net[0].weight.detach().clone(), net[2].weight.detach().clone()
+    return Predictor(w1, w2, net[2].bias.detach().clone())
+
+
+def calibrate(predictor: Predictor, x: torch.Tensor, fired: torch.Tensor, hot: int,
+              recall: float) -> Predictor:
+    """The predictor with its bias shifted so that it recalls `recall` of the cold neurons'
+    firings in (x, fired)."""
+    with torch.no_grad():
+        scores = predictor.scores(x)[:, hot:][fired[:, hot:]]
+    if scores.numel() == 0:
+        return predictor
+    cut = torch.quantile(scores.double(), 1 - recall).item()  # keep scores above it
+    return Predictor(predictor.w1, predictor.w2, predictor.bias - cut + 1e-6)
+
+
+def measure(predictor: Predictor, x: torch.Tensor, fired: torch.Tensor, hot: int,
+            matrices: int) -> dict[str, Any]:
+    """Recall, density, precision, parameter and multiply-add shares on (x, fired)."""
+    with torch.no_grad():
+        computed = predictor(x)
+    computed[:, :hot] = True
+    true = fired.sum().item()
+    hit = (computed & fired).sum().item()
+    d, d_ff = x.shape[1], fired.shape[1]
+    mlp_params = matrices * d * d_ff
+    return {
+        "recall": hit / true if true else None,
+        "density": computed.float().mean().item(),
+        "firing_density": fired.float().mean().item(),
+        "precision": hit / computed.sum().item() if computed.any() else None,
+        "params": predictor.params(),
+        "params_share_of_mlp": predictor.params() / mlp_params,
+        "macs_share_of_mlp": (predictor.w1.numel() + predictor.w2.numel()) / mlp_params,
+    }
+
+
+def perplexity(model, batches: Iterable[torch.Tensor], keep=None) -> float:
+    """exp(mean next-token loss) over the batches; with `keep`, a function (layer index, mlp,
+    x) -> bool (rows, d_ff) mask, each token's MLP keeps only the neurons the mask names."""
+    hooks = []
+    if keep is not None:
+        for i, block in enumerate(model.layers):
+            def masked(mlp, args, output, i=i):
+                x = args[0]
+                h = mlp.hidden(x) * keep(i, mlp, x.reshape(-1, x.shape[-1])).view(
+                    *x.shape[:-1], -1)
+                return mlp.w_down(h)
+            hooks.append(block.mlp.register_forward_hook(masked))
+    total, count = 0.0, 0
+    try:
+        with torch.inference_mode():
+            for ids in batches:
+                logits = model(ids[:, :-1])
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten(),
+                                       reduction="sum")
+                total, count = total + loss.item(), count + ids[:, 1:].numel()
+    finally:
+        for h in hooks:
+            h.remove()
+    return math.exp(total / count)
+
+
+def reorder(model, orders: list[torch.Tensor]) -> None:
+    """Permute every layer's neurons in place, most frequent first."""
+    for block, order in zip(model.layers, orders):
+        permute_neurons(block.mlp, order)
+
+
+def fit(model, train: list[tuple[torch.Tensor, torch.Tensor]], held_out_x, held_out_fired,
+        ranks: list[int], hot_share: float, recall: float, steps: int, seed: int = 0):
+    """Train, calibrate and measure one predictor per layer at each rank; yield (rank,
+    predictors, per-layer measurements). `train` and `held_out_*` are in reordered neuron
+    order already."""
+    matrices = model.config.ffn_matrices
+    for rank in ranks:
+        predictors, rows = [], []
+        for i, (x, fired) in enumerate(train):
+            hot = round(hot_share * fired.shape[1])
+            cut = max(1, round(CALIBRATION * x.shape[0]))
+            p = train_predictor(x[cut:], fired[cut:], rank, steps=steps, seed=seed + i)
+            p = calibrate(p, x[:cut], fired[:cut], hot, recall)
+            predictors.append(p)
+            rows.append({"layer": i, "hot": hot,
+                         **measure(p, held_out_x[i], held_out_fired[i], hot, matrices)})
+        yield rank, predictors, rows
