@@ -489,8 +489,8 @@ def predictors_markdown(report: dict[str, Any]) -> str:
               f"{report['held_out_tokens']} held out (corpus-b); hot share {report['hot_share']}, "
               f"recall target {report['recall_target']}; dense perplexity "
               f"{report['dense_perplexity']:.3f}; git {str(meta['git'].get('sha'))[:10]}."), "",
-             "| rank | perplexity | vs dense | mean recall | mean density | mean firing | "
-             "predictor params / model |", "|---:|---:|---:|---:|---:|---:|---:|"]
+             ("| rank | perplexity | vs dense | mean recall | mean density | mean firing | "
+              "predictor params / model |"), "|---:|---:|---:|---:|---:|---:|---:|"]
     for t in report["tried"]:
         n = len(t["layers"])
         lines.append(
