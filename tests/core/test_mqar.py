@@ -194,11 +194,13 @@ def test_oracle_recalls_everything_and_constant_guess_is_chance():
 
 
 def test_generation_speed():
-    """10k sequences of length 256 in about a second (the brief); a loose bound for slow CI."""
+    """10k sequences of length 256 in about a second (the brief): vectorized, not a Python loop
+    per sequence (which takes minutes). Measured in this process's CPU time, which other
+    processes on a shared machine do not inflate the way they do wall time."""
     cfg = MQARConfig(vocab_size=8192, seq_len=256, num_kv_pairs=64, num_examples=10_000)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     generate_mqar(cfg)
-    assert time.perf_counter() - t0 < 3.0
+    assert time.process_time() - t0 < 3.0 * torch.get_num_threads()
 
 
 def test_pair_order_is_uniform():

@@ -262,13 +262,16 @@ def test_full_queue_answers_503_and_the_server_carries_on(smollm2):
     with serving(llm, max_queued_requests=0) as url:  # room for one request in all
         body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 2000, "stream": True,
                 "ignore_eos": True}  # long enough to be running still; aborted at the end
-        with httpx.Client() as http, http.stream("POST", url + "/v1/completions", json=body) as first:
+        # A generous timeout: the first token comes after a prefill, which a loaded machine slows.
+        with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/completions",
+                                                           json=body) as first:
             assert next(line for line in first.iter_lines() if line.startswith("data: "))
             second = http.post(url + "/v1/completions", json={**body, "stream": False})
             assert second.status_code == 503
             assert second.json()["error"]["type"] == "server_overloaded"
         wait_until_idle(url, llm)
-        again = httpx.post(url + "/v1/completions", json={**body, "stream": False, "max_tokens": 4})
+        again = httpx.post(url + "/v1/completions", json={**body, "stream": False, "max_tokens": 4},
+                           timeout=60)
         assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
 
 
