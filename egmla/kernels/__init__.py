@@ -10,7 +10,7 @@ no compiler (or a CPU without AVX2 and FMA) runs the same code, only slower.
 weight are float32 or bfloat16 on the CPU, it calls `torch.ops.egmla.gemv` (decode.cpp), which
 streams the weight once on all of PyTorch's threads; PyTorch's own kernel for one row runs on
 one thread at about half the machine's read bandwidth, and up to 16 rows (fp32) ours stays
-faster (benchmarks/decode_speed.py measures both). The result equals F.linear's up to the
+faster (benchmarks/kernel_rows.py measures both by row count). The result equals F.linear's up to the
 order of a float sum. On a CPU without native bf16 arithmetic (no AVX512-BF16 or AMX),
 PyTorch's bf16 matmul is 4-6x slower than fp32's, so bf16 products of more rows (a prefill)
 widen the weight to fp32 for the product and round the result once: the same arithmetic
@@ -52,9 +52,11 @@ from egmla.paths import cache_dir
 
 SOURCE = Path(__file__).with_name("decode.cpp")
 LIBRARY = "libegmla_kernels.so"
-# Rows of x up to which the kernel is faster than PyTorch's matmul (a quick microbenchmark on a
-# 2-core AVX2 EPYC over SmolLM2's layer shapes, not yet a recorded benchmark: fp32 1.6x at 1 row, 1.4x at 16, even at 32; bf16, against
-# widening to fp32, 2x at 16 and 1.4x at 64, slower at 128).
+# Rows of x up to which the kernel takes the product, with a margin below where it stops being
+# faster than PyTorch's matmul: over SmolLM2's decode linears on a 2-core AVX2 EPYC
+# (benchmarks/kernel_rows.py, results/kernel_rows.md) fp32 is 1.8x at 1 row, 1.18x at 16,
+# 1.15x at 32 and 0.91x at 48; bf16, against widening to fp32, 5.5x at 1, 1.55x at 64 and 1.10x
+# at 128.
 MAX_ROWS = {torch.float32: 16, torch.bfloat16: 64}
 DTYPES = (torch.float32, torch.bfloat16)
 FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w")
