@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from egmla.models.sparse_ffn import firing
 
 SOURCES = ("corpus-a", "corpus-b", "gsm8k", "humaneval")
 UNION_BATCHES = (1, 4, 16)
@@ -96,21 +97,6 @@ def windows(token_ids: list[int], seq_len: int, tokens: int) -> torch.Tensor:
 
 
 # ---- what fires -------------------------------------------------------------------------------
-
-
-def firing(mlp, x: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
-    """Boolean (..., d_ff): the neurons of `mlp` that fire for each row of x (module doc)."""
-    h = mlp.hidden(x)
-    fired = h != 0
-    if threshold > 0:
-        if mlp.w_gate is None:
-            score = mlp.w_up(x)
-        else:
-            score = mlp.w_gate(x)
-            if mlp.activation == "swiglu":
-                score = F.silu(score).abs()
-        fired &= score > threshold
-    return fired
 
 
 class LayerStats:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from egmla.models.sparse_ffn import Predictor, permute_neurons
+from egmla.models.sparse_ffn import Predictor, firing, permute_neurons
 
 CALIBRATION = 0.1  # share of the training tokens kept aside to calibrate the bias
 
@@ -40,8 +40,6 @@ CALIBRATION = 0.1  # share of the training tokens kept aside to calibrate the bi
 def collect(model, batches: Iterable[torch.Tensor], threshold: float = 0.0
             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, (x: the MLP inputs (N, d_model) float32, fired: (N, d_ff) bool)."""
-    from eval.locality import firing
-
     xs: list[list[torch.Tensor]] = [[] for _ in model.layers]
     fired: list[list[torch.Tensor]] = [[] for _ in model.layers]
     hooks = []

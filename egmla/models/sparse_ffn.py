@@ -42,6 +42,23 @@ MODES = ("gate", "oracle", "predicted")
 MAX_ROWS = 16  # rows (decode sequences) up to which the sparse path is taken; dense above
 
 
+def firing(mlp, x: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
+    """Boolean (..., d_ff): the neurons of `mlp` that fire for each row of x: h != 0 and, with a
+    threshold, a deciding score above it (|silu(gate)| for SwiGLU, the gate, relu2: up, for the
+    ReLU family; the set SparseDecode computes, and what eval.locality profiles)."""
+    h = mlp.hidden(x)
+    fired = h != 0
+    if threshold > 0:
+        if mlp.w_gate is None:
+            score = mlp.w_up(x)
+        else:
+            score = mlp.w_gate(x)
+            if mlp.activation == "swiglu":
+                score = F.silu(score).abs()
+        fired &= score > threshold
+    return fired
+
+
 def permute_neurons(mlp: FeedForward, order: torch.Tensor) -> None:
     """Reorder mlp's hidden neurons in place: neuron order[j] becomes neuron j. `order` must be a
     permutation of range(d_ff). The function mlp(x) is unchanged (the hidden vector is permuted,

@@ -15,13 +15,12 @@ import torch
 from egmla.checkpoint import save_export
 from egmla.data.tokenizer import get_tokenizer
 from egmla.models import FeedForward, Transformer
-from egmla.models.sparse_ffn import SparseDecode
+from egmla.models.sparse_ffn import SparseDecode, firing
 from egmla.presets import preset
 from eval.locality import (
     LayerStats,
     concentration_curve,
     coverage_share,
-    firing,
     profile_model,
     top_overlap,
 )
