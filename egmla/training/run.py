@@ -13,6 +13,7 @@ Run directory layout (the same path resumes the run):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -26,7 +27,7 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-from egmla.config import ConfigError
+from egmla.config import ModelConfig
 from egmla.data.tokenizer import tokenizer_fingerprint
 from egmla.models import cache_spec_for
 from egmla.provenance import provenance
@@ -64,14 +65,14 @@ def _is_rank_zero() -> bool:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0
 
 
-def _built_model(model: Any) -> Any:
-    """A saved model section as the model it builds (defaults filled in, `d_ff: null` resolved),
-    so that a run saved before a model field existed resumes under that field's default; the
-    section as saved where it does not parse."""
-    try:
-        return TrainConfig(name="saved", model=model).model_config().to_dict()
-    except (ConfigError, TypeError, ValueError):
+def _with_defaults(model: Any) -> Any:
+    """A model section with every ModelConfig field it does not name set to that field's
+    default, so that a run saved before a field existed resumes under the field's default."""
+    if not isinstance(model, dict):
         return model
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)
+                if f.default is not dataclasses.MISSING}
+    return {**defaults, **model}
 
 
 def check_resume(run_dir: Path, config: TrainConfig, tokenizer_id: str | None) -> Path | None:
@@ -80,8 +81,8 @@ def check_resume(run_dir: Path, config: TrainConfig, tokenizer_id: str | None) -
     if not saved_path.is_file():
         return None
     saved = json.loads(saved_path.read_text())
-    saved["model"] = _built_model(saved.get("model"))
-    current = {**config.to_dict(), "model": _built_model(config.model),
+    saved["model"] = _with_defaults(saved.get("model"))
+    current = {**config.to_dict(), "model": _with_defaults(config.model),
                "tokenizer_fingerprint": tokenizer_id}
     for key in (*FROZEN, "tokenizer_fingerprint"):
         difference = _first_difference(_get(saved, key), _get(current, key), key)
