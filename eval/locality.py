@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from egmla.models.sparse_ffn import firing
+from eval.selfdebug.report import write_atomic
 
 SOURCES = ("corpus-a", "corpus-b", "gsm8k", "humaneval")
 UNION_BATCHES = (1, 4, 16)
@@ -272,45 +273,29 @@ def plot(report: dict[str, Any], path: Path) -> None:
     tmp.replace(path)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
-
-
 # ---- command line -----------------------------------------------------------------------------
 
 
-def positive(kind: type) -> Callable[[str], Any]:
+def _number(kind: type, ok: Callable[[Any], bool], rule: str) -> Callable[[str], Any]:
+    """An argparse type: `kind(text)`, refused in one line unless `ok(value)`."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected a {kind.__name__}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected a {'number' if kind is float else kind.__name__}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {rule}")
         return value
     return parse
 
 
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number >= 0")
-    return value
+def positive(kind: type) -> Callable[[str], Any]:
+    return _number(kind, lambda v: v > 0, "> 0")
 
 
-def share(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number") from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be in [0, 1]")
-    return value
+non_negative_float = _number(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+share = _number(float, lambda v: 0 <= v <= 1, "in [0, 1]")
 
 
 def _common(p: argparse.ArgumentParser, tokens: int) -> None:

@@ -137,8 +137,14 @@ class FeedForward(nn.Module):
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """h(x), the (..., d_ff) activations that w_down mixes."""
         if self.w_gate is None:
-            return F.relu(self.w_up(x)).square()
+            return self.activate(None, self.w_up(x))
         gate, up = kernels.linears(x, (self.w_gate.weight, self.w_up.weight))  # one pass
+        return self.activate(gate, up)
+
+    def activate(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
+        """h from the gate and up projections (relu2: gate None), for any subset of neurons."""
+        if self.activation == "relu2":
+            return F.relu(up).square()
         if self.activation == "swiglu":
             return F.silu(gate) * up
         if self.activation == "reglu":

@@ -191,16 +191,8 @@ class SparseDecode:
         mlp = self.mlp
         if deciding is None:
             deciding = x @ self._deciding().weight[idx].t()
-        if mlp.w_gate is None:
-            h = F.relu(deciding).square()
-        else:
-            up = x @ mlp.w_up.weight[idx].t()
-            if mlp.activation == "swiglu":
-                h = F.silu(deciding) * up
-            elif mlp.activation == "reglu":
-                h = F.relu(deciding) * up
-            else:
-                h = F.relu(deciding) * F.relu(up)
+        up = deciding if mlp.w_gate is None else x @ mlp.w_up.weight[idx].t()
+        h = mlp.activate(None if mlp.w_gate is None else deciding, up)
         if self.threshold > 0:  # a row computes only the neurons above the threshold in it
             h = h * (self._score(deciding) > self.threshold)
         return h
