@@ -306,14 +306,16 @@ Groups: runs whose configs differ only in the seed; mean and 95% Student-t inter
 
 
 def curves(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per group, the metric at every periodic validation (the runs' metrics.csv) against
-    training tokens: mean and 95% interval over the seeds at each step all of them logged."""
+    """Per group, the metric at every periodic validation (the runs' metrics.csv, or a row's own
+    `curve`: {column: {step: value}}) against training tokens: mean and 95% interval over the
+    seeds at each step all of them logged."""
     metric = rows[0]["metric"]
     column = "val/loss" if metric == "val_loss" else f"val/{metric}"
     out = []
     for label in dict.fromkeys(r["group"] for r in rows):
         members = [r for r in rows if r["group"] == label]
-        series = [_logged(Path(m["run_dir"]) / "metrics.csv", column) for m in members]
+        series = [m["curve"].get(column, {}) if "curve" in m  # a row that carries its curve
+                  else _logged(Path(m["run_dir"]) / "metrics.csv", column) for m in members]
         steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
         per_step = [(m["tokens"] or 0) / m["steps"] if m.get("steps") else None for m in members]
         if not steps or None in per_step:

@@ -20,8 +20,12 @@ The phases, in the order they run:
   mqar       every arm on MQAR (the recall task), at egmla_kv's learning rate
   eval       the offline lm-eval tasks on the final checkpoints of the seeds phase
 
-Re-running skips finished runs (a run directory with summary.json) and resumes an interrupted
-one from its last checkpoint, so the study can be stopped and continued. After every run the
+Re-running skips finished runs and resumes an interrupted one from its last checkpoint, so the
+study can be stopped and continued. A run is finished when its run directory holds summary.json
+or when the record under --results holds it (the record is committed; run directories are not),
+so a study continues on a fresh clone or another machine. The eval phase needs a run's export:
+a run known only from the record is trained again for it (same seed and data order), and the
+record keeps the loss it had before beside the new one. After every run the
 record under --results (default benchmarks/results/study) is rewritten: one JSON per run (its
 summary and configuration, not its checkpoints) and summary.json with every arm's parameters, KV
 bytes, learning-rate grid, chosen learning rate, per-seed losses with their mean and 95%
@@ -181,7 +185,8 @@ def describe(attention: str, overrides: Iterable[str], base: Iterable[str] = BAS
 
     cfg = model_of(attention, overrides, base)
     spec = cache_spec_for(cfg)
-    return {"attention": cfg.attention.to_dict(), "d_ff": cfg.d_ff,
+    return {"attention": cfg.attention.to_dict(), "variant": cfg.attention.label(cfg),
+            "d_e": getattr(cfg.attention, "d_e", None), "d_ff": cfg.d_ff,
             "params": cfg.num_params(include_gate_tables=True),
             "params_without_lookup_tables": cfg.num_params(include_gate_tables=False),
             "kv_bytes_per_token_bf16": spec.bytes_per_token(torch.bfloat16),
@@ -308,6 +313,32 @@ def lm_eval_scores(directory: Path) -> dict[str, float]:
     return lm_eval_metrics(directory) if (directory / "eval").is_dir() else {}
 
 
+def stored_records(results: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    """The runs recorded under RESULTS/runs, by (phase, run name): finished runs, whether or not
+    their run directories are still here."""
+    kept = {}
+    for path in sorted((results / "runs").glob("*.json")):
+        try:
+            r = json.loads(path.read_text())
+            kept[(r["phase"], r["run"])] = r
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise StudyError(f"{path}: not a study run record ({type(e).__name__}: {e})") from None
+    return kept
+
+
+def remake(run: Run, runs_dir: Path, kept: dict[str, Any], log) -> dict[str, Any]:
+    """Train again a run known only from the record (its export is needed): the same command,
+    so the same seed and data order; the record keeps the loss it had before."""
+    log(f"{run.phase:9s} {run.name}: only in the record; trained again for its export")
+    return {**execute(run, runs_dir, log), "remade": {
+        "recorded_val_loss": kept["val_loss"], "recorded_git": kept.get("git"),
+        **({"recovered": kept["recovered"]} if "recovered" in kept else {})}}
+
+
+def _remade(r: dict[str, Any]) -> dict[str, Any]:
+    return {"remade": r["remade"]} if "remade" in r else {}
+
+
 def score(run: Run, runs_dir: Path, log) -> None:
     """The offline lm-eval tasks on a run's final export, into RUN/eval (skipped if there)."""
     directory = run.directory(runs_dir)
@@ -400,30 +431,46 @@ FIGURES = {  # file -> (phases whose runs it shows, x axis, what it is)
 }
 
 
-def write_figures(results: Path, runs_dir: Path, chosen: dict[str, float],
+def write_figures(results: Path, chosen: dict[str, float],
                   records: list[dict[str, Any]]) -> list[str]:
     """The study's three figures (the paper's Fig. 1 a-c) from the runs recorded so far, each
-    over the runs at their arm's chosen learning rate; a figure with no runs yet is skipped."""
-    from eval.compare import CompareError, load_rows, plot, png_bytes, select_metric
+    over the runs at their arm's chosen learning rate; a figure with no runs yet is skipped.
+    Drawn from the records alone, so a fresh clone redraws them without the run directories."""
+    from eval.compare import CompareError, plot, png_bytes
 
     written = []
     for name, (phases, x, _) in FIGURES.items():
-        dirs = [runs_dir / r["phase"] / r["run"] for r in records if r["phase"] in phases
-                and r["lr"] == chosen.get(r["arm"] if r["arm"] in ARM else "egmla_kv")
-                and (x != "d_e" or r["arm"] == "egmla_kv" or r["arm"].startswith("egmla_kv_de"))]
-        dirs = [d for d in dirs if (d / "summary.json").is_file()]
-        if not dirs:
+        chosen_runs = [r for r in records if r["phase"] in phases
+                       and r["lr"] == chosen.get(r["arm"] if r["arm"] in ARM else "egmla_kv")
+                       and (x != "d_e" or r["arm"] == "egmla_kv"
+                            or r["arm"].startswith("egmla_kv_de"))]
+        if not chosen_runs:
             continue
-        rows = load_rows(dirs)
-        for row in rows:  # label the points by arm (the seeds of an arm are one group)
-            row["group"] = Path(row["run_dir"]).name.split("-lr")[0]
         try:
-            figure = plot(select_metric(rows, "val_loss"), x)
+            figure = plot(figure_rows(chosen_runs), x)
         except CompareError:
             continue
         _write_bytes_atomic(results / name, png_bytes(figure))
         written.append(name)
     return written
+
+
+def figure_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """eval.compare's rows for study records: grouped by arm (its seeds), validation loss as the
+    metric, the arm's sizes from its configuration, the periodic validations as the curve."""
+    rows = []
+    for r in records:
+        attention, overrides = ((ARM[r["arm"]].attention, arm_overrides(r["arm"]))
+                                if r["arm"] in ARM else ABLATIONS[r["arm"]])
+        arm = describe(attention, overrides)
+        rows.append({"run": r["run"], "group": r["arm"], "variant": arm["variant"],
+                     "seed": r["seed"], "params": arm["params"], "kv_dtype": "bf16",
+                     "kv_bytes_per_token": arm["kv_bytes_per_token_bf16"], "d_e": arm["d_e"],
+                     "steps": r["steps"], "tokens": r["tokens"], "metric": "val_loss",
+                     "metric_value": r["val_loss"], "curve": {
+                         "val/" + k: {p["step"]: p[k] for p in r["val_curve"] if k in p}
+                         for k in {k for p in r["val_curve"] for k in p if k != "step"}}})
+    return rows
 
 
 def _write_bytes_atomic(path: Path, data: bytes) -> None:
@@ -488,6 +535,7 @@ def _run(args, log) -> int:
     setup = args.setup
     selected = PHASES if args.phase == "all" else (args.phase,)
     train_here = not (args.dry_run or args.summarize)
+    stored = stored_records(args.results)
     records: dict[Path, dict[str, Any]] = {}
     for phase in PHASES[:-1]:  # the training phases, in order: each may need the one before
         seen: set[Path] = set()
@@ -507,10 +555,14 @@ def _run(args, log) -> int:
                 directory = run.directory(args.runs_dir)
                 seen.add(directory)
                 finished = (directory / "summary.json").is_file()
+                kept = stored.get((run.phase, run.name))
                 if args.dry_run:
-                    print(f"{'done' if finished else 'todo':4s}  {phase:9s} {run.name}")
+                    state = "done" if finished else "kept" if kept else "todo"
+                    print(f"{state:4s}  {phase:9s} {run.name}")
                 if finished:
                     records[directory] = record(run, directory)
+                elif kept:
+                    records[directory] = kept
                 elif phase in selected and train_here:
                     records[directory] = execute(run, args.runs_dir, log)
                     write_results(args.results, list(records.values()), setup)
@@ -519,12 +571,16 @@ def _run(args, log) -> int:
     if "eval" in selected and not args.summarize:
         for run in eval_runs(list(records.values()), setup):
             directory = run.directory(args.runs_dir)
-            if (directory / "summary.json").is_file():
-                score(run, args.runs_dir, log)
-                records[directory] = record(run, directory)
+            if directory not in records:  # its phase has not run yet
+                continue
+            if not (directory / "summary.json").is_file():  # known from the record alone
+                records[directory] = remake(run, args.runs_dir, records[directory], log)
+                write_results(args.results, list(records.values()), setup)
+            score(run, args.runs_dir, log)
+            records[directory] = {**record(run, directory), **_remade(records[directory])}
     chosen = choose_lrs(list(records.values()), setup)
     write_results(args.results, list(records.values()), setup)
-    figures = write_figures(args.results, args.runs_dir, chosen, list(records.values()))
+    figures = write_figures(args.results, chosen, list(records.values()))
     log(f"{len(records)} runs recorded in {args.results}"
         + (f"; figures: {', '.join(figures)}" if figures else ""))
     return 0
