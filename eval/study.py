@@ -339,15 +339,17 @@ def _remade(r: dict[str, Any]) -> dict[str, Any]:
     return {"remade": r["remade"]} if "remade" in r else {}
 
 
-def score(run: Run, runs_dir: Path, log) -> None:
-    """The offline lm-eval tasks on a run's final export, into RUN/eval (skipped if there)."""
+def score(run: Run, runs_dir: Path, log, limit: int | None = None) -> None:
+    """The offline lm-eval tasks on a run's final export, into RUN/eval (skipped if there);
+    `limit`: the first documents of each task only (a rehearsal)."""
     directory = run.directory(runs_dir)
     if (directory / "eval").is_dir() and lm_eval_scores(directory):
         return
     log(f"eval      {run.name} ...")
     cmd = [sys.executable, "-m", "eval.lm_eval", "--model", "egmla", "--model_args",
            f"pretrained={directory / 'export'}", "--tasks", ",".join(LM_EVAL_TASKS),
-           "--include_path", str(ROOT / "eval" / "tasks"), "--output_path", str(directory / "eval")]
+           "--include_path", str(ROOT / "eval" / "tasks"), "--output_path", str(directory / "eval"),
+           *(["--limit", str(limit)] if limit else [])]
     with (directory.parent / f"{run.name}.eval.log").open("w") as out:
         done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     if done.returncode != 0:
@@ -510,7 +512,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extra", nargs="+", default=[], metavar="OVERRIDE",
                         help="train.py overrides added to every run (a rehearsal: "
                              "trainer.final_val_batches=2); they change what the study measures")
-    parser.add_argument("--dry-run", action="store_true", help="list the runs and which are done")
+    parser.add_argument("--eval-limit", type=int, metavar="N",
+                        help="score only the first N documents of each lm-eval task (a "
+                             "rehearsal; it changes what the study measures)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="list the runs: done (its run directory), kept (only in the "
+                             "record under --results) or todo")
     parser.add_argument("--summarize", action="store_true", help="only rewrite the record")
     args = parser.parse_args(argv)
     if not args.scale > 0:
@@ -519,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--lrs {' '.join(map(str, args.lrs))}: learning rates must be > 0")
     if args.lr_extensions < 0:
         parser.error(f"--lr-extensions {args.lr_extensions}: must be >= 0")
+    if args.eval_limit is not None and args.eval_limit < 1:
+        parser.error(f"--eval-limit {args.eval_limit}: must be >= 1")
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds {' '.join(map(str, args.seeds))}: repeated seed")
     args.setup = Setup(tuple(dict.fromkeys(args.arms)), tuple(dict.fromkeys(args.lrs)),
@@ -576,7 +585,7 @@ def _run(args, log) -> int:
             if not (directory / "summary.json").is_file():  # known from the record alone
                 records[directory] = remake(run, args.runs_dir, records[directory], log)
                 write_results(args.results, list(records.values()), setup)
-            score(run, args.runs_dir, log)
+            score(run, args.runs_dir, log, args.eval_limit)
             records[directory] = {**record(run, directory), **_remade(records[directory])}
     chosen = choose_lrs(list(records.values()), setup)
     write_results(args.results, list(records.values()), setup)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -126,6 +127,56 @@ def test_a_rehearsal_runs_records_and_resumes(tmp_path):
         "text/markdown", ""))
     assert "| mla_dc32 |" in table
     assert any("image/png" in o.get("data", {}) for o in outputs)
+
+
+TINY = ["--scale", "0.01", "--extra", "model=tiny", "data.seq_len=128", "data.batch_size=4",
+        "data.tokenizer.vocab_size=512", "trainer.limit_val_batches=2",
+        "trainer.final_val_batches=2"]
+
+
+def study_cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "eval.study", "--runs-dir", str(tmp_path / "runs"),
+                           "--results", str(tmp_path / "results"), *args],
+                          capture_output=True, text=True, cwd=ROOT)
+
+
+def test_a_run_in_the_record_is_finished_without_its_run_directory(tmp_path):
+    """A fresh clone has the committed record and no run directories: what the record holds is
+    not planned again, and the phases after it plan from its learning rates."""
+    results = tmp_path / "results" / "runs"
+    results.mkdir(parents=True)
+    for record in rows("lr", "mla_dc32", {(1e-3, 0): 4.7, (2e-3, 0): 4.6, (4e-3, 0): 4.65}):
+        run = study.Run("lr", "mla_dc32", "small_mla_dc32", record["lr"], 0, 300)
+        (results / f"lr-{run.name}.json").write_text(json.dumps({**record, "run": run.name}))
+    out = study_cli(tmp_path, "--arms", "mla_dc32", "--dry-run")
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert {line.split()[0] for line in lines if line.split()[1] == "lr"} == {"kept"}
+    assert "todo  seeds     mla_dc32-lr0.002-s1-300" in lines  # planned at the kept grid's best
+    (results / "broken.json").write_text("{")
+    out = study_cli(tmp_path, "--arms", "mla_dc32", "--dry-run")
+    assert out.returncode == 2 and "broken.json: not a study run record" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_a_run_known_only_from_the_record_is_trained_again_to_be_scored(tmp_path):
+    """The eval phase needs an export: a run whose directory is gone is trained again (same
+    seed, same data order, so the same loss) and scored; the figures redraw from the record."""
+    one = ["--arms", "mla_dc32", "--lrs", "1e-3", "--lr-extensions", "0", "--seeds", "0", *TINY]
+    first = study_cli(tmp_path, "--phase", "lr", *one)
+    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.rmtree(tmp_path / "runs")
+    (tmp_path / "results" / "fig_loss_vs_kv_bytes.png").unlink()
+    again = study_cli(tmp_path, "--phase", "lr", *one)
+    assert again.returncode == 0 and " ..." not in again.stdout, again.stderr[-3000:]
+    assert (tmp_path / "results" / "fig_loss_vs_kv_bytes.png").is_file()  # from the record alone
+    scored = study_cli(tmp_path, "--phase", "eval", "--eval-limit", "3", *one)
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    assert "trained again for its export" in scored.stdout
+    record = json.loads((tmp_path / "results" / "runs" / "lr-mla_dc32-lr0.001-s0-3.json").read_text())
+    assert record["remade"]["recorded_val_loss"] == pytest.approx(record["val_loss"], rel=1e-6)
+    assert {k.split("/")[0] for k in record["lm_eval"]} == set(study.LM_EVAL_TASKS)
 
 
 def test_bad_arguments_are_one_clear_line():
