@@ -227,6 +227,15 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: not a readable safetensors file ({err})") from err
 
 
+def read_metadata(path: Path) -> dict[str, str]:
+    """The metadata of a safetensors file ({} when it has none); CheckpointError names a bad file."""
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({err})") from err
+
+
 def tokenizer_or_none(directory: str | os.PathLike) -> Any:
     """The tokenizer saved in `directory`, or None when there is none."""
     try:

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from egmla.models.sparse_ffn import firing
+from egmla.models.sparse_ffn import LayerPredictor, firing, predictors_to_tensors
 from eval.selfdebug.report import write_atomic
 
 SOURCES = ("corpus-a", "corpus-b", "gsm8k", "humaneval")
@@ -365,8 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "profile":
             report, tensors = build_report(model, tokenizer, list(dict.fromkeys(args.data)),
                                            args.tokens, args.seq_len, args.threshold)
+            metadata = None
         else:
-            report, tensors = build_predictors(model, tokenizer, args)
+            report, tensors, metadata = build_predictors(model, tokenizer, args)
     except (UsageError, CheckpointError, FileNotFoundError) as err:
         print(f"locality: error: {err}", file=sys.stderr)
         return 2
@@ -389,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         files = "profile.json, profile.md, profile.png, neuron_counts.safetensors"
     else:
         md = predictors_markdown(report)
-        write_atomic(out / "predictors.safetensors", safetensors.torch.save(tensors))
+        write_atomic(out / "predictors.safetensors", safetensors.torch.save(tensors, metadata))
         files = "predictors.json, predictors.md, predictors.safetensors"
     write_atomic(out / f"{name}.md", md.encode())
     print(md)
@@ -400,8 +401,10 @@ def main(argv: list[str] | None = None) -> int:
 # ---- predictors -------------------------------------------------------------------------------
 
 
-def build_predictors(model, tokenizer, args) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Train and choose predictors (eval.predictors' doc); the report and the tensors to save."""
+def build_predictors(model, tokenizer, args
+                     ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, str]]:
+    """Train and choose predictors (eval.predictors' doc); the report, and the tensors and
+    metadata to save (none if no rank was within the tolerance)."""
     from eval import predictors as P
 
     def data(source: str, tokens: int) -> torch.Tensor:
@@ -418,7 +421,7 @@ def build_predictors(model, tokenizer, args) -> tuple[dict[str, Any], dict[str, 
     held = P.collect(model, held_ids.split(BATCH), args.threshold)
     held_x, held_fired = [x for x, _ in held], [f for _, f in held]
     dense = P.perplexity(model, held_ids.split(BATCH))
-    tried, chosen, tensors = [], None, {}
+    tried, chosen, tensors, metadata = [], None, {}, {}
     for rank, preds, rows in P.fit(model, train, held_x, held_fired, args.ranks, args.hot,
                                    args.recall, args.steps):
         hots = [r["hot"] for r in rows]
@@ -439,10 +442,8 @@ def build_predictors(model, tokenizer, args) -> tuple[dict[str, Any], dict[str, 
               f"{sum(r['density'] for r in rows) / len(rows):.3f}", file=sys.stderr, flush=True)
         if entry["relative_increase"] <= args.tolerance:
             chosen = rank
-            for i, (p, order, hot) in enumerate(zip(preds, orders, hots)):
-                tensors.update({f"layer{i}.{k}": v.contiguous() for k, v in p.state().items()})
-                tensors[f"layer{i}.order"] = order.contiguous()
-                tensors[f"layer{i}.hot"] = torch.tensor(hot)
+            tensors, metadata = predictors_to_tensors(
+                [LayerPredictor(*layer) for layer in zip(preds, orders, hots)], args.threshold)
             break
     report = {"dense_perplexity": dense, "tried": tried, "chosen_rank": chosen,
               "tolerance": args.tolerance, "recall_target": args.recall, "hot_share": args.hot,
@@ -450,7 +451,7 @@ def build_predictors(model, tokenizer, args) -> tuple[dict[str, Any], dict[str, 
     if chosen is None:
         report["note"] = (f"no rank in {args.ranks} kept perplexity within {args.tolerance:.1%} "
                           "of dense; nothing saved")
-    return report, tensors
+    return report, tensors, metadata
 
 
 def predictors_markdown(report: dict[str, Any]) -> str:

@@ -86,10 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "503) before the rest are ended; a second signal ends them at once "
                         "(default %(default)s)")
     g = p.add_argument_group("activation-locality decoding (egmla.models.sparse_ffn)")
-    g.add_argument("--ffn-sparsity", choices=("gate", "oracle"),
+    g.add_argument("--ffn-sparsity", choices=("gate", "oracle", "predicted"),
                    help="decode the MLPs over only the neurons that fire: gate (exact for ReLU-"
-                        "family MLPs; SwiGLU needs --ffn-threshold) or oracle (exact, slower); "
-                        "default: dense")
+                        "family MLPs; SwiGLU needs --ffn-threshold), oracle (exact, slower) or "
+                        "predicted (a hot block and what --ffn-predictors predict; an "
+                        "approximation); default: dense")
+    g.add_argument("--ffn-predictors", metavar="FILE",
+                   help="predictors.safetensors written by `python -m eval.locality predictors` "
+                        "for this model (with --ffn-sparsity predicted)")
     g.add_argument("--ffn-threshold", type=non_negative_float, default=0.0,
                    help="a neuron fires only above this score (|silu(gate)| for SwiGLU, the gate "
                         "for the ReLU family); default %(default)s")
@@ -123,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                   enable_prefix_caching=not args.no_prefix_caching,
                   enable_chunked_prefill=not args.no_chunked_prefill,
                   dtype=args.dtype, cache_dtype=args.kv_cache_dtype,
-                  ffn_sparsity=args.ffn_sparsity, ffn_threshold=args.ffn_threshold)
+                  ffn_sparsity=args.ffn_sparsity, ffn_threshold=args.ffn_threshold,
+                  ffn_predictors=args.ffn_predictors)
     except (CheckpointError, ValueError, OSError) as error:
         print(f"error: cannot load --model {args.model}: {error}", file=sys.stderr)
         return 2

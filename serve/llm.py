@@ -14,15 +14,17 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from egmla.checkpoint import read_metadata, read_weights
 from egmla.dtypes import parse_model_dtype
 from egmla.imports import load_pretrained
 from egmla.models import Transformer
 from egmla.models.sparse_ffn import check_settings as check_sparsity
-from egmla.models.sparse_ffn import sparsify
+from egmla.models.sparse_ffn import predictors_from_tensors, sparsify
 from serve.engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams
 from serve.outputs import OutputProcessor
 
@@ -65,6 +67,7 @@ class LLM:
         dtype: torch.dtype | str | None = None,
         ffn_sparsity: str | None = None,
         ffn_threshold: float = 0.0,
+        ffn_predictors: str | os.PathLike | None = None,
         **engine_args: Any,
     ) -> None:
         """`model`: a Transformer (with `tokenizer`), an export directory or a known name, loaded
@@ -76,10 +79,16 @@ class LLM:
 
         `ffn_sparsity` decodes the MLPs over only the neurons that fire
         (egmla.models.sparse_ffn): "gate" (exact for ReLU-family MLPs; SwiGLU needs
-        `ffn_threshold` > 0, an approximation) or "oracle" (exact, slower: a check); None, the
-        default, is dense."""
+        `ffn_threshold` > 0, an approximation), "oracle" (exact, slower: a check) or
+        "predicted" (a hot block of neurons always, the rest where per-layer predictors say they
+        fire: an approximation as good as their recall), which takes `ffn_predictors`, the
+        predictors.safetensors that `python -m eval.locality predictors` wrote for this model;
+        loading them reorders the model's neurons in place, as they were trained (the function
+        is unchanged). None, the default, is dense."""
         dtype = parse_model_dtype(dtype)  # a bad dtype fails before loading, naming itself
-        check_sparsity(ffn_sparsity, ffn_threshold)
+        check_sparsity(ffn_sparsity, ffn_threshold, ffn_predictors)
+        if ffn_predictors is not None:  # a missing or unreadable file fails before loading
+            predictor_file = (read_weights(Path(ffn_predictors)), read_metadata(Path(ffn_predictors)))
         if "cache_dtype" in engine_args:
             engine_args["cache_dtype"] = parse_model_dtype(engine_args["cache_dtype"])
         config = EngineConfig.from_args(**engine_args)  # a misspelled argument fails before loading
@@ -91,7 +100,15 @@ class LLM:
             self.model, loaded_tokenizer = load_pretrained(model, dtype=dtype)
             self.tokenizer = tokenizer or loaded_tokenizer
         self.model.eval()
-        sparsify(self.model, ffn_sparsity, ffn_threshold)
+        predictors = None
+        if ffn_predictors is not None:
+            cfg = self.model.config
+            predictors, trained_at = predictors_from_tensors(*predictor_file, cfg.n_layers, cfg.d_ff)
+            if ffn_threshold not in (0, trained_at):
+                raise ValueError(f"ffn_threshold={ffn_threshold!r}: {ffn_predictors} were trained "
+                                 f"for the threshold {trained_at!r}, which predicted mode uses")
+            ffn_threshold = trained_at
+        sparsify(self.model, ffn_sparsity, ffn_threshold, predictors)
         self.name = str(model) if not isinstance(model, Transformer) else "egmla"
         self.engine = LLMEngine(self.model, config)
         self.outputs = OutputProcessor(self.engine, self.decode)

@@ -29,6 +29,7 @@ first, a hot set is a contiguous block (a dense slice, no gather).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -215,11 +216,72 @@ def detach(mlp: FeedForward) -> None:
     mlp.sparse = None
 
 
-SERVING_MODES = ("gate", "oracle")  # "predicted" needs predictors, which serving cannot load yet
+PREDICTORS_FORMAT = "egmla.predictors/1"  # the metadata of a predictors file
 
 
-def check_settings(mode: str | None, threshold: float = 0.0) -> None:
-    """ValueError naming a bad `mode` (None: dense) or `threshold`, before any model is loaded."""
+@dataclass(frozen=True)
+class LayerPredictor:
+    """What `python -m eval.locality predictors` saves for one layer: its predictor (in the
+    reordered neuron order), the order (neuron order[j] of the original MLP becomes neuron j)
+    and how many of the first neurons form the hot block."""
+
+    predictor: Predictor
+    order: torch.Tensor
+    hot: int
+
+
+def predictors_to_tensors(layers: list[LayerPredictor], threshold: float = 0.0
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of a predictors file (safetensors), `layer{i}.{w1,w2,bias,
+    order,hot}`; the metadata names the format and the firing threshold they were trained for."""
+    tensors: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(layers):
+        tensors.update({f"layer{i}.{k}": v.contiguous() for k, v in layer.predictor.state().items()})
+        tensors[f"layer{i}.order"] = layer.order.contiguous()
+        tensors[f"layer{i}.hot"] = torch.tensor(layer.hot)
+    return tensors, {"format": PREDICTORS_FORMAT, "threshold": repr(float(threshold))}
+
+
+def predictors_from_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None,
+                            n_layers: int, d_ff: int) -> tuple[list[LayerPredictor], float]:
+    """The per-layer predictors of a predictors file, checked against a model with `n_layers`
+    MLPs of `d_ff` neurons, and the threshold they were trained for; ValueError naming what
+    does not fit."""
+    metadata = metadata or {}
+    if metadata.get("format", PREDICTORS_FORMAT) != PREDICTORS_FORMAT:
+        raise ValueError(f"format {metadata['format']!r}: not a predictors file "
+                         f"({PREDICTORS_FORMAT})")
+    try:
+        threshold = float(metadata.get("threshold", "0.0"))
+    except ValueError:
+        raise ValueError(f"threshold {metadata['threshold']!r}: not a number") from None
+    layers = sorted({int(k.split(".")[0].removeprefix("layer")) for k in tensors
+                     if k.startswith("layer") and k.split(".")[0][5:].isdigit()})
+    if layers != list(range(n_layers)):
+        raise ValueError(f"predictors for layers {layers}; the model has {n_layers} layers")
+    out = []
+    for i in layers:
+        missing = [k for k in ("w1", "w2", "bias", "order", "hot") if f"layer{i}.{k}" not in tensors]
+        if missing:
+            raise ValueError(f"layer {i}: no {', '.join(missing)}")
+        t = {k: tensors[f"layer{i}.{k}"] for k in ("w1", "w2", "bias", "order", "hot")}
+        predictor = Predictor(t["w1"].float(), t["w2"].float(), t["bias"].float())
+        order, hot = t["order"].long(), t["hot"]
+        if predictor.w2.shape[0] != d_ff or order.shape != (d_ff,):
+            raise ValueError(f"layer {i}: predictors for {predictor.w2.shape[0]} neurons, the "
+                             f"model's MLPs have {d_ff}")
+        if hot.numel() != 1 or not 0 <= int(hot) <= d_ff:
+            raise ValueError(f"layer {i}: hot={hot.tolist()}: must be one number in [0, {d_ff}]")
+        out.append(LayerPredictor(predictor, order, int(hot)))
+    return out, threshold
+
+
+SERVING_MODES = MODES
+
+
+def check_settings(mode: str | None, threshold: float = 0.0, predictors: object = None) -> None:
+    """ValueError naming a bad `mode` (None: dense), `threshold` or predictors' presence, before
+    any model is loaded ("predicted" takes predictors, and only it does)."""
     if mode is not None and mode not in SERVING_MODES:
         raise ValueError(f"ffn_sparsity={mode!r}: must be None (dense) or one of "
                          f"{list(SERVING_MODES)}")
@@ -228,14 +290,31 @@ def check_settings(mode: str | None, threshold: float = 0.0) -> None:
         raise ValueError(f"ffn_threshold={threshold!r}: must be a finite number >= 0")
     if mode is None and threshold:
         raise ValueError(f"ffn_threshold={threshold!r} needs an ffn_sparsity mode")
+    if (mode == "predicted") != (predictors is not None):
+        raise ValueError("ffn_sparsity='predicted' takes ffn_predictors (a file written by "
+                         "`python -m eval.locality predictors`), and only it does")
 
 
-def sparsify(model, mode: str | None, threshold: float = 0.0) -> list[SparseDecode]:
+def sparsify(model, mode: str | None, threshold: float = 0.0,
+             predictors: list[LayerPredictor] | None = None) -> list[SparseDecode]:
     """Attach (mode) or remove (None) sparse decoding on every block's MLP of a Transformer;
-    a SwiGLU model needs a threshold > 0 in "gate" mode (see SparseDecode)."""
-    check_settings(mode, threshold)
+    a SwiGLU model needs a threshold > 0 in "gate" mode (see SparseDecode). "predicted" first
+    reorders each MLP's neurons as its predictor was trained (in place; the function is
+    unchanged), so that the hot block is the first neurons."""
+    check_settings(mode, threshold, predictors)
     if mode is None:
         for block in model.layers:
             detach(block.mlp)
         return []
-    return [attach(block.mlp, mode, threshold) for block in model.layers]
+    if mode != "predicted":
+        return [attach(block.mlp, mode, threshold) for block in model.layers]
+    if len(predictors) != len(model.layers):
+        raise ValueError(f"{len(predictors)} layers of predictors; the model has "
+                         f"{len(model.layers)} layers")
+    attached = []
+    for block, layer in zip(model.layers, predictors):
+        detach(block.mlp)
+        permute_neurons(block.mlp, layer.order)
+        attached.append(attach(block.mlp, "predicted", threshold, predictor=layer.predictor,
+                               hot=layer.hot))
+    return attached

@@ -11,18 +11,9 @@ import torch.nn.functional as F
 from egmla.models import FeedForward
 from egmla.models.sparse_ffn import Predictor, attach, detach, permute_neurons
 from egmla.presets import preset
-from support.models import build, random_ids
+from support.models import build, decode, exact_predictor, random_ids
 
 RELU_FAMILY = ("reglu", "drelu", "relu2")
-
-
-def decode(model, ids, prompt: int) -> torch.Tensor:
-    """Logits of a prefill of `prompt` tokens, then one token per step over a cache."""
-    cache = model.new_cache(ids.shape[0], ids.shape[1])
-    with torch.no_grad():
-        steps = [model(ids[:, :prompt], cache=cache)]
-        steps += [model(ids[:, t:t + 1], cache=cache) for t in range(prompt, ids.shape[1])]
-    return torch.cat(steps, dim=1)
 
 
 @pytest.mark.parametrize("mode", ["gate", "oracle"])
@@ -136,15 +127,6 @@ def test_training_and_prefill_stay_dense():
     with torch.no_grad():
         mlp(torch.randn(5, 16))  # more rows than max_rows: dense
     assert sparse.stats["steps"] == 0 and x.grad is not None
-
-
-def exact_predictor(mlp: FeedForward) -> Predictor:
-    """relu(W x) - relu(-W x) = W x, with W the deciding projection: predicts exactly the
-    neurons whose deciding pre-activation is > 0 (a superset of drelu's)."""
-    w = (mlp.w_up if mlp.w_gate is None else mlp.w_gate).weight.detach()
-    eye = torch.eye(w.shape[0], dtype=w.dtype)
-    return Predictor(torch.cat([w, -w]), torch.cat([eye, -eye], dim=1), torch.zeros(w.shape[0],
-                                                                                    dtype=w.dtype))
 
 
 @pytest.mark.parametrize("ffn", RELU_FAMILY)

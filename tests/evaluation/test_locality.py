@@ -183,3 +183,13 @@ def test_the_predictors_command_trains_chooses_and_saves(relu2_export, tmp_path)
     saved = safetensors.torch.load_file(out / "predictors.safetensors")
     assert saved["layer0.w1"].shape[0] == report["chosen_rank"]
     assert torch.equal(saved["layer1.order"].sort().values, torch.arange(saved["layer1.order"].numel()))
+    # what it saved serves: the model reordered as the predictors were trained, decoded sparsely
+    from serve import LLM, SamplingParams
+
+    llm = LLM(str(relu2_export), ffn_sparsity="predicted",
+              ffn_predictors=out / "predictors.safetensors", num_blocks=64, block_size=8)
+    text = llm.generate(["Thou art"], SamplingParams(max_tokens=8))[0].outputs[0]
+    assert len(text.token_ids) == 8
+    sparse = [block.mlp.sparse for block in llm.model.layers]
+    assert all(s.mode == "predicted" and 0 < s.density() < 1 for s in sparse)
+    assert [s.hot for s in sparse] == [r["hot"] for r in layers]

@@ -8,12 +8,14 @@ import subprocess
 import sys
 
 import pytest
+import safetensors.torch
 import torch
 
+from egmla.models.sparse_ffn import LayerPredictor, predictors_to_tensors
 from egmla.presets import preset
 from serve import LLM, SamplingParams
 from support import ROOT
-from support.models import build
+from support.models import build, decode, exact_predictor, random_ids
 
 PROMPTS = [[5, 9, 2, 7], [1, 2, 3], [30, 31, 32, 33, 34, 35], [8]]
 
@@ -35,8 +37,72 @@ def test_sparse_serving_decodes_what_dense_serving_does(ffn, mode):
     assert all(s["active"] < s["steps"] * s["neurons"] for s in stats)  # ...and skipped neurons
 
 
+def save_predictors(model, path, hot: int = 0, threshold: float = 0.0, seed: int = 0):
+    """Exact predictors for `model`, as `python -m eval.locality predictors` saves them: for its
+    neurons in a random order (which loading must apply: a predictor of reordered neurons
+    read against the original order mispredicts)."""
+    g = torch.Generator().manual_seed(seed)
+    layers = []
+    for block in model.layers:
+        order = torch.randperm(block.mlp.w_up.out_features, generator=g)
+        layers.append(LayerPredictor(exact_predictor(block.mlp, order), order, hot))
+    tensors, metadata = predictors_to_tensors(layers, threshold)
+    safetensors.torch.save_file(tensors, str(path), metadata)
+    return path
+
+
+@pytest.mark.parametrize("ffn", ["reglu", "drelu", "relu2"])
+def test_predicted_serving_with_exact_predictors_decodes_what_dense_serving_does(ffn, tmp_path):
+    cfg = preset("tiny-gqa2", ffn=ffn)
+    dense = greedy(LLM(build(cfg), num_blocks=32, block_size=4))
+    path = save_predictors(build(cfg), tmp_path / "predictors.safetensors", hot=8)
+    llm = LLM(build(cfg), num_blocks=32, block_size=4, ffn_sparsity="predicted",
+              ffn_predictors=path)
+    assert greedy(llm) == dense
+    stats = [block.mlp.sparse.stats for block in llm.model.layers]
+    assert all(0 < s["active"] < s["steps"] * s["neurons"] for s in stats)
+    ids = random_ids(cfg, 2, 12)  # the loaded model decodes the dense model's logits (float64)
+    with torch.no_grad():
+        reference = build(cfg)(ids)
+    assert (decode(llm.model, ids, prompt=5) - reference).abs().max().item() < 1e-12
+
+
+def test_predictors_read_against_the_wrong_neuron_order_change_the_logits(tmp_path):
+    """The check above can fail: the same file with the order left out mispredicts."""
+    cfg = preset("tiny-gqa2", ffn="reglu")
+    path = save_predictors(build(cfg), tmp_path / "predictors.safetensors")
+    tensors = safetensors.torch.load_file(str(path))
+    for i in range(cfg.n_layers):
+        tensors[f"layer{i}.order"] = torch.arange(tensors[f"layer{i}.order"].numel())
+    safetensors.torch.save_file(tensors, str(path), {"format": "egmla.predictors/1"})
+    llm = LLM(build(cfg), num_blocks=32, block_size=4, ffn_sparsity="predicted",
+              ffn_predictors=path)
+    ids = random_ids(cfg, 2, 12)
+    with torch.no_grad():
+        reference = build(cfg)(ids)
+    assert (decode(llm.model, ids, prompt=5) - reference).abs().max().item() > 1e-3
+
+
+def test_predictors_that_do_not_fit_the_model_are_refused_by_name(tmp_path):
+    cfg = preset("tiny-gqa2", ffn="reglu")
+    other = save_predictors(build(preset("tiny-gqa2", ffn="reglu", d_ff=48)), tmp_path / "a")
+    with pytest.raises(ValueError, match="predictors for 48 neurons, the model's MLPs have"):
+        LLM(build(cfg), ffn_sparsity="predicted", ffn_predictors=other)
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        (tmp_path / "junk").write_bytes(b"not safetensors")
+        LLM(build(cfg), ffn_sparsity="predicted", ffn_predictors=tmp_path / "junk")
+    at = save_predictors(build(cfg), tmp_path / "b", threshold=0.25)
+    with pytest.raises(ValueError, match="trained for the threshold 0.25"):
+        LLM(build(cfg), ffn_sparsity="predicted", ffn_predictors=at, ffn_threshold=0.5)
+    llm = LLM(build(cfg), ffn_sparsity="predicted", ffn_predictors=at)  # the file's threshold
+    assert llm.model.layers[0].mlp.sparse.threshold == 0.25
+
+
 @pytest.mark.parametrize("kwargs, message", [
-    ({"ffn_sparsity": "predicted"}, "ffn_sparsity='predicted'"),
+    ({"ffn_sparsity": "predicted"}, "takes ffn_predictors"),
+    ({"ffn_sparsity": "gate", "ffn_predictors": "p.safetensors"}, "and only it does"),
+    ({"ffn_sparsity": "predicted", "ffn_predictors": "/nonexistent/p.safetensors"}, "missing"),
+    ({"ffn_sparsity": "sometimes"}, "ffn_sparsity='sometimes'"),
     ({"ffn_sparsity": "gate", "ffn_threshold": -0.5}, "ffn_threshold=-0.5"),
     ({"ffn_sparsity": "gate", "ffn_threshold": float("nan")}, "ffn_threshold=nan"),
     ({"ffn_threshold": 0.1}, "needs an ffn_sparsity mode"),

@@ -55,3 +55,26 @@ def build(cfg: ModelConfig, dtype=torch.float64, seed: int = 0) -> Transformer:
 def random_ids(cfg: ModelConfig, B: int, T: int, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+
+
+def exact_predictor(mlp, order: torch.Tensor | None = None):
+    """relu(W x) - relu(-W x) = W x, with W the deciding projection: predicts exactly the
+    neurons whose deciding pre-activation is > 0 (a superset of drelu's); with `order`, for the
+    MLP's neurons reordered by it (egmla.models.sparse_ffn.permute_neurons)."""
+    from egmla.models.sparse_ffn import Predictor
+
+    w = (mlp.w_up if mlp.w_gate is None else mlp.w_gate).weight.detach()
+    if order is not None:
+        w = w[order]
+    eye = torch.eye(w.shape[0], dtype=w.dtype)
+    return Predictor(torch.cat([w, -w]), torch.cat([eye, -eye], dim=1),
+                     torch.zeros(w.shape[0], dtype=w.dtype))
+
+
+def decode(model, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """Logits of a prefill of `prompt` tokens, then one token per step over a cache."""
+    cache = model.new_cache(ids.shape[0], ids.shape[1])
+    with torch.no_grad():
+        steps = [model(ids[:, :prompt], cache=cache)]
+        steps += [model(ids[:, t:t + 1], cache=cache) for t in range(prompt, ids.shape[1])]
+    return torch.cat(steps, dim=1)
