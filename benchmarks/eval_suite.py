@@ -181,14 +181,21 @@ def render(report: dict[str, Any]) -> str:
                   ("Paired: the mean over documents of (bf16 - fp32) with its 95% normal interval,"
                    " and the documents whose score changed."), "",
                   ("| task | documents | metric | float32 | bfloat16 | bf16 - fp32 | paired 95% CI "
-                   "| documents changed |"), "|---|---:|---|---:|---:|---:|---|---:|"]
+                   "| documents changed | seconds fp32 / bf16 |"),
+                  "|---|---:|---|---:|---:|---:|---|---:|---:|"]
         for r in report["precision"]["rows"]:
             for i, (name, a) in enumerate(r["float32"].items()):
                 b, p = r["bfloat16"][name], r["paired"].get(name)
                 ci = f"[{p['ci95'][0]:+.4f}, {p['ci95'][1]:+.4f}]" if p else "-"
                 changed = f"{p['documents_differing']}" if p else "-"
+                secs = f"{r['seconds']['float32']} / {r['seconds']['bfloat16']}" if i == 0 else ""
                 lines.append(f"| {r['task'] if i == 0 else ''} | {r['documents'] if i == 0 else ''} "
-                             f"| {name} | {a:.4f} | {b:.4f} | {b - a:+.4f} | {ci} | {changed} |")
+                             f"| {name} | {a:.4f} | {b:.4f} | {b - a:+.4f} | {ci} | {changed} "
+                             f"| {secs} |")
+        native = report["precision"].get("native_bf16")
+        if native is not None:
+            lines += ["", f"The CPU {'has' if native else 'lacks'} native bf16 arithmetic "
+                      "(AVX512-BF16 or AMX; `python -m egmla.kernels status`)."]
     return "\n".join(lines) + "\n"
 
 
@@ -239,8 +246,10 @@ def main() -> int:
         limit = 3 if args.quick else args.limit
         report["timing"] = {**made_by, "limit": limit, "rows": timing(ours, hf, manager, limit)}
     if not args.skip_precision:
-        report["precision"] = {**made_by, "rows": precision(EgmlaLM, manager, PRECISION_TASKS,
-                                                           args.quick)}
+        from egmla import kernels
+
+        report["precision"] = {**made_by, "native_bf16": kernels.native_bf16(),
+                               "rows": precision(EgmlaLM, manager, PRECISION_TASKS, args.quick)}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / f"{name}.md").write_text(render(report))
