@@ -21,8 +21,14 @@ pools (serve/paged_cache.py), instead of gathering every row's history into a pa
 layer and masking it.
 
 `decode_block(...)` is a whole pre-norm Llama block (RMSNorm, RoPE attention over the paged
-cache, SwiGLU) for a decode step in one call: at one token a layer's ~40 PyTorch operator calls
-cost more than their arithmetic, and this is the same arithmetic without them.
+cache, the MLP) for a decode step in one call: at one token a layer's ~40 PyTorch operator calls
+cost more than their arithmetic, and this is the same arithmetic without them. The MLP is any
+of the model's activations (SwiGLU, ReGLU, dReLU, squared ReLU), dense or sparse.
+
+`sparse_mlp(x, mlp)` is a decode step's MLP over only the neurons that fire (activation
+locality, egmla.models.sparse_ffn): "gate" mode runs the deciding projection for every neuron
+and the rest of the MLP for those above the threshold; "predicted" mode runs a hot block and
+what a low-rank predictor marks. Only the computed neurons' weight rows are read.
 
 The library is built into egmla/kernels/_build/<key>/ (or $EGMLA_KERNELS_DIR, or
 $EGMLA_CACHE/kernels where the package directory is read-only), keyed by the source, the
@@ -43,6 +49,7 @@ import tempfile
 import threading
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -270,27 +277,77 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     return out.to(q.dtype)
 
 
+ACTIVATIONS = {"swiglu": 0, "reglu": 1, "drelu": 2, "relu2": 3}  # decode.cpp's codes
+
+
+@dataclass(frozen=True)
+class Sparse:
+    """How a sparse MLP decodes (egmla.models.sparse_ffn states the semantics): neurons fire
+    above `threshold`; with a `predictor` (w1, w2, bias, float32) the first `hot` neurons and
+    those it predicts are computed ("predicted" mode), else those whose deciding projection,
+    computed for every neuron, fires ("gate" mode). down_t: the down projection transposed."""
+
+    down_t: torch.Tensor
+    threshold: float = 0.0
+    hot: int = 0
+    predictor: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def args(self) -> tuple:
+        return (self.down_t, float(self.threshold), self.hot, *(self.predictor or (None,) * 3))
+
+
+@dataclass(frozen=True)
+class MLP:
+    """An MLP as the kernels take it: its activation (swiglu, reglu, drelu, relu2), its weights
+    as nn.Linear keeps them (gate None for relu2), and, for a sparse decode, how."""
+
+    activation: str
+    gate: torch.Tensor | None
+    up: torch.Tensor
+    down: torch.Tensor
+    sparse: Sparse | None = None
+
+    def weights(self) -> tuple[torch.Tensor, ...]:
+        return tuple(w for w in (self.gate, self.up, self.down) if w is not None)
+
+    def args(self) -> tuple:
+        return (ACTIVATIONS[self.activation], self.gate, self.up, self.down)
+
+
 def decode_block(x: torch.Tensor, norms: Sequence[torch.nn.Module],
-                 attention: Sequence[torch.Tensor], mlp: Sequence[torch.Tensor],
+                 attention: Sequence[torch.Tensor], mlp: MLP,
                  cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                  new_slots: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
-                 scale: float) -> torch.Tensor | None:
+                 scale: float) -> tuple[torch.Tensor, int] | None:
     """A pre-norm block `h = x + attn(norm1(x)); out = h + mlp(norm2(h))` for a decode step in
-    one kernel call, or None (nothing written) where the kernel cannot take it; the caller then
-    runs its modules.
+    one kernel call, with the number of MLP neurons it computed (all of them, when dense), or
+    None (nothing written) where the kernel cannot take it; the caller then runs its modules.
 
     x (B, 1, D) with B <= MAX_ROWS[x.dtype]; norms: the two RMSNorm modules (`weight`, `eps`);
     attention: wq, wk, wv, wo of RoPE attention whose K/V heads are the pools' (GQA when fewer);
-    mlp: w_gate, w_up, w_down of SwiGLU; cos, sin (B, 1, Dh) float32 at the rows' positions;
-    k_pool, v_pool (slots, G, Dh): the paged cache's pools, into which each row's new K and V go
-    at new_slots (B,) before it attends over its first lengths[b] slots of slots (B, S)."""
+    mlp: the MLP (any activation; dense, or sparse in "gate" or "predicted" mode); cos, sin
+    (B, 1, Dh) float32 at the rows' positions; k_pool, v_pool (slots, G, Dh): the paged cache's
+    pools, into which each row's new K and V go at new_slots (B,) before it attends over its
+    first lengths[b] slots of slots (B, S)."""
     B, T, _ = x.shape
-    weights = (*(n.weight for n in norms), *attention, *mlp)
+    weights = (*(n.weight for n in norms), *attention, *mlp.weights())
     if T != 1 or not _rows_for_kernel(x, weights) or not paged_attention_runs(x, k_pool, v_pool):
         return None
     attn_norm, mlp_norm = norms
-    out = torch.ops.egmla.decode_block(
+    out, computed = torch.ops.egmla.decode_block(
         x.view(B, -1), attn_norm.weight, attn_norm.eps, *attention, mlp_norm.weight, mlp_norm.eps,
-        *mlp, cos.reshape(B, -1), sin.reshape(B, -1), k_pool, v_pool, new_slots, slots, lengths,
-        float(scale))
-    return out.view(x.shape)
+        *mlp.args(), cos.reshape(B, -1), sin.reshape(B, -1), k_pool, v_pool, new_slots, slots,
+        lengths, float(scale), *(mlp.sparse.args() if mlp.sparse else ()))
+    return out.view(x.shape), computed
+
+
+def sparse_mlp(x: torch.Tensor, mlp: MLP) -> tuple[torch.Tensor, int] | None:
+    """mlp(x) over only the neurons that fire, for a decode step's rows x (..., D), with the
+    number of neurons computed; None where the kernel cannot take it (the caller then runs
+    PyTorch's path)."""
+    if mlp.sparse is None or not _rows_for_kernel(x, (*mlp.weights(), mlp.sparse.down_t)):
+        return None
+    D = x.shape[-1]
+    y, computed = torch.ops.egmla.sparse_mlp(x.reshape(-1, D).contiguous(), ACTIVATIONS[mlp.activation],
+                                             mlp.gate, mlp.up, *mlp.sparse.args())
+    return y.view(x.shape), computed

@@ -12,6 +12,7 @@
 //   torch.ops.egmla.gemv_many(x, [w1, w2]) -> [y1, y2]   several weights sharing x, one pass
 //   torch.ops.egmla.paged_attention(q, k_pool, v_pool, slots, lengths, scale)   decode attention
 //   torch.ops.egmla.decode_block(x, ...)   a whole Llama block for a decode step (see below)
+//   torch.ops.egmla.sparse_mlp(x, ...)     an MLP over only the neurons that fire (see below)
 //
 // Supported: CPU tensors, x and w contiguous and of one dtype, float32 or bfloat16 (bf16 is
 // widened to fp32 in registers and accumulated in fp32; the result is rounded to nearest even,
@@ -29,6 +30,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -414,12 +417,210 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
 }
 
 // ---------------------------------------------------------------------------------------------
+// A decode step's MLP (a few rows n of its normalized input), dense or over only the neurons
+// that fire: PowerInfer's activation locality, with the semantics of egmla/models/sparse_ffn.py.
+//
+//   activation   0 swiglu  silu(g) u      1 reglu  relu(g) u      (g = w_gate n, u = w_up n)
+//                2 drelu   relu(g) relu(u)   3 relu2  relu(u)^2 (no gate)
+//   dense        y = w_down h(g, u)
+//   sparse       y_b = sum over the neurons i computed of h_bi down_t[i], where neuron i is
+//                computed when in some row b its deciding score (|silu(g)| for swiglu, else g;
+//                relu2: u) is above `threshold` ("gate" mode: the deciding projection runs for
+//                every neuron), or when i < hot or a low-rank predictor s = relu(n W1^T) W2^T +
+//                bias marks s_bi > 0 ("predicted" mode: the deciding projection runs only for
+//                the neurons computed). With threshold > 0, h_bi is zeroed where row b's score
+//                is not above it. Only computed neurons' rows of w_gate, w_up and down_t (down
+//                transposed: a neuron's output row is contiguous) are read.
+
+enum Activation : int64_t { kSwiGLU = 0, kReGLU = 1, kDReLU = 2, kReLU2 = 3 };
+
+// h of one neuron from its gate and up pre-activations (relu2: up only).
+inline float activate(int64_t act, float g, float u) {
+  switch (act) {
+    case kSwiGLU: return g / (1.f + std::exp(-g)) * u;
+    case kReGLU: return g > 0.f ? g * u : 0.f;
+    case kDReLU: return g > 0.f && u > 0.f ? g * u : 0.f;
+    default: return u > 0.f ? u * u : 0.f;
+  }
+}
+
+// The score a threshold applies to: |silu(g)| for swiglu, the pre-activation itself otherwise.
+inline float firing_score(int64_t act, float pre) {
+  return act == kSwiGLU ? std::fabs(pre / (1.f + std::exp(-pre))) : pre;
+}
+
+template <typename W>
+void mlp_dense(const float* n, float* y, int64_t B, int64_t D, int64_t F, int64_t act, const W* w_gate,
+               const W* w_up, const W* w_down) {
+  std::vector<float> gate(act == kReLU2 ? 0 : B * F), up(B * F);
+  if (act == kReLU2)
+    gemv_impl<W, float>(n, {w_up}, {up.data()}, {F}, B, D);
+  else
+    gemv_impl<W, float>(n, {w_gate, w_up}, {gate.data(), up.data()}, {F, F}, B, D);
+  for (int64_t i = 0; i < B * F; ++i) up[i] = activate(act, act == kReLU2 ? 0.f : gate[i], up[i]);
+  gemv_impl<W, float>(up.data(), {w_down}, {y}, {D}, B, F);
+}
+
+struct Sparsity {
+  float threshold = 0.f;
+  int64_t hot = 0;                                             // predicted mode: always computed
+  const float *w1 = nullptr, *w2 = nullptr, *bias = nullptr;  // the predictor; none: gate mode
+  int64_t rank = 0;
+};
+
+// y (B, D) = the sparse MLP of n (B, D); returns how many neurons it computed.
+template <typename W>
+int64_t mlp_sparse(const float* n, float* y, int64_t B, int64_t D, int64_t F, int64_t act,
+                   const W* w_gate, const W* w_up, const W* down_t, const Sparsity& sp) {
+  const W* deciding = act == kReLU2 ? w_up : w_gate;
+  std::vector<float> pre;  // gate mode: (B, F), the deciding projection of every neuron
+  std::vector<uint8_t> fire(F, 0);
+  if (sp.w1 == nullptr) {
+    pre.resize(B * F);
+    gemv_impl<W, float>(n, {deciding}, {pre.data()}, {F}, B, D);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < F; ++i) fire[i] |= firing_score(act, pre[b * F + i]) > sp.threshold;
+  } else {
+    std::vector<float> z(B * sp.rank), s(B * F);
+    gemv_impl<float, float>(n, {sp.w1}, {z.data()}, {sp.rank}, B, D);
+    for (float& v : z) v = v > 0.f ? v : 0.f;
+    gemv_impl<float, float>(z.data(), {sp.w2}, {s.data()}, {F}, B, sp.rank);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < F; ++i) fire[i] |= s[b * F + i] + sp.bias[i] > 0.f;
+    std::fill(fire.begin(), fire.begin() + std::min(sp.hot, F), uint8_t{1});
+  }
+  std::vector<int64_t> idx;
+  for (int64_t i = 0; i < F; ++i)
+    if (fire[i]) idx.push_back(i);
+  const int64_t A = static_cast<int64_t>(idx.size());
+  // Each thread sums its neurons' contributions into its own (B, D) rows; then they are added.
+  const int64_t threads = at::get_num_threads();
+  std::vector<float> acc(threads * B * D, 0.f);
+  at::parallel_for(0, A, 32, [&](int64_t a0, int64_t a1) {
+    float* mine = acc.data() + at::get_thread_num() * B * D;
+    for (int64_t a = a0; a < a1; ++a) {
+      const int64_t i = idx[a];
+      for (int64_t b = 0; b < B; ++b) {
+        const float* nb = n + b * D;
+        const float dec = pre.empty() ? dot(nb, deciding + i * D, D) : pre[b * F + i];
+        if (sp.threshold > 0.f && !(firing_score(act, dec) > sp.threshold)) continue;
+        if (act != kSwiGLU && dec <= 0.f) continue;  // a ReLU of it is 0: h is 0 whatever up is
+        const float h = act == kReLU2 ? activate(act, 0.f, dec)
+                                      : activate(act, dec, dot(nb, w_up + i * D, D));
+        if (h != 0.f) axpy(mine + b * D, h, down_t + i * D, D);
+      }
+    }
+  });
+  std::fill(y, y + B * D, 0.f);
+  for (int64_t t = 0; t < threads; ++t)
+    for (int64_t j = 0; j < B * D; ++j) y[j] += acc[t * B * D + j];
+  return A;
+}
+
+// The MLP's weights and, when sparse, how (what decode_block and sparse_mlp hand mlp_run).
+struct MLPArgs {
+  int64_t act;
+  std::optional<at::Tensor> w_gate;  // none for relu2
+  at::Tensor w_up;
+  at::Tensor w_down;  // dense; its transpose down_t when sparse
+  bool sparse;
+  Sparsity sp;  // points into the predictor's tensors, which the caller holds
+};
+
+template <typename W>
+int64_t mlp_run(const float* n, float* y, int64_t B, int64_t D, const MLPArgs& m) {
+  const int64_t F = m.w_up.size(0);
+  const W* gate = m.w_gate ? m.w_gate->template data_ptr<W>() : nullptr;
+  if (!m.sparse) {
+    mlp_dense<W>(n, y, B, D, F, m.act, gate, m.w_up.template data_ptr<W>(),
+                 m.w_down.template data_ptr<W>());
+    return F;
+  }
+  return mlp_sparse<W>(n, y, B, D, F, m.act, gate, m.w_up.template data_ptr<W>(),
+                       m.w_down.template data_ptr<W>(), m.sp);
+}
+
+// Checks the MLP's arguments against x's width D and dtype, and makes MLPArgs of them.
+MLPArgs mlp_args(const char* op, int64_t D, at::ScalarType dtype, int64_t activation,
+                 const std::optional<at::Tensor>& w_gate, const at::Tensor& w_up,
+                 const at::Tensor& w_down, const std::optional<at::Tensor>& down_t, double threshold,
+                 int64_t hot, const std::optional<at::Tensor>& p_w1,
+                 const std::optional<at::Tensor>& p_w2, const std::optional<at::Tensor>& p_bias) {
+  TORCH_CHECK(activation >= kSwiGLU && activation <= kReLU2, op, ": activation ", activation,
+              " is not 0 (swiglu), 1 (reglu), 2 (drelu) or 3 (relu2)");
+  TORCH_CHECK(w_gate.has_value() == (activation != kReLU2), op, ": ",
+              activation == kReLU2 ? "relu2 has no gate" : "a gated MLP needs w_gate");
+  TORCH_CHECK(w_up.dim() == 2, op, ": w_up is ", w_up.sizes(), ", expected (F, ", D, ")");
+  const int64_t F = w_up.size(0);
+  const auto matrix = [&](const at::Tensor& w, int64_t rows, int64_t cols, at::ScalarType t,
+                          const char* name) {
+    TORCH_CHECK(w.dim() == 2 && w.size(0) == rows && w.size(1) == cols, op, ": ", name, " is ",
+                w.sizes(), ", expected (", rows, ", ", cols, ")");
+    TORCH_CHECK(w.scalar_type() == t && w.is_contiguous() && w.device().is_cpu(), op, ": ", name,
+                " must be a contiguous CPU tensor of ", t == dtype ? "x's dtype" : "float32");
+  };
+  matrix(w_up, F, D, dtype, "w_up");
+  if (w_gate) matrix(*w_gate, F, D, dtype, "w_gate");
+  const bool sparse = down_t.has_value();
+  Sparsity sp;
+  if (sparse) {
+    matrix(*down_t, F, D, dtype, "down_t");
+  } else {
+    matrix(w_down, D, F, dtype, "w_down");
+  }
+  TORCH_CHECK(std::isfinite(threshold) && threshold >= 0, op, ": threshold ", threshold,
+              " must be a finite number >= 0");
+  TORCH_CHECK(p_w1.has_value() == p_w2.has_value() && p_w1.has_value() == p_bias.has_value(), op,
+              ": a predictor is p_w1, p_w2 and p_bias together");
+  TORCH_CHECK(sparse || !p_w1.has_value(), op, ": a predictor needs the sparse MLP (down_t)");
+  TORCH_CHECK(hot >= 0 && hot <= F, op, ": hot=", hot, " must be in [0, ", F, "]");
+  sp.threshold = static_cast<float>(threshold);
+  if (p_w1) {
+    TORCH_CHECK(p_w1->dim() == 2, op, ": p_w1 is ", p_w1->sizes(), ", expected (rank, ", D, ")");
+    sp.rank = p_w1->size(0);
+    matrix(*p_w1, sp.rank, D, at::kFloat, "p_w1");
+    matrix(*p_w2, F, sp.rank, at::kFloat, "p_w2");
+    TORCH_CHECK(p_bias->dim() == 1 && p_bias->size(0) == F && p_bias->scalar_type() == at::kFloat &&
+                    p_bias->is_contiguous(), op, ": p_bias must be (", F, ",) float32");
+    sp.w1 = p_w1->data_ptr<float>();
+    sp.w2 = p_w2->data_ptr<float>();
+    sp.bias = p_bias->data_ptr<float>();
+    sp.hot = hot;
+  }
+  return MLPArgs{activation, w_gate, w_up, sparse ? *down_t : w_down, sparse, sp};
+}
+
+std::tuple<at::Tensor, int64_t> sparse_mlp(const at::Tensor& x, int64_t activation,
+                                           const std::optional<at::Tensor>& w_gate,
+                                           const at::Tensor& w_up, const at::Tensor& down_t,
+                                           double threshold, int64_t hot,
+                                           const std::optional<at::Tensor>& p_w1,
+                                           const std::optional<at::Tensor>& p_w2,
+                                           const std::optional<at::Tensor>& p_bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
+              "sparse_mlp: x must be a contiguous CPU (B, D) tensor, got ", x.sizes());
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "sparse_mlp: float32 or bfloat16, got ",
+              dtype);
+  const int64_t B = x.size(0), D = x.size(1);
+  const std::optional<at::Tensor> sparse{down_t};
+  const MLPArgs m = mlp_args("sparse_mlp", D, dtype, activation, w_gate, w_up, down_t, sparse,
+                            threshold, hot, p_w1, p_w2, p_bias);
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({B, D}, xf.options());
+  const int64_t computed =
+      dtype == at::kFloat ? mlp_run<float>(xf.data_ptr<float>(), y.data_ptr<float>(), B, D, m)
+                          : mlp_run<c10::BFloat16>(xf.data_ptr<float>(), y.data_ptr<float>(), B, D, m);
+  return {y.to(dtype), computed};
+}
+
+// ---------------------------------------------------------------------------------------------
 // A whole pre-norm Llama block for a decode step (one new token per row) in one call:
 //
 //   n1  = rms_norm(x) * attn_norm;    q, k, v = rope(wq n1), rope(wk n1), wv n1
 //   h   = x + wo . softmax(q . K * scale) V      (K, V: the row's keys in the pools, k and v
 //                                                 written at the row's new slot first)
-//   n2  = rms_norm(h) * mlp_norm;     out = h + w_down (silu(w_gate n2) * (w_up n2))
+//   n2  = rms_norm(h) * mlp_norm;     out = h + mlp(n2)   (mlp_run: dense or sparse, any activation)
 //
 // The module path's arithmetic (same kernels for the products and the attention) without its
 // ~40 operator calls per layer, each of which costs more than its work at one token. The
@@ -470,18 +671,17 @@ void add_residual(float* x, const float* delta, int64_t n, bool to_bf16) {
 }
 
 struct BlockShape {
-  int64_t B, D, H, G, Dh, F, S;
+  int64_t B, D, H, G, Dh, S;
 };
 
 template <typename W, typename P>
-void decode_block_impl(float* x, bool to_bf16, const BlockShape& n, const W* attn_norm, float attn_eps,
-                       const W* wq, const W* wk, const W* wv, const W* wo, const W* mlp_norm,
-                       float mlp_eps, const W* w_gate, const W* w_up, const W* w_down, const float* cos,
-                       const float* sin, P* k_pool, P* v_pool, const int64_t* new_slots,
-                       const int64_t* slots, const int64_t* lengths, float scale) {
-  const int64_t B = n.B, D = n.D, HD = n.H * n.Dh, GD = n.G * n.Dh, F = n.F;
-  std::vector<float> normed(B * D), q(B * HD), k(B * GD), v(B * GD), att(B * HD), out(B * D),
-      gate(B * F), up(B * F);
+int64_t decode_block_impl(float* x, bool to_bf16, const BlockShape& n, const W* attn_norm,
+                          float attn_eps, const W* wq, const W* wk, const W* wv, const W* wo,
+                          const W* mlp_norm, float mlp_eps, const MLPArgs& mlp, const float* cos,
+                          const float* sin, P* k_pool, P* v_pool, const int64_t* new_slots,
+                          const int64_t* slots, const int64_t* lengths, float scale) {
+  const int64_t B = n.B, D = n.D, HD = n.H * n.Dh, GD = n.G * n.Dh;
+  std::vector<float> normed(B * D), q(B * HD), k(B * GD), v(B * GD), att(B * HD), out(B * D);
   rms_norm_rows(x, attn_norm, normed.data(), B, D, attn_eps);
   gemv_impl<W, float>(normed.data(), {wq, wk, wv}, {q.data(), k.data(), v.data()}, {HD, GD, GD}, B, D);
   rope_rows(q.data(), cos, sin, B, n.H, n.Dh);
@@ -492,10 +692,9 @@ void decode_block_impl(float* x, bool to_bf16, const BlockShape& n, const W* att
   gemv_impl<W, float>(att.data(), {wo}, {out.data()}, {D}, B, HD);
   add_residual(x, out.data(), B * D, to_bf16);
   rms_norm_rows(x, mlp_norm, normed.data(), B, D, mlp_eps);
-  gemv_impl<W, float>(normed.data(), {w_gate, w_up}, {gate.data(), up.data()}, {F, F}, B, D);
-  for (int64_t i = 0; i < B * F; ++i) gate[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-  gemv_impl<W, float>(gate.data(), {w_down}, {out.data()}, {D}, B, F);
+  const int64_t computed = mlp_run<W>(normed.data(), out.data(), B, D, mlp);
   add_residual(x, out.data(), B * D, to_bf16);
+  return computed;
 }
 
 void check_matrix(const at::Tensor& w, int64_t rows, int64_t cols, at::ScalarType dtype, const char* name) {
@@ -505,13 +704,15 @@ void check_matrix(const at::Tensor& w, int64_t rows, int64_t cols, at::ScalarTyp
               name, " must be a contiguous CPU tensor of x's dtype");
 }
 
-at::Tensor decode_block(const at::Tensor& x, const at::Tensor& attn_norm, double attn_eps,
-                        const at::Tensor& wq, const at::Tensor& wk, const at::Tensor& wv,
-                        const at::Tensor& wo, const at::Tensor& mlp_norm, double mlp_eps,
-                        const at::Tensor& w_gate, const at::Tensor& w_up, const at::Tensor& w_down,
-                        const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_pool,
-                        at::Tensor& v_pool, const at::Tensor& new_slots, const at::Tensor& slots,
-                        const at::Tensor& lengths, double scale) {
+std::tuple<at::Tensor, int64_t> decode_block(
+    const at::Tensor& x, const at::Tensor& attn_norm, double attn_eps, const at::Tensor& wq,
+    const at::Tensor& wk, const at::Tensor& wv, const at::Tensor& wo, const at::Tensor& mlp_norm,
+    double mlp_eps, int64_t activation, const std::optional<at::Tensor>& w_gate,
+    const at::Tensor& w_up, const at::Tensor& w_down, const at::Tensor& cos, const at::Tensor& sin,
+    at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& new_slots, const at::Tensor& slots,
+    const at::Tensor& lengths, double scale, const std::optional<at::Tensor>& down_t,
+    double threshold, int64_t hot, const std::optional<at::Tensor>& p_w1,
+    const std::optional<at::Tensor>& p_w2, const std::optional<at::Tensor>& p_bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
               "decode_block: x must be a contiguous CPU (B, D) tensor, got ", x.sizes());
   const auto dtype = x.scalar_type();
@@ -524,7 +725,7 @@ at::Tensor decode_block(const at::Tensor& x, const at::Tensor& attn_norm, double
                   v_pool.device().is_cpu(),
               "decode_block: pools (slots, G, Dh) of one shape, float32 or bfloat16, got ",
               k_pool.sizes(), " and ", v_pool.sizes());
-  BlockShape n{x.size(0), x.size(1), 0, k_pool.size(1), k_pool.size(2), w_gate.size(0), slots.size(1)};
+  BlockShape n{x.size(0), x.size(1), 0, k_pool.size(1), k_pool.size(2), slots.size(1)};
   TORCH_CHECK(n.Dh % 2 == 0 && wq.dim() == 2 && wq.size(0) % n.Dh == 0 && (wq.size(0) / n.Dh) % n.G == 0,
               "decode_block: wq ", wq.sizes(), " is not a whole number of heads of ", n.Dh,
               " grouped over ", n.G, " K/V heads");
@@ -533,9 +734,8 @@ at::Tensor decode_block(const at::Tensor& x, const at::Tensor& attn_norm, double
   check_matrix(wk, n.G * n.Dh, n.D, dtype, "wk");
   check_matrix(wv, n.G * n.Dh, n.D, dtype, "wv");
   check_matrix(wo, n.D, n.H * n.Dh, dtype, "wo");
-  check_matrix(w_gate, n.F, n.D, dtype, "w_gate");
-  check_matrix(w_up, n.F, n.D, dtype, "w_up");
-  check_matrix(w_down, n.D, n.F, dtype, "w_down");
+  const MLPArgs mlp = mlp_args("decode_block", n.D, dtype, activation, w_gate, w_up, w_down, down_t,
+                               threshold, hot, p_w1, p_w2, p_bias);
   for (const at::Tensor* w : {&attn_norm, &mlp_norm})
     TORCH_CHECK(w->dim() == 1 && w->size(0) == n.D && w->scalar_type() == dtype && w->is_contiguous(),
                 "decode_block: norm weights (D,) of x's dtype, got ", w->sizes());
@@ -553,16 +753,16 @@ at::Tensor decode_block(const at::Tensor& x, const at::Tensor& attn_norm, double
                 "'s new slot ", ns[b], " is not its last key's");
 
   at::Tensor h = x.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);  // one copy, ours to write
+  int64_t computed = 0;
   const auto run = [&](auto* weight_type, auto* pool_type) {
     using W = std::remove_pointer_t<decltype(weight_type)>;
     using P = std::remove_pointer_t<decltype(pool_type)>;
-    decode_block_impl<W, P>(h.data_ptr<float>(), dtype == at::kBFloat16, n, attn_norm.data_ptr<W>(),
-                            static_cast<float>(attn_eps), wq.data_ptr<W>(), wk.data_ptr<W>(),
-                            wv.data_ptr<W>(), wo.data_ptr<W>(), mlp_norm.data_ptr<W>(),
-                            static_cast<float>(mlp_eps), w_gate.data_ptr<W>(), w_up.data_ptr<W>(),
-                            w_down.data_ptr<W>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                            k_pool.data_ptr<P>(), v_pool.data_ptr<P>(), ns, slots.data_ptr<int64_t>(),
-                            lp, static_cast<float>(scale));
+    computed = decode_block_impl<W, P>(
+        h.data_ptr<float>(), dtype == at::kBFloat16, n, attn_norm.data_ptr<W>(),
+        static_cast<float>(attn_eps), wq.data_ptr<W>(), wk.data_ptr<W>(), wv.data_ptr<W>(),
+        wo.data_ptr<W>(), mlp_norm.data_ptr<W>(), static_cast<float>(mlp_eps), mlp,
+        cos.data_ptr<float>(), sin.data_ptr<float>(), k_pool.data_ptr<P>(), v_pool.data_ptr<P>(), ns,
+        slots.data_ptr<int64_t>(), lp, static_cast<float>(scale));
   };
   const bool bf16_pool = k_pool.scalar_type() == at::kBFloat16;
   if (dtype == at::kFloat)
@@ -571,7 +771,7 @@ at::Tensor decode_block(const at::Tensor& x, const at::Tensor& attn_norm, double
   else
     bf16_pool ? run(static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr))
               : run(static_cast<c10::BFloat16*>(nullptr), static_cast<float*>(nullptr));
-  return h.to(dtype);
+  return {h.to(dtype), computed};
 }
 
 }  // namespace
@@ -582,9 +782,14 @@ TORCH_LIBRARY(egmla, m) {
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor lengths, "
         "float scale) -> Tensor");
   m.def("decode_block(Tensor x, Tensor attn_norm, float attn_eps, Tensor wq, Tensor wk, Tensor wv, "
-        "Tensor wo, Tensor mlp_norm, float mlp_eps, Tensor w_gate, Tensor w_up, Tensor w_down, "
-        "Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor new_slots, "
-        "Tensor slots, Tensor lengths, float scale) -> Tensor");
+        "Tensor wo, Tensor mlp_norm, float mlp_eps, int activation, Tensor? w_gate, Tensor w_up, "
+        "Tensor w_down, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, "
+        "Tensor new_slots, Tensor slots, Tensor lengths, float scale, Tensor? down_t=None, "
+        "float threshold=0., int hot=0, Tensor? p_w1=None, Tensor? p_w2=None, "
+        "Tensor? p_bias=None) -> (Tensor, int)");
+  m.def("sparse_mlp(Tensor x, int activation, Tensor? w_gate, Tensor w_up, Tensor down_t, "
+        "float threshold=0., int hot=0, Tensor? p_w1=None, Tensor? p_w2=None, "
+        "Tensor? p_bias=None) -> (Tensor, int)");
 }
 
 TORCH_LIBRARY_IMPL(egmla, CPU, m) {
@@ -592,4 +797,5 @@ TORCH_LIBRARY_IMPL(egmla, CPU, m) {
   m.impl("gemv_many", gemv_many);
   m.impl("paged_attention", paged_attention);
   m.impl("decode_block", decode_block);
+  m.impl("sparse_mlp", sparse_mlp);
 }

@@ -156,9 +156,14 @@ class FeedForward(nn.Module):
             return self.sparse(x)
         return self.w_down(self.hidden(x))
 
-    def swiglu_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(gate, up, down) weights when this is a dense SwiGLU (what egmla.kernels.decode_block
-        computes), else None."""
-        if self.activation != "swiglu" or self.sparse is not None:
-            return None
-        return self.w_gate.weight, self.w_up.weight, self.w_down.weight
+    def kernel(self, rows: int) -> kernels.MLP | None:
+        """This MLP as egmla.kernels.decode_block computes it for a decode step of `rows` rows:
+        dense, or sparse where sparse decoding is attached and takes that step; None where the
+        kernel cannot compute it (the oracle mode's dense pass)."""
+        sparse = None
+        if self.sparse is not None and 0 < rows <= self.sparse.max_rows:
+            sparse = self.sparse.kernel()
+            if sparse is None:
+                return None
+        gate = None if self.w_gate is None else self.w_gate.weight
+        return kernels.MLP(self.activation, gate, self.w_up.weight, self.w_down.weight, sparse)

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from egmla import kernels
 from egmla.models.layers import FeedForward
 
 Mode = Literal["gate", "oracle", "predicted"]
@@ -147,6 +148,29 @@ class SparseDecode:
 
     def refresh(self) -> None:
         self.down_t = self.mlp.w_down.weight.detach().t().contiguous()  # (d_ff, d_model)
+        p = self.predictor  # the kernels take the predictor in float32, contiguous
+        self._kernel_predictor = None if p is None else tuple(
+            t.detach().float().contiguous() for t in (p.w1, p.w2, p.bias))
+
+    def _fresh(self) -> None:
+        w = self.mlp.w_down.weight
+        if self.down_t.dtype != w.dtype or self.down_t.device != w.device:  # the model moved
+            self.refresh()
+
+    def kernel(self) -> kernels.Sparse | None:
+        """This sparse decoding as the kernels take it (egmla.kernels.Sparse); None for the
+        oracle mode, whose active set comes from a dense pass."""
+        if self.mode == "oracle":
+            return None
+        self._fresh()
+        return kernels.Sparse(self.down_t, self.threshold,
+                              self.hot if self.mode == "predicted" else 0, self._kernel_predictor)
+
+    def record(self, rows: int, computed: int) -> None:
+        """Count a step of `rows` rows that computed `computed` neurons (see `density`)."""
+        self.stats["steps"] += 1
+        self.stats["rows"] += rows
+        self.stats["active"] += computed
 
     def runs(self, x: torch.Tensor) -> bool:
         rows = x.numel() // x.shape[-1]
@@ -173,16 +197,18 @@ class SparseDecode:
         return (self._score(pre) > self.threshold).any(0).nonzero().squeeze(1), pre
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.mlp.w_down.weight
-        if self.down_t.dtype != w.dtype or self.down_t.device != w.device:  # the model moved
-            self.refresh()
+        self._fresh()
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        idx, pre = self.active(x)
-        y = self.hidden_at(x, idx, None if pre is None else pre[:, idx]) @ self.down_t[idx]
-        self.stats["steps"] += 1
-        self.stats["rows"] += x.shape[0]
-        self.stats["active"] += idx.numel()
+        spec = self.kernel()
+        done = None if spec is None else kernels.sparse_mlp(x, self.mlp.kernel(x.shape[0]))
+        if done is not None:  # the same computation in one kernel call
+            y, computed = done
+        else:
+            idx, pre = self.active(x)
+            y = self.hidden_at(x, idx, None if pre is None else pre[:, idx]) @ self.down_t[idx]
+            computed = idx.numel()
+        self.record(x.shape[0], computed)
         return y.view(*shape[:-1], y.shape[-1])
 
     def hidden_at(self, x: torch.Tensor, idx: torch.Tensor,

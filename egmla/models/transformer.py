@@ -38,16 +38,22 @@ class Block(nn.Module):
 
     def _decode(self, x, positions, cache) -> torch.Tensor | None:
         """The whole block in one kernel call (egmla.kernels.decode_block) for a decode step over
-        a paged cache, where the attention is plain RoPE attention over K and V and the MLP is
-        SwiGLU; else None."""
-        attn, mlp = self.attn.rope_kv_attention(), self.mlp.swiglu_weights()
+        a paged cache, where the attention is plain RoPE attention over K and V and the kernel
+        can compute the MLP (dense, or sparse as attached); else None."""
+        attn, mlp = self.attn.rope_kv_attention(), self.mlp.kernel(x.shape[0] * x.shape[1])
         where = cache.decode_slots() if attn is not None and mlp is not None else None
         if where is None or set(where.pools) != {"k", "v"}:
             return None
         cos, sin = attn.rope.cos_sin(positions, torch.float32)
-        return kernels.decode_block(
+        done = kernels.decode_block(
             x, (self.attn_norm, self.mlp_norm), (attn.wq, attn.wk, attn.wv, attn.wo), mlp, cos, sin,
             where.pools["k"], where.pools["v"], where.new, where.slots, where.lengths, attn.scale)
+        if done is None:
+            return None
+        out, computed = done
+        if mlp.sparse is not None:
+            self.mlp.sparse.record(x.shape[0], computed)
+        return out
 
 
 class Transformer(nn.Module):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from egmla import kernels
-from support import ROOT
+from support import ROOT, ops_called
 
 SUPPORTED = kernels.unsupported() is None
 
@@ -94,12 +94,6 @@ def test_bf16_products_of_many_rows_run_in_fp32_where_the_cpu_lacks_native_bf16(
     assert kernels.status()["native_bf16"] == kernels.native_bf16()
     wg = w.clone().requires_grad_()
     assert torch.equal(kernels.linear(x, wg).detach(), F.linear(x, w))
-
-
-def ops_called(fn) -> set[str]:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-    return {e.key for e in prof.key_averages()}
 
 
 def test_a_models_decode_step_runs_its_linears_on_the_kernel():
@@ -218,17 +212,30 @@ def test_the_fused_block_refuses_inconsistent_inputs_with_a_message():
              **w, **over}
         return torch.ops.egmla.decode_block(
             m["x"], torch.ones(D), 1e-5, m["wq"], m["wk"], m["wv"], m["wo"], torch.ones(D), 1e-5,
-            m["w_gate"], m["w_up"], m["w_down"], torch.ones(1, Dh), torch.zeros(1, Dh), *pools,
-            m["new"], m["slots"], torch.tensor([3]), 0.3)
+            m.get("activation", 0), m["w_gate"], m["w_up"], m["w_down"], torch.ones(1, Dh),
+            torch.zeros(1, Dh), *pools, m["new"], m["slots"], torch.tensor([3]), 0.3,
+            **m.get("sparse", {}))
 
-    assert call().shape == (1, D) and pools[0][2].any()  # a good call writes its new K
+    out, computed = call()
+    assert out.shape == (1, D) and computed == F_ and pools[0][2].any()  # a good call writes K
     for pool in pools:
         pool.zero_()
     for bad, message in [({"wo": torch.randn(D, 3 * Dh)}, "wo is"),
                          ({"w_up": torch.randn(F_, D).bfloat16()}, "x's dtype"),
                          ({"new": torch.tensor([1])}, "is not its last key's"),
                          ({"slots": torch.tensor([[0, 1, 99]])}, "names slot 99"),
-                         ({"x": torch.randn(1, D).double()}, "float32 or bfloat16")]:
+                         ({"x": torch.randn(1, D).double()}, "float32 or bfloat16"),
+                         ({"activation": 7}, "activation 7 is not"),
+                         ({"activation": 3}, "relu2 has no gate"),
+                         ({"w_gate": None}, "a gated MLP needs w_gate"),
+                         ({"sparse": {"p_w1": torch.randn(4, D), "p_w2": torch.randn(F_, 4),
+                                      "p_bias": torch.zeros(F_)}}, "needs the sparse MLP"),
+                         ({"sparse": {"down_t": torch.randn(D, F_)}}, "down_t is"),
+                         ({"sparse": {"down_t": torch.randn(F_, D), "threshold": -1.0}},
+                          "threshold -1"),
+                         ({"sparse": {"down_t": torch.randn(F_, D), "p_w1": torch.randn(4, D),
+                                      "p_w2": torch.randn(F_, 4)}}, "together"),
+                         ({"sparse": {"down_t": torch.randn(F_, D), "hot": F_ + 1}}, "hot=49")]:
         with pytest.raises(RuntimeError, match=message):
             call(**bad)
     assert not pools[0].any()  # nothing written by a refused call

@@ -8,12 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from egmla import kernels
 from egmla.models import FeedForward
 from egmla.models.sparse_ffn import Predictor, attach, detach, permute_neurons
 from egmla.presets import preset
+from support import ops_called
 from support.models import build, decode, exact_predictor, random_ids
 
 RELU_FAMILY = ("reglu", "drelu", "relu2")
+SUPPORTED = kernels.unsupported() is None
 
 
 @pytest.mark.parametrize("mode", ["gate", "oracle"])
@@ -103,11 +106,47 @@ def test_swiglu_needs_a_threshold_and_then_computes_the_thresholded_mlp():
     assert 0 < sparse.density() < 1
 
 
-def test_a_sparse_swiglu_block_leaves_the_fused_decode_kernel():
+def test_the_fused_decode_kernel_takes_the_mlp_sparse_where_sparse_decoding_runs():
     mlp = FeedForward(32, 128, "swiglu")
-    assert mlp.swiglu_weights() is not None
-    attach(mlp, "gate", threshold=0.05)
-    assert mlp.swiglu_weights() is None
+    assert mlp.kernel(1).sparse is None and mlp.kernel(1).activation == "swiglu"
+    attach(mlp, "gate", threshold=0.05, max_rows=4)
+    assert mlp.kernel(4).sparse.threshold == 0.05
+    assert mlp.kernel(5).sparse is None  # more rows than sparse decoding takes: dense
+    attach(mlp, "oracle")
+    assert mlp.kernel(1) is None  # a dense pass decides: the modules run
+
+
+SPARSE_CASES = [("reglu", "gate", 0.0), ("drelu", "gate", 0.0), ("relu2", "gate", 0.0),
+                ("swiglu", "gate", 0.05), ("reglu", "predicted", 0.0), ("drelu", "predicted", 0.0),
+                ("relu2", "predicted", 0.0), ("swiglu", "predicted", 0.05)]
+
+
+@pytest.mark.skipif(not SUPPORTED, reason="the kernels need x86-64 with AVX2 and FMA")
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("ffn, mode, threshold", SPARSE_CASES)
+def test_the_sparse_kernel_computes_what_the_pytorch_path_does(ffn, mode, threshold, rows):
+    """egmla.kernels.sparse_mlp (float32) against SparseDecode's PyTorch path (float64): the same
+    neurons computed and the same output to float32's rounding; a predictor that misses
+    neurons (a random one) and a hot block, so that predicted mode is not simply exact."""
+    torch.manual_seed(0)
+    mlp = FeedForward(64, 256, ffn).eval()
+    reference = FeedForward(64, 256, ffn).double().eval()
+    reference.load_state_dict(mlp.state_dict())
+    predictor = None
+    if mode == "predicted":
+        predictor = Predictor(torch.randn(8, 64), torch.randn(256, 8), torch.full((256,), -2.0))
+    kwargs = {"threshold": threshold, "predictor": predictor, "hot": 32 if predictor else 0}
+    fast = attach(mlp, mode, **kwargs)
+    slow = attach(reference, mode, **{**kwargs, "predictor": predictor and Predictor(
+        predictor.w1.double(), predictor.w2.double(), predictor.bias.double())})
+    x = torch.randn(rows, 64)
+    with torch.no_grad():
+        ops = ops_called(lambda: mlp(x))
+        got, expected = mlp(x), reference(x.double())
+    assert "egmla::sparse_mlp" in ops
+    assert fast.stats["active"] == 2 * slow.stats["active"]  # fast ran twice, the same neurons
+    assert (got.double() - expected).abs().max().item() < 1e-5 * expected.abs().max().item()
+    assert 0 < slow.density() < 1 or rows > 1  # a batch's union may cover every neuron
 
 
 @pytest.mark.parametrize("kwargs, message", [({"mode": "predicted"}, "mode='predicted'"),

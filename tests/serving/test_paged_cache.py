@@ -7,11 +7,12 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from egmla.models import Transformer, cache_spec_for
 from egmla.presets import PRESETS, preset
 from serve.paged_cache import PagedKVCache
-from support.models import VARIANTS, build
+from support.models import VARIANTS, build, exact_predictor
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -132,31 +133,51 @@ def test_decode_attention_read_in_place_equals_gather_and_sdpa(dtype):
     assert torch.equal(caches[0].layers[0]["k"], before)
 
 
-def block_by_modules(block, x, positions, view):
-    """The pre-norm block's definition, module by module (the reference for the fused block)."""
+def block_by_modules(block, x, positions, view, threshold: float = 0.0):
+    """The pre-norm block's definition, module by module (the reference for the fused block);
+    its MLP dense, with SwiGLU's firing threshold applied by hand where there is one (sparse
+    decoding in "gate" mode, or with an exact predictor, computes exactly this)."""
     h = x + block.attn(block.attn_norm(x), positions, view)
-    return h + block.mlp(block.mlp_norm(h))
+    n, mlp = block.mlp_norm(h), block.mlp
+    hidden = mlp.hidden(n)
+    if threshold:
+        hidden = hidden * (F.silu(mlp.w_gate(n)).abs() > threshold)
+    return h + mlp.w_down(hidden)
 
 
-@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32),
-                                               (torch.float32, torch.bfloat16),
-                                               (torch.bfloat16, torch.bfloat16)], ids=str)
-def test_a_decode_block_in_one_kernel_call_equals_its_modules(dtype, cache_dtype):
+DENSE = [(ffn, None) for ffn in ("swiglu", "reglu", "drelu", "relu2")]
+SPARSE = [("swiglu", "gate"), ("reglu", "gate"), ("relu2", "gate"), ("drelu", "predicted"),
+          ("relu2", "predicted")]  # (an exact predictor of g > 0 is not one for |silu(g)| > t)
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,ffn,sparse", [
+    *[(torch.float32, torch.float32, *case) for case in DENSE + SPARSE],
+    *[(torch.float32, torch.bfloat16, *case) for case in DENSE[:1] + SPARSE[:1]],
+    *[(torch.bfloat16, torch.bfloat16, *case) for case in DENSE]], ids=str)
+def test_a_decode_block_in_one_kernel_call_equals_its_modules(dtype, cache_dtype, ffn, sparse):
     """A decode step's block in one call (Block._decode, egmla.kernels.decode_block) computes
     what the block's modules compute and writes the same K/V into the pools, for a GQA model
-    over ragged rows; a prefill step declines and writes nothing. fp32: equal to 1e-5 (measured
-    1e-7); a bf16 model: within one bf16 ulp of the largest output (measured a quarter of one:
-    the fused block keeps its activations in fp32 where the modules round each to bf16)."""
+    over ragged rows, with each MLP activation, dense or sparse (SwiGLU thresholded at 0.05; the
+    ReLU family with an exact predictor and a hot block); a prefill step declines and writes
+    nothing. fp32: equal to
+    1e-5 (measured 1e-7); a bf16 model: within one bf16 ulp of the largest output (measured a
+    quarter of one: the fused block keeps its activations in fp32 where the modules round each
+    to bf16)."""
     from egmla import kernels
+    from egmla.models.sparse_ffn import attach
 
     torch.manual_seed(0)
-    model = Transformer(preset("tiny-gqa2")).eval()
+    model = Transformer(preset("tiny-gqa2", ffn=ffn)).eval()
     with torch.no_grad():  # norms off their init, so a norm weight left out would show
         for block in model.layers:
             for norm in (block.attn_norm, block.mlp_norm):
                 norm.weight.uniform_(0.5, 1.5)
     model = model.to(dtype)
     block = model.layers[1]
+    threshold = 0.05 if ffn == "swiglu" and sparse else 0.0
+    if sparse:
+        attached = attach(block.mlp, sparse, threshold, hot=4 if sparse == "predicted" else 0,
+                          predictor=exact_predictor(block.mlp) if sparse == "predicted" else None)
     spec = model.cache_spec()
     caches = [PagedKVCache(spec, num_blocks=12, block_size=4, dtype=cache_dtype) for _ in range(2)]
     for cache in caches:  # the same history in both
@@ -169,10 +190,12 @@ def test_a_decode_block_in_one_kernel_call_equals_its_modules(dtype, cache_dtype
     fused_step, plain_step = (c.step(tables, context, [1, 1, 1]) for c in caches)
     with torch.no_grad():
         fused = block._decode(x, positions, fused_step.layer(1))
-        plain = block_by_modules(block, x, positions, plain_step.layer(1))
+        plain = block_by_modules(block, x, positions, plain_step.layer(1), threshold)
     if kernels.unsupported() is not None:
         assert fused is None
         return
+    if sparse:  # it ran sparse: fewer neurons than the MLP has, counted
+        assert 0 < attached.stats["active"] < attached.stats["neurons"]
     assert fused is not None and fused.shape == x.shape and fused.dtype == dtype
     if dtype == torch.float32:
         assert torch.allclose(fused, plain, atol=1e-5)
@@ -190,13 +213,14 @@ def test_a_decode_block_in_one_kernel_call_equals_its_modules(dtype, cache_dtype
 
 
 def test_an_engine_decode_step_runs_one_kernel_call_per_mha_block():
-    """Decoding through the paged engine takes the fused block for MHA with SwiGLU (and not the
-    per-op path); MLA's blocks and other MLPs, which it cannot express, take their modules."""
+    """Decoding through the paged engine takes the fused block for MHA/GQA with any MLP (and
+    not the per-op path); MLA's blocks, which it cannot express, take their modules."""
     from egmla import kernels
     from serve.engine import EngineConfig, LLMEngine, SamplingParams
 
-    cases = (("tiny-gqa2", "swiglu", kernels.unsupported() is None), ("tiny-mla", "swiglu", False),
-             ("tiny-gqa2", "reglu", False))
+    supported = kernels.unsupported() is None
+    cases = (("tiny-gqa2", "swiglu", supported), ("tiny-mla", "swiglu", False),
+             ("tiny-gqa2", "reglu", supported), ("tiny-gqa2", "relu2", supported))
     for name, ffn, fused in cases:
         torch.manual_seed(0)
         model = Transformer(preset(name, ffn=ffn)).eval()

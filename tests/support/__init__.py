@@ -16,3 +16,12 @@ Test file names are unique across directories for the same reason (no __init__.p
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
+
+
+def ops_called(fn) -> dict[str, int]:
+    """The operators `fn()` called (torch's profiler), with how many times each."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key: e.count for e in prof.key_averages()}
