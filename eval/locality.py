@@ -298,6 +298,12 @@ non_negative_float = _number(float, lambda v: 0 <= v < float("inf"), "a finite n
 share = _number(float, lambda v: 0 <= v <= 1, "in [0, 1]")
 
 
+def default_out(model: str | Path) -> Path:
+    """Where the commands write for `model` by default: <model>/locality for a directory, else
+    runs/locality/<name> (benchmarks/activation_locality.py looks for predictors there)."""
+    return Path(model) / "locality" if Path(model).is_dir() else Path("runs") / "locality" / Path(model).name
+
+
 def _common(p: argparse.ArgumentParser, tokens: int) -> None:
     p.add_argument("--model", required=True,
                    help="an export or run directory, a known name (SmolLM2-135M-Instruct), or a "
@@ -371,8 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, CheckpointError, FileNotFoundError) as err:
         print(f"locality: error: {err}", file=sys.stderr)
         return 2
-    out = args.out or (Path(args.model) / "locality" if Path(args.model).is_dir()
-                       else Path("runs") / "locality" / Path(args.model).name)
+    out = args.out or default_out(args.model)
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     report["meta"] = {**provenance(), "model": str(args.model), "ffn": model.config.ffn,
                       "d_ff": model.config.d_ff, "n_layers": model.config.n_layers,

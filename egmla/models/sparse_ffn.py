@@ -322,11 +322,13 @@ def check_settings(mode: str | None, threshold: float = 0.0, predictors: object 
 
 
 def sparsify(model, mode: str | None, threshold: float = 0.0,
-             predictors: list[LayerPredictor] | None = None) -> list[SparseDecode]:
+             predictors: list[LayerPredictor] | None = None,
+             reorder: bool = True) -> list[SparseDecode]:
     """Attach (mode) or remove (None) sparse decoding on every block's MLP of a Transformer;
     a SwiGLU model needs a threshold > 0 in "gate" mode (see SparseDecode). "predicted" first
     reorders each MLP's neurons as its predictor was trained (in place; the function is
-    unchanged), so that the hot block is the first neurons."""
+    unchanged), so that the hot block is the first neurons; `reorder=False` where the model's
+    neurons are in that order already (`reorder_neurons` ran)."""
     check_settings(mode, threshold, predictors)
     if mode is None:
         for block in model.layers:
@@ -337,10 +339,21 @@ def sparsify(model, mode: str | None, threshold: float = 0.0,
     if len(predictors) != len(model.layers):
         raise ValueError(f"{len(predictors)} layers of predictors; the model has "
                          f"{len(model.layers)} layers")
+    if reorder:
+        reorder_neurons(model, predictors)
     attached = []
     for block, layer in zip(model.layers, predictors):
         detach(block.mlp)
-        permute_neurons(block.mlp, layer.order)
         attached.append(attach(block.mlp, "predicted", threshold, predictor=layer.predictor,
                                hot=layer.hot))
     return attached
+
+
+def reorder_neurons(model, predictors: list[LayerPredictor]) -> None:
+    """Put each MLP's neurons in the order its predictor was trained in (in place; the model's
+    function is unchanged)."""
+    if len(predictors) != len(model.layers):
+        raise ValueError(f"{len(predictors)} layers of predictors; the model has "
+                         f"{len(model.layers)} layers")
+    for block, layer in zip(model.layers, predictors):
+        permute_neurons(block.mlp, layer.order)

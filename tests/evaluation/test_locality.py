@@ -193,3 +193,43 @@ def test_the_predictors_command_trains_chooses_and_saves(relu2_export, tmp_path)
     sparse = [block.mlp.sparse for block in llm.model.layers]
     assert all(s.mode == "predicted" and 0 < s.density() < 1 for s in sparse)
     assert [s.hot for s in sparse] == [r["hot"] for r in layers]
+
+
+@pytest.fixture(scope="module")
+def drelu_with_predictors(tmp_path_factory):
+    """A drelu model's export and the predictors the command trains for it (tiny, fast)."""
+    tokenizer = get_tokenizer("bpe", vocab_size=512)
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny-mha", ffn="drelu", vocab_size=len(tokenizer)))
+    export = save_export(model, tmp_path_factory.mktemp("bench") / "export", tokenizer=tokenizer)
+    result = subprocess.run(
+        [sys.executable, "-m", "eval.locality", "predictors", "--model", str(export), "--tokens",
+         "2048", "--held-out-tokens", "512", "--seq-len", "32", "--ranks", "16", "--steps", "60",
+         "--tolerance", "10"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return export
+
+
+@pytest.mark.slow
+def test_the_benchmark_measures_every_mode_of_a_relu_family_model(drelu_with_predictors, tmp_path):
+    """benchmarks/activation_locality.py --quick, end to end: every mode at each batch with a
+    speedup against dense, the exact modes' perplexity equal to dense's, the predictors found
+    where the command wrote them, and the lm-eval tasks scored under each mask."""
+    result = subprocess.run(
+        [sys.executable, "benchmarks/activation_locality.py", "--model", str(drelu_with_predictors),
+         "--quick", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "activation_locality_quick.json").read_text())
+    [model] = report["models"]
+    assert model["predictors"].endswith("locality/predictors.safetensors")
+    cells = {(r["mode"], r["batch"]): r for r in model["speed"]}
+    assert set(cells) == {(m, b) for m in ("dense", "gate", "oracle", "predicted") for b in (1, 4)}
+    assert all(r["speedup_vs_dense"] > 0 and 0 < r["density"] <= 1 for r in cells.values())
+    assert cells[("dense", 1)]["speedup_vs_dense"] == 1 and cells[("gate", 1)]["density"] < 1
+    assert cells[("gate", 1)]["weight_bytes_per_token"] < cells[("dense", 1)]["weight_bytes_per_token"]
+    ppl = {r["mode"]: r for r in model["quality"]}
+    for exact in ("gate", "oracle"):  # exact for the ReLU family: the same perplexity
+        assert ppl[exact]["perplexity"] == pytest.approx(ppl["dense"]["perplexity"], rel=1e-5)
+    assert set(ppl["predicted"]["lm_eval"]) >= {"corpus_cloze/acc", "mqar_recall/acc"}
+    assert 0 <= model["hot"]["hot_hit_rate"] <= 1 and 0 < model["hot"]["recall"] <= 1
+    assert "speedup" in (tmp_path / "activation_locality_quick.md").read_text()

@@ -1,0 +1,434 @@
+"""Activation locality measured (issue 19): dense against sparse MLP decoding in our engine.
+
+For each `--model` (an export directory of a trained model, or SmolLM2-135M-Instruct), the
+modes of egmla.models.sparse_ffn that apply to it:
+
+- `dense`: every neuron (the fused decode kernel, as served by default);
+- `gate`: the deciding projection for every neuron, the rest of the MLP where it fires: exact
+  for the ReLU family; for SwiGLU a magnitude threshold (TEAL/CATS-style, `--swiglu-threshold`,
+  or the one the predictors were trained for), an approximation;
+- `oracle`: the firing set from a dense pass, then the sparse arithmetic (exact; a check that
+  the sparse path is what it should be, slower than dense by design);
+- `predicted`: the hot block and what the per-layer predictors mark, when the model has
+  predictors (`python -m eval.locality predictors --model M` writes them where this script looks:
+  M/locality/predictors.safetensors, or runs/locality/<name>/ for a known name; or `--predictors`).
+
+What is measured, per model and mode:
+
+1. decode tok/s at each `--batch-sizes` (1, 4, 16): B distinct prompts of `--prompt-len` tokens
+   of held-out text (corpus-b), `--new-tokens` each, greedy; decode tok/s = B (N - 1) / (last
+   finish - last first token), so prefill is excluded; the median over `--repeats`, interleaved
+   (for repeat: for batch: for mode, the mode order rotating); `speedup` = tok/s over dense's;
+2. density: the share of MLP neurons computed per decode step (the kernels count them), and the
+   weight bytes a decode step reads per generated token (every weight once per step, the MLP's
+   at that density: gate mode reads its deciding matrix whole, predicted mode its predictors);
+3. perplexity of held-out text (corpus-b) with each token's MLPs keeping only the neurons the
+   mode computes for it, against dense;
+4. the offline lm-eval tasks (corpus_cloze, corpus_perplexity, mqar_recall: loglikelihood
+   tasks) under the same masks (oracle computes exactly dense, so it is not run again);
+5. predicted mode: the hot block's share of the firings (its hit rate) and the predictors'
+   recall and density on the held-out tokens.
+For SmolLM2 also llama.cpp F32 through cyllama (the `bench` extra) at batch 1, the dense peer;
+our trained models have no llama.cpp architecture (their MLPs are not SwiGLU).
+
+    python benchmarks/activation_locality.py --model runs/locality-drelu-s0/export ...
+    python benchmarks/activation_locality.py --model SmolLM2-135M-Instruct --swiglu-threshold 0.05
+    python benchmarks/activation_locality.py --model M --quick    # a smoke test, a minute
+
+Writes benchmarks/results/activation_locality.{json,md} (`*_quick.*` with --quick) with the
+command, git SHA, versions, machine and load; the JSON names every speedup with a key that
+contains `speedup`. Compare modes within one run, not across runs: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # measure the checkout this script is in
+RESULTS = ROOT / "benchmarks" / "results"
+TASKS = ("corpus_cloze", "corpus_perplexity", "mqar_recall")
+SMOLLM2 = "SmolLM2-135M-Instruct"
+
+
+# ---- the model and its modes ------------------------------------------------------------------
+
+
+class Subject:
+    """One model, loaded once, its neurons in its predictors' order (if any), and the modes that
+    apply to it; `use(mode)` attaches that mode's sparse decoding (None: dense)."""
+
+    def __init__(self, name: str, predictors: Path | None, swiglu_threshold: float,
+                 max_batch: int, max_tokens: int) -> None:
+        import torch
+
+        from egmla.checkpoint import read_metadata, read_weights
+        from egmla.imports import load_pretrained
+        from egmla.models.sparse_ffn import predictors_from_tensors, reorder_neurons
+        from eval.locality import default_out
+        from serve import LLM
+
+        self.name = name
+        self.model, self.tokenizer = load_pretrained(name, dtype=torch.float32)
+        if self.tokenizer is None:
+            raise SystemExit(f"error: {name}: no tokenizer comes with it")
+        cfg = self.model.config
+        self.ffn = cfg.ffn
+        found = predictors or default_out(name) / "predictors.safetensors"
+        self.predictors, self.predictors_file, trained_at = None, None, None
+        if found.is_file():
+            self.predictors, trained_at = predictors_from_tensors(
+                read_weights(found), read_metadata(found), cfg.n_layers, cfg.d_ff)
+            reorder_neurons(self.model, self.predictors)  # the function is unchanged
+            self.predictors_file = str(found)
+        elif predictors is not None:
+            raise SystemExit(f"error: --predictors {predictors}: no such file")
+        swiglu = self.ffn == "swiglu"
+        self.threshold = trained_at if trained_at is not None else (swiglu_threshold if swiglu else 0.0)
+        if swiglu and not self.threshold:
+            raise SystemExit(f"error: {name} is SwiGLU: give --swiglu-threshold > 0")
+        self.modes = ["dense", "gate", *([] if swiglu else ["oracle"]),
+                      *(["predicted"] if self.predictors else [])]
+        block = 16
+        self.llm = LLM(self.model, self.tokenizer, block_size=block,
+                       num_blocks=max_batch * (max_tokens // block + 2) + 4,
+                       max_num_seqs=max_batch, enable_prefix_caching=False)
+
+    def use(self, mode: str) -> list:
+        from egmla.models.sparse_ffn import sparsify
+
+        if mode == "dense":
+            return sparsify(self.model, None)
+        return sparsify(self.model, mode, self.threshold,
+                        self.predictors if mode == "predicted" else None, reorder=False)
+
+    def keep(self, mode: str):
+        """The mask of the neurons `mode` computes for each token (eval.predictors.perplexity's
+        `keep`), None for dense and oracle (exactly dense)."""
+        from egmla.models.sparse_ffn import firing
+
+        if mode in ("dense", "oracle"):
+            return None
+        if mode == "gate":
+            return lambda i, mlp, x: firing(mlp, x, self.threshold)
+
+        def predicted(i, mlp, x):
+            layer = self.predictors[i]
+            mask = layer.predictor(x)
+            mask[:, :layer.hot] = True
+            return mask & firing(mlp, x, self.threshold)
+        return predicted
+
+
+# ---- speed ------------------------------------------------------------------------------------
+
+
+def decode_run(subject: Subject, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
+    """One batch of prompts, all submitted at once; decode tok/s with prefill excluded."""
+    from serve import SamplingParams
+
+    engine = subject.llm.engine
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, stop_token_ids=())
+    ids = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    seqs = [engine.release(i)[0] for i in ids]
+    start, end = max(s.first_token_time for s in seqs), max(s.finish_time for s in seqs)
+    made = sum(len(s.output) - 1 for s in seqs)
+    return {"tok_s": made / (end - start), "tokens": made}
+
+
+def weight_bytes_per_token(model, density: float, mode: str, predictors, batch: int) -> float:
+    """Weight bytes one decode step reads per generated token (the step's reads over its rows):
+    every parameter once (the input embedding only where it is the tied output head), the
+    MLPs' matrices at the computed share of their neurons; gate mode reads its deciding matrix
+    whole, predicted mode its predictors."""
+    emb, head = model.tok_emb.weight, model.lm_head.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if emb is not head:
+        total -= emb.numel() * emb.element_size()
+    for i, block in enumerate(model.layers):
+        mlp = block.mlp
+        mats = [w.weight for w in (mlp.w_gate, mlp.w_up, mlp.w_down) if w is not None]
+        each = mats[0].numel() * mats[0].element_size()
+        total -= len(mats) * each
+        if mode in ("dense", "oracle"):
+            total += len(mats) * each
+        elif mode == "gate":
+            total += each + (len(mats) - 1) * each * density
+        else:
+            p = predictors[i].predictor
+            total += len(mats) * each * density + 4 * p.params()
+    return total / batch
+
+
+def measure_speed(subject: Subject, prompts: list[list[int]], batches: list[int], new_tokens: int,
+                  repeats: int, log) -> list[dict[str, Any]]:
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for r in range(repeats):
+        for batch in batches:
+            modes = subject.modes[r % len(subject.modes):] + subject.modes[:r % len(subject.modes)]
+            for mode in modes:
+                attached = subject.use(mode)
+                decode_run(subject, prompts[:batch], 4)  # warm: kernels, caches, allocator
+                for s in attached:
+                    s.stats.update(steps=0, rows=0, active=0)
+                run = decode_run(subject, prompts[:batch], new_tokens)
+                run["density"] = (statistics.fmean(s.density() for s in attached)
+                                  if attached else 1.0)
+                runs.setdefault((mode, batch), []).append(run)
+                log(f"{subject.name} {mode:9s} batch {batch:2d} repeat {r}: {run['tok_s']:.1f} tok/s, "
+                    f"density {run['density']:.3f}")
+    subject.use("dense")
+    rows = []
+    for (mode, batch), rs in runs.items():
+        tok_s = [x["tok_s"] for x in rs]
+        density = statistics.fmean(x["density"] for x in rs)
+        rows.append({"mode": mode, "batch": batch, "tok_s": statistics.median(tok_s),
+                     "tok_s_min": min(tok_s), "tok_s_max": max(tok_s), "runs": tok_s,
+                     "density": density,
+                     "weight_bytes_per_token": weight_bytes_per_token(
+                         subject.model, density, mode, subject.predictors, batch)})
+    dense = {r["batch"]: r["tok_s"] for r in rows if r["mode"] == "dense"}
+    for r in rows:
+        r["speedup_vs_dense"] = r["tok_s"] / dense[r["batch"]]
+    return sorted(rows, key=lambda r: (r["batch"], subject.modes.index(r["mode"])))
+
+
+def llamacpp_batch1(prompt: list[int], new_tokens: int, repeats: int, threads: int) -> dict | None:
+    """llama.cpp F32 single-stream decode tok/s on SmolLM2 (benchmarks/decode_speed.py's
+    runner), or None without the cyllama wheel."""
+    import importlib.util
+
+    if importlib.util.find_spec("cyllama") is None:
+        return None
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import decode_speed
+
+    runner = decode_speed.LlamaCppRunner(decode_speed.SYSTEMS["llamacpp-f32"], threads,
+                                         len(prompt) + new_tokens + 8, 0, 0)
+    tok_s = []
+    for _ in range(repeats):
+        run = runner.single(prompt, new_tokens)
+        tok_s.append((new_tokens - 1) / run["decode_s"])
+    return {"system": "llama.cpp F32 (cyllama)", "tok_s": statistics.median(tok_s), "runs": tok_s}
+
+
+# ---- quality ----------------------------------------------------------------------------------
+
+
+def quality(subject: Subject, held_out, lm_eval_limit: int | None, skip_lm_eval: bool,
+            log) -> tuple[list[dict], dict]:
+    from eval import predictors as P
+
+    subject.use("dense")
+    batches = held_out.split(16)
+    dense = P.perplexity(subject.model, batches)
+    rows = []
+    for mode in subject.modes:
+        keep = subject.keep(mode)
+        ppl = dense if keep is None else P.perplexity(subject.model, batches, keep)
+        row = {"mode": mode, "perplexity": ppl, "perplexity_increase": ppl / dense - 1}
+        if not skip_lm_eval and mode != "oracle":
+            row["lm_eval"] = lm_eval_under(subject, keep, lm_eval_limit)
+        elif not skip_lm_eval:
+            row["lm_eval"] = "equal to dense (oracle computes exactly the dense MLP)"
+        log(f"{subject.name} {mode:9s} perplexity {ppl:.3f} ({row['perplexity_increase']:+.2%})")
+        rows.append(row)
+    hot = {}
+    if subject.predictors:
+        x_fired = P.collect(subject.model, batches, subject.threshold)
+        per_layer = []
+        for (x, fired), layer in zip(x_fired, subject.predictors):
+            m = P.measure(layer.predictor, x, fired, layer.hot, subject.model.config.ffn_matrices)
+            hits = fired[:, :layer.hot].sum().item() / max(1, fired.sum().item())
+            per_layer.append({"hot": layer.hot, "hot_hit_rate": hits, **m})
+        hot = {"layers": per_layer,
+               "hot_hit_rate": statistics.fmean(r["hot_hit_rate"] for r in per_layer),
+               "recall": statistics.fmean(r["recall"] or 0 for r in per_layer),
+               "density": statistics.fmean(r["density"] for r in per_layer)}
+    return rows, hot
+
+
+def lm_eval_under(subject: Subject, keep, limit: int | None) -> dict[str, float]:
+    """The offline loglikelihood tasks with each token's MLPs masked as `keep` says."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from eval.adapter import EgmlaLM
+    from eval.local_tasks import install
+
+    install()
+    hooks = []
+    if keep is not None:
+        for i, block in enumerate(subject.model.layers):
+            def masked(mlp, args, output, i=i):
+                x = args[0]
+                h = mlp.hidden(x) * keep(i, mlp, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+                return mlp.w_down(h)
+            hooks.append(block.mlp.register_forward_hook(masked))
+    try:
+        results = lm_eval.simple_evaluate(
+            model=EgmlaLM(subject.llm, batch_size=8), tasks=list(TASKS), limit=limit,
+            task_manager=TaskManager(include_path=str(ROOT / "eval" / "tasks"),
+                                     include_defaults=False))
+    finally:
+        for h in hooks:
+            h.remove()
+    out = {}
+    for task, values in results["results"].items():
+        for key, value in values.items():
+            name, _, filt = key.partition(",")
+            if filt == "none" and isinstance(value, float) and not name.endswith("_stderr"):
+                out[f"{task}/{name}"] = value
+    return out
+
+
+# ---- the run ----------------------------------------------------------------------------------
+
+
+def held_out_tokens(tokenizer, tokens: int, seq_len: int):
+    from eval.locality import source_texts, token_stream, windows
+
+    ids = token_stream(tokenizer, source_texts("corpus-b"), tokens + seq_len)
+    return ids, windows(ids, seq_len, tokens)
+
+
+def render(report: dict[str, Any]) -> str:
+    p = report["provenance"]
+    lines = ["# Activation locality: dense against sparse MLP decoding", "",
+             f"{p['time_utc']} · {p['hardware'].get('cpu')} ({p['hardware'].get('cpu_count')} cores) · "
+             f"load {report['load_before']} -> {report['load_after']} · git {p['git']['sha']}"
+             f"{' (dirty)' if p['git']['dirty'] else ''} · `{' '.join(report['command'])}`", "",
+             f"Decode tok/s: {report['settings']['new_tokens']} new tokens after "
+             f"{report['settings']['prompt_len']}-token prompts, prefill excluded, median of "
+             f"{report['settings']['repeats']} interleaved repeats (min..max). Density: the share of "
+             "MLP neurons computed per step. Bytes: weight bytes a decode step reads per generated "
+             "token. Perplexity: held-out corpus-b, each token's MLPs masked as the mode computes.", ""]
+    for m in report["models"]:
+        lines += [f"## {m['model']} ({m['ffn']}, threshold {m['threshold']})", "",
+                  "| mode | batch | tok/s | min..max | speedup vs dense | density | MB/token |",
+                  "|---|---:|---:|---|---:|---:|---:|"]
+        for r in m["speed"]:
+            lines.append(f"| {r['mode']} | {r['batch']} | {r['tok_s']:.1f} | {r['tok_s_min']:.1f}.."
+                         f"{r['tok_s_max']:.1f} | {r['speedup_vs_dense']:.2f}x | {r['density']:.3f} | "
+                         f"{r['weight_bytes_per_token'] / 1e6:.2f} |")
+        if m.get("llamacpp"):
+            lines += ["", f"llama.cpp F32 at batch 1: {m['llamacpp']['tok_s']:.1f} tok/s."]
+        tasks = sorted({k for r in m["quality"] if isinstance(r.get("lm_eval"), dict)
+                        for k in r["lm_eval"]})
+        lines += ["", "| mode | perplexity | vs dense | " + " | ".join(tasks) + " |",
+                  "|---|---:|---:|" + "---:|" * len(tasks)]
+        for r in m["quality"]:
+            scores = r.get("lm_eval") if isinstance(r.get("lm_eval"), dict) else {}
+            lines.append(f"| {r['mode']} | {r['perplexity']:.3f} | {r['perplexity_increase']:+.2%} | "
+                         + " | ".join(f"{scores[t]:.4f}" if t in scores else "= dense" for t in tasks)
+                         + " |")
+        if m.get("hot"):
+            h = m["hot"]
+            lines += ["", f"Predicted mode: hot-block hit rate {h['hot_hit_rate']:.3f} (share of "
+                      f"firings in the hot block), predictor recall {h['recall']:.3f}, density "
+                      f"{h['density']:.3f} (held-out tokens, mean over layers)."]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="See the module docstring for the method.")
+    p.add_argument("--model", action="append", required=True,
+                   help="an export directory or a known name; repeat for several models")
+    p.add_argument("--predictors", action="append", type=Path,
+                   help="predictors.safetensors for the --model at the same position (default: "
+                        "where `python -m eval.locality predictors` writes them)")
+    p.add_argument("--swiglu-threshold", type=float, default=0.05,
+                   help="gate mode's threshold for a SwiGLU model without predictors (0.05)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--held-out-tokens", type=int, default=16384,
+                   help="corpus-b tokens for perplexity and the predictors' hit rate")
+    p.add_argument("--lm-eval-limit", type=int, help="documents per lm-eval task (default: all)")
+    p.add_argument("--skip-lm-eval", action="store_true")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=RESULTS,
+                   help="where the JSON and markdown go (default benchmarks/results)")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke test: batch 1 and 4, 16 new tokens, one repeat, 3 documents a "
+                        "task; writes *_quick.*")
+    args = p.parse_args(argv)
+    if args.predictors and len(args.predictors) != len(args.model):
+        p.error("--predictors: give one per --model, in the same order")
+    for name in ("prompt_len", "new_tokens", "repeats", "held_out_tokens", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if any(b < 1 or b > 16 for b in args.batch_sizes):
+        p.error(f"--batch-sizes {args.batch_sizes}: each must be in [1, 16] (sparse decoding "
+                "takes at most 16 rows)")
+    if not args.swiglu_threshold >= 0:
+        p.error(f"--swiglu-threshold {args.swiglu_threshold}: must be >= 0")
+    if args.quick:
+        args.batch_sizes, args.new_tokens, args.repeats = [1, 4], 16, 1
+        args.held_out_tokens, args.lm_eval_limit = 1024, 3
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from egmla.provenance import provenance
+
+    torch.set_num_threads(args.threads)
+    log = lambda message: print(time.strftime("%H:%M:%S"), message, flush=True)  # noqa: E731
+    report: dict[str, Any] = {
+        "command": ["python", "benchmarks/activation_locality.py", *(argv or sys.argv[1:])],
+        "provenance": provenance(), "load_before": round(os.getloadavg()[0], 2),
+        "settings": {k: v for k, v in vars(args).items()
+                     if k not in ("model", "predictors", "out")},
+        "models": []}
+    for i, name in enumerate(args.model):
+        given = args.predictors[i] if args.predictors else None
+        subject = Subject(name, given, args.swiglu_threshold, max(args.batch_sizes),
+                          args.prompt_len + args.new_tokens + 8)
+        ids, held_out = held_out_tokens(subject.tokenizer, args.held_out_tokens, 128)
+        prompts = [ids[j * args.prompt_len:(j + 1) * args.prompt_len]
+                   for j in range(max(args.batch_sizes))]
+        log(f"{name}: {subject.ffn}, modes {', '.join(subject.modes)}")
+        speed = measure_speed(subject, prompts, args.batch_sizes, args.new_tokens, args.repeats, log)
+        rows, hot = quality(subject, held_out, args.lm_eval_limit, args.skip_lm_eval, log)
+        entry = {"model": name, "ffn": subject.ffn, "threshold": subject.threshold,
+                 "predictors": subject.predictors_file, "params": subject.model.num_params(),
+                 "speed": speed, "quality": rows, "hot": hot}
+        if name == SMOLLM2 and 1 in args.batch_sizes:
+            entry["llamacpp"] = llamacpp_batch1(prompts[0], args.new_tokens, args.repeats,
+                                                args.threads)
+            if entry["llamacpp"]:
+                for r in speed:
+                    if r["batch"] == 1:
+                        r["speedup_vs_llamacpp_f32"] = r["tok_s"] / entry["llamacpp"]["tok_s"]
+        report["models"].append(entry)
+    report["load_after"] = round(os.getloadavg()[0], 2)
+    stem = "activation_locality_quick" if args.quick else "activation_locality"
+    args.out.mkdir(parents=True, exist_ok=True)
+    from eval.selfdebug.report import write_atomic
+
+    write_atomic(args.out / f"{stem}.json", (json.dumps(report, indent=2, default=str) + "\n").encode())
+    write_atomic(args.out / f"{stem}.md", render(report).encode())
+    print(render(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
