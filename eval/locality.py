@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from egmla.models.sparse_ffn import LayerPredictor, firing, predictors_to_tensors
+from serve.__main__ import parse_bytes
 from eval.selfdebug.report import write_atomic
 
 SOURCES = ("corpus-a", "corpus-b", "gsm8k", "humaneval")
@@ -341,8 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out tokens (corpus-b) for recall and perplexity (default 8192)")
     p.add_argument("--ranks", type=positive(int), nargs="+", default=[32, 64, 128],
                    help="predictor ranks to try, in order (default 32 64 128)")
-    p.add_argument("--hot", type=share, default=0.1,
-                   help="share of neurons, most frequent first, always computed (default 0.1)")
+    hot = p.add_mutually_exclusive_group()
+    hot.add_argument("--hot", type=share, default=0.1,
+                     help="share of each layer's neurons, most frequent first, always computed "
+                          "(default 0.1)")
+    hot.add_argument("--hot-budget", type=parse_bytes, metavar="BYTES",
+                     help="instead of --hot: a memory budget for the hot tier (512KiB, 8MiB): the "
+                          "most often firing neurons of the whole model whose weights fit in it")
     p.add_argument("--recall", type=share, default=0.95,
                    help="recall of the cold neurons' firings the bias is calibrated to (0.95)")
     p.add_argument("--tolerance", type=non_negative_float, default=0.01,
@@ -427,7 +433,13 @@ def build_predictors(model, tokenizer, args
     held_x, held_fired = [x for x, _ in held], [f for _, f in held]
     dense = P.perplexity(model, held_ids.split(BATCH))
     tried, chosen, tensors, metadata = [], None, {}, {}
-    for rank, preds, rows in P.fit(model, train, held_x, held_fired, args.ranks, args.hot,
+    if args.hot_budget is not None:
+        cfg = model.config
+        neuron_bytes = cfg.ffn_matrices * cfg.d_model * model.layers[0].mlp.w_up.weight.element_size()
+        hots = P.hot_under_budget([f.sum(0) for _, f in train], neuron_bytes, args.hot_budget)
+    else:
+        hots = P.hot_by_share(train, args.hot)
+    for rank, preds, rows in P.fit(model, train, held_x, held_fired, args.ranks, hots,
                                    args.recall, args.steps):
         hots = [r["hot"] for r in rows]
 
@@ -451,7 +463,9 @@ def build_predictors(model, tokenizer, args
                 [LayerPredictor(*layer) for layer in zip(preds, orders, hots)], args.threshold)
             break
     report = {"dense_perplexity": dense, "tried": tried, "chosen_rank": chosen,
-              "tolerance": args.tolerance, "recall_target": args.recall, "hot_share": args.hot,
+              "tolerance": args.tolerance, "recall_target": args.recall,
+              "hot_share": None if args.hot_budget is not None else args.hot,
+              "hot_budget_bytes": args.hot_budget, "hot": hots,
               "train_tokens": train_ids.numel(), "held_out_tokens": held_ids.numel()}
     if chosen is None:
         report["note"] = (f"no rank in {args.ranks} kept perplexity within {args.tolerance:.1%} "
@@ -463,7 +477,10 @@ def predictors_markdown(report: dict[str, Any]) -> str:
     meta = report["meta"]
     lines = [f"# Predictors: {meta['model']}", "",
              (f"ffn {meta['ffn']}; {report['train_tokens']} training tokens (corpus-a), "
-              f"{report['held_out_tokens']} held out (corpus-b); hot share {report['hot_share']}, "
+              f"{report['held_out_tokens']} held out (corpus-b); hot block "
+              + (f"share {report['hot_share']}" if report["hot_budget_bytes"] is None else
+                 f"under a {report['hot_budget_bytes']:,}-byte budget")
+              + f" ({', '.join(map(str, report['hot']))} neurons by layer), "
               f"recall target {report['recall_target']}; dense perplexity "
               f"{report['dense_perplexity']:.3f}; git {str(meta['git'].get('sha'))[:10]}."), "",
              ("| rank | perplexity | vs dense | mean recall | mean density | mean firing | "

@@ -5,9 +5,12 @@
 From the MLP inputs x of `--tokens` tokens of the embedded corpus's first half (corpus-a) and the
 neurons that fire for them (eval.locality.firing), for each layer:
 
-1. the neurons are ordered by firing frequency, most frequent first, and the first `--hot` share
-   of them is the hot block, computed densely (egmla.models.sparse_ffn, mode "predicted"; the
-   model's MLPs are reordered the same way with `permute_neurons`, which changes nothing else);
+1. the neurons are ordered by firing frequency, most frequent first, and the first of them are
+   the hot block, computed always (egmla.models.sparse_ffn, mode "predicted"; the model's MLPs
+   are reordered the same way with `permute_neurons`, which changes nothing else): the first
+   `--hot` share of each layer, or, with `--hot-budget BYTES`, the most often firing neurons of
+   the whole model whose weights fit the budget (a memory budget for the hot tier, placed as
+   PowerInfer places its GPU neurons: a layer whose neurons fire more gets more of it);
 2. a low-rank MLP, scores = relu(x W1^T) W2^T + b, is trained (AdamW on a class-balanced binary
    cross-entropy) to predict the firing of every neuron;
 3. its bias is shifted until it recalls `--recall` of the cold neurons' firings on a calibration
@@ -155,16 +158,33 @@ def reorder(model, orders: list[torch.Tensor]) -> None:
         permute_neurons(block.mlp, order)
 
 
+def hot_by_share(train: list[tuple[torch.Tensor, torch.Tensor]], share: float) -> list[int]:
+    """Each layer's hot block: the same share of its neurons."""
+    return [round(share * fired.shape[1]) for _, fired in train]
+
+
+def hot_under_budget(counts: list[torch.Tensor], neuron_bytes: int, budget: int) -> list[int]:
+    """Each layer's hot block under a memory budget for the hot tier (PowerInfer's placement,
+    greedily): the most often firing neurons of the whole model, whichever layer they are in,
+    until their weights (`neuron_bytes` each) fill `budget` bytes. `counts` are each layer's
+    firing counts, most frequent first, so a layer's share is a prefix: its hot block. Ties go
+    to the earlier layer, then the earlier neuron."""
+    take = min(budget // neuron_bytes, sum(c.numel() for c in counts))
+    layer = torch.cat([torch.full((c.numel(),), i) for i, c in enumerate(counts)])
+    order = torch.sort(-torch.cat(counts).double(), stable=True).indices[:take]
+    return torch.bincount(layer[order], minlength=len(counts)).tolist()
+
+
 def fit(model, train: list[tuple[torch.Tensor, torch.Tensor]], held_out_x, held_out_fired,
-        ranks: list[int], hot_share: float, recall: float, steps: int, seed: int = 0):
-    """Train, calibrate and measure one predictor per layer at each rank; yield (rank,
-    predictors, per-layer measurements). `train` and `held_out_*` are in reordered neuron
-    order already."""
+        ranks: list[int], hots: list[int], recall: float, steps: int, seed: int = 0):
+    """Train, calibrate and measure one predictor per layer at each rank, with each layer's
+    hot block of `hots` neurons; yield (rank, predictors, per-layer measurements). `train` and
+    `held_out_*` are in reordered neuron order already."""
     matrices = model.config.ffn_matrices
     for rank in ranks:
         predictors, rows = [], []
         for i, (x, fired) in enumerate(train):
-            hot = round(hot_share * fired.shape[1])
+            hot = hots[i]
             cut = max(1, round(CALIBRATION * x.shape[0]))
             p = train_predictor(x[cut:], fired[cut:], rank, steps=steps, seed=seed + i)
             p = calibrate(p, x[:cut], fired[:cut], hot, recall)

@@ -168,18 +168,32 @@ def test_a_predictor_learns_which_neurons_fire_on_held_out_tokens():
     assert got["recall"] > 0.85 and got["precision"] > 0.85
 
 
+def test_the_hot_tier_under_a_budget_takes_the_models_most_frequent_neurons():
+    from eval.predictors import hot_under_budget
+
+    counts = [torch.tensor([10, 5, 1]), torch.tensor([8, 7, 0])]  # each most frequent first
+    assert hot_under_budget(counts, neuron_bytes=4, budget=16) == [2, 2]  # 10, 8, 7, 5
+    assert hot_under_budget(counts, neuron_bytes=4, budget=15) == [1, 2]  # room for 3: 10, 8, 7
+    assert hot_under_budget(counts, neuron_bytes=4, budget=3) == [0, 0]
+    assert hot_under_budget(counts, neuron_bytes=4, budget=10**6) == [3, 3]
+    assert hot_under_budget([torch.tensor([5, 5]), torch.tensor([5])], 1, 2) == [2, 0]  # ties
+
+
 def test_the_predictors_command_trains_chooses_and_saves(relu2_export, tmp_path):
     out = tmp_path / "pred"
     result = subprocess.run(
         [sys.executable, "-m", "eval.locality", "predictors", "--model", str(relu2_export),
          "--tokens", "2048", "--held-out-tokens", "512", "--seq-len", "32", "--ranks", "8", "64",
-         "--steps", "60", "--tolerance", "0.5", "--out", str(out)],
+         "--steps", "60", "--tolerance", "0.5", "--hot-budget", "96KiB", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "predictors.json").read_text())
     assert report["chosen_rank"] == report["tried"][-1]["rank"]
     layers = report["tried"][-1]["layers"]
     assert len(layers) == 2 and all(0 < r["recall"] <= 1 and 0 < r["density"] <= 1 for r in layers)
+    # the hot tier under 96 KiB: relu2 (2 matrices of d 64, fp32) is 512 bytes a neuron
+    assert report["hot_budget_bytes"] == 96 * 1024 and sum(report["hot"]) == 96 * 1024 // 512
+    assert [r["hot"] for r in layers] == report["hot"]
     saved = safetensors.torch.load_file(out / "predictors.safetensors")
     assert saved["layer0.w1"].shape[0] == report["chosen_rank"]
     assert torch.equal(saved["layer1.order"].sort().values, torch.arange(saved["layer1.order"].numel()))
