@@ -69,7 +69,7 @@ def warm_up(model) -> None:
     from serve import EngineConfig, LLMEngine, SamplingParams
 
     LLMEngine(model, EngineConfig(num_blocks=32)).generate([[1] * 40, [2] * 9],
-                                                          SamplingParams(max_tokens=4))
+                                                          SamplingParams(max_tokens=4, temperature=0))
 
 
 # ---- (a) capacity and decode throughput at full concurrency ------------------------------------
@@ -84,7 +84,7 @@ def decode_throughput(model, args, n: int) -> dict:
     rng = random.Random(args.seed)
     prompt_len = args.seq_len - args.decode_tokens
     ids = [engine.add_request([rng.randrange(model.config.vocab_size) for _ in range(prompt_len)],
-                              SamplingParams(max_tokens=args.decode_tokens)) for _ in range(n)]
+                              SamplingParams(max_tokens=args.decode_tokens, temperature=0)) for _ in range(n)]
     steps, seconds = 0, 0.0
     t0 = time.perf_counter()
     while engine.has_unfinished() and steps < args.measure_steps:
@@ -138,7 +138,7 @@ def run_mixed(model, args, block_size: int, workload) -> dict:
                            args.max_batched_tokens)
     t0 = time.perf_counter()
     for prompt, k in workload:
-        engine.add_request(prompt, SamplingParams(max_tokens=k))
+        engine.add_request(prompt, SamplingParams(max_tokens=k, temperature=0))
     while engine.has_unfinished():
         engine.step()
     wall = time.perf_counter() - t0

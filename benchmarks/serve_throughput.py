@@ -92,7 +92,7 @@ def run_ours(llm, workload: list[tuple[list[int], int]], progress: bool) -> dict
 
     # Warm-up on a small engine of its own, so the measured engine's metrics cover the workload only.
     warm = LLMEngine(llm.model, dataclasses.replace(llm.engine.config, num_blocks=64))
-    warm.generate([workload[0][0][:32], workload[-1][0][:16]], SamplingParams(max_tokens=4))
+    warm.generate([workload[0][0][:32], workload[-1][0][:16]], SamplingParams(max_tokens=4, temperature=0))
 
     engine = llm.engine
     t0 = time.perf_counter()

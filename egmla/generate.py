@@ -13,6 +13,8 @@ For tests and examples; the serving engine (serve/) is the fast path for many re
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -23,8 +25,13 @@ def sample_next(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
+    min_p: float = 0.0,
 ) -> torch.Tensor:
-    """logits (B, V) -> next token ids (B,). temperature 0 is greedy (argmax)."""
+    """logits (B, V) -> next token ids (B,). temperature 0 is greedy (argmax). After the
+    temperature, min_p drops the tokens whose probability is below min_p x the most likely
+    one's, then top_k and top_p cut."""
+    if not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"min_p={min_p}: must be in [0, 1]")
     if temperature < 0:
         raise ValueError(f"temperature={temperature}: must be >= 0")
     if top_k is not None and top_k < 1:
@@ -39,6 +46,8 @@ def sample_next(
     logits = logits.float()
     divisor = max(temperature, torch.finfo(torch.float32).tiny)
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / divisor
+    if min_p > 0.0:  # the top logit is 0 now: p_i / p_max = exp(logit_i)
+        logits = logits.masked_fill(logits < math.log(min_p), float("-inf"))
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))

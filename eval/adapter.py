@@ -295,7 +295,7 @@ class EgmlaLM(TemplateLM):
             temperature = float(kwargs.pop("temperature", 0.0)) if sample else 0.0
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                     top_p=kwargs.pop("top_p", None), top_k=kwargs.pop("top_k", None),
-                                    seed=kwargs.pop("seed", None))
+                                    seed=kwargs.pop("seed", None), stop=until)
             room = self.max_length - max_tokens
             if room < 1:
                 raise ValueError(f"max_gen_toks={max_tokens} leaves no room for a context in "
@@ -303,7 +303,7 @@ class EgmlaLM(TemplateLM):
             prompts = [self.tok_encode(requests[i].args[0])[-room:] for i in indices]
             for step in range(0, len(indices), 64):  # bounded batches keep memory in check
                 chunk = range(step, min(step + 64, len(indices)))
-                replies = self.llm.generate([prompts[j] for j in chunk], params, stop=until or None)
+                replies = self.llm.generate([prompts[j] for j in chunk], params, use_tqdm=False)
                 for j, reply in zip(chunk, replies):
                     out[indices[j]] = reply.outputs[0].text
                     self.cache_hook.add_partial("generate_until", requests[indices[j]].args,

@@ -2,12 +2,14 @@
 
     from serve import LLM, SamplingParams
     llm = LLM(model="SmolLM2-135M-Instruct")
-    print(llm.generate("The capital of France is")[0].outputs[0].text)
+    greedy = SamplingParams(temperature=0, max_tokens=8)   # vLLM's default temperature is 1.0
+    print(llm.generate("The capital of France is", greedy)[0].outputs[0].text)
 
 The OpenAI-compatible HTTP server: `python -m serve --model ...` (serve/api.py, docs/serving.md).
 """
 
 from serve.engine import EngineConfig, LLMEngine, SamplingParams
-from serve.llm import LLM, CompletionOutput, RequestOutput
+from serve.llm import LLM, CompletionOutput, Logprob, RequestOutput
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob", "RequestOutput",
+           "SamplingParams"]

@@ -300,23 +300,22 @@ class _Admission:
         try:
             params = SamplingParams(
                 max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                top_k=req.top_k, seed=req.seed, n=req.n,
-                stop_token_ids=tuple(req.stop_token_ids or ()))
+                top_k=req.top_k, seed=req.seed, n=req.n, stop=_stops(req),
+                stop_token_ids=list(req.stop_token_ids or ()), ignore_eos=req.ignore_eos)
         except InvalidRequest as error:
             raise APIError(400, str(error), param=error.param) from None
-        return params if req.ignore_eos else self.llm.with_eos(params)
+        return self.llm.with_eos(params)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, req: _Common,
                prompt_field: str) -> list[RequestStream]:
         """Queue every prompt, or none: all are checked first, and a full queue midway takes
         back the ones already queued."""
-        stop = _stops(req)
         streams: list[RequestStream] = []
         try:
             for prompt in prompts:
                 self.engine.check_request(prompt, params)
             for prompt in prompts:
-                streams.append(self.engine.submit(prompt, params, stop, stream=req.stream))
+                streams.append(self.engine.submit(prompt, params, stream=req.stream))
         except InvalidRequest as error:
             param = prompt_field if error.param == "prompt" else error.param
             raise APIError(400, str(error), param=param, code=error.code) from None

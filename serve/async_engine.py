@@ -7,7 +7,7 @@ callers get `RequestFailed`, their blocks are freed) and the thread goes on serv
 never touch the engine directly:
 
     engine = AsyncEngine(llm).start()
-    async for update in engine.submit(prompt_ids, params, stop=["\\n"]):
+    async for update in engine.submit(prompt_ids, SamplingParams(stop=["\\n"])):
         ...   # RequestUpdate: new text and tokens per sample; the last one has finished=True
 """
 
@@ -142,7 +142,7 @@ class AsyncEngine:
         """The most tokens (prompt + output) one request can hold here."""
         return self.engine.max_request_tokens
 
-    def submit(self, prompt: list[int], params: SamplingParams, stop: list[str] | None = None,
+    def submit(self, prompt: list[int], params: SamplingParams,
                stream: bool = False) -> RequestStream:
         """Queue a request. Raises InvalidRequest (bad request), QueueFull or EngineDead now, so
         the caller can answer before streaming anything."""
@@ -156,7 +156,7 @@ class AsyncEngine:
                 raise QueueFull(f"the server holds {self._accepted} requests, its limit")
             self._accepted += 1
         handle = RequestStream(self, asyncio.get_running_loop())
-        self._commands.put(("add", handle, prompt, params, stop or [], stream))
+        self._commands.put(("add", handle, prompt, params, stream))
         self._wake.set()
         return handle
 
@@ -214,7 +214,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command == "add":
-                prompt, params, stop, stream = args
+                prompt, params, stream = args
                 try:
                     handle.request_id = self.engine.add_request(prompt, params)
                 except Exception as error:  # noqa: BLE001 - submit() checked; kept for safety
@@ -224,7 +224,7 @@ class AsyncEngine:
                                 else RequestFailed(f"{type(error).__name__}: {error}"))
                     continue
                 self._streams[handle.request_id] = handle
-                self.llm.outputs.add(handle.request_id, stop, stream)
+                self.llm.outputs.add(handle.request_id, stream)
             elif command == "abort_all":
                 self._fail(list(self._streams), args[0], status=503)
             elif handle.request_id in self._streams:  # abort of a request still running

@@ -54,48 +54,126 @@ class StepFailed(RuntimeError):
         self.request_ids, self.reason = request_ids, f"{type(cause).__name__}: {cause}"
 
 
+# vLLM's SamplingParams fields that this engine does not implement: refused by name.
+NOT_IMPLEMENTED = ("best_of", "use_beam_search", "length_penalty", "early_stopping", "bad_words",
+                   "allowed_token_ids", "logits_processors", "truncate_prompt_tokens",
+                   "guided_decoding", "structured_outputs", "logit_bias", "output_kind",
+                   "include_stop_str_in_output", "spaces_between_special_tokens", "detokenize",
+                   "extra_args", "prompt_logprobs", "flat_logprobs")
+
+
 @dataclass
 class SamplingParams:
-    """How one request samples. Checked here, at construction, for every caller (the HTTP
-    server and the Python API alike): a bad value is an `InvalidRequest` naming the field."""
+    """How one request samples, with vLLM's names and defaults (temperature 1.0: pass
+    temperature=0 for greedy). Checked at construction, for every caller (the HTTP server and
+    the Python API alike): a bad value is an `InvalidRequest` naming the field, and a vLLM field
+    this engine does not implement is refused by name.
 
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
+    The logits of each step go through, in order: repetition_penalty (> 1 divides a positive
+    logit of every token seen in the prompt or output, multiplies a negative one), then
+    frequency_penalty x (times the token was generated) and presence_penalty x (whether it was)
+    are subtracted, then the stop tokens are masked while fewer than min_tokens were generated,
+    then temperature, min_p (drop tokens below min_p x the top probability), top_k (None, 0 or
+    -1: all) and top_p. `logprobs=N` returns, for every generated token, the N most likely
+    tokens and the sampled one with their log-probabilities under the model's raw distribution
+    (before penalties and temperature, as vLLM's default), and the sum of the sampled ones'
+    (`cumulative_logprob`)."""
+
     n: int = 1  # samples of one prompt; sample i draws with seed + i and shares the prompt's blocks
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None  # stop strings: applied by the output side (serve/outputs.py)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: as many as the context leaves
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    eos_token_id: int | None = None  # set by LLM from the tokenizer: stops unless ignore_eos
+
+    def __init__(self, **fields: object) -> None:
+        unknown = sorted(set(fields) - set(_FIELDS))
+        if unknown:
+            vllm = [k for k in unknown if k in NOT_IMPLEMENTED]
+            other = [k for k in unknown if k not in NOT_IMPLEMENTED]
+            raise InvalidRequest(
+                "; ".join([*([f"{', '.join(vllm)}: vLLM's, not implemented here"] if vllm else []),
+                           *([f"unknown field(s) {', '.join(other)}"] if other else [])])
+                + f" (SamplingParams takes {', '.join(_FIELDS)})", unknown[0])
+        for name, f in _FIELDS.items():
+            setattr(self, name, fields[name] if name in fields else f.default)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "n", "top_k", "seed"):
+        if self.top_p is None:  # as vLLM: None is the default, no cut
+            self.top_p = 1.0
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "eos_token_id"):
             value = getattr(self, name)
-            if not (value is None and name in ("top_k", "seed")) and not _is_int(value):
+            if not (value is None and name not in ("n", "min_tokens")) and not _is_int(value):
                 raise InvalidRequest(f"{name}={value!r}: must be an integer", name)
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
             value = getattr(self, name)
-            if value is None and name == "top_p":
-                continue
             if not _is_number(value) or not math.isfinite(value):
                 raise InvalidRequest(f"{name}={value!r}: must be a finite number", name)
-        if not isinstance(self.stop_token_ids, (tuple, list)) or not all(
-                _is_int(t) for t in self.stop_token_ids):
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequest(f"{name}={getattr(self, name)!r}: must be true or false", name)
+        ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, (tuple, list)) or not all(_is_int(t) for t in ids):
             raise InvalidRequest(f"stop_token_ids={self.stop_token_ids!r}: must be a list of "
                                  "integers", "stop_token_ids")
-        self.stop_token_ids = tuple(self.stop_token_ids)
+        self.stop_token_ids = tuple(ids)
+        stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
+            raise InvalidRequest(f"stop={self.stop!r}: must be a string or a list of strings", "stop")
+        self.stop = tuple(stop)
         low, high = SEED_RANGE
         rules = {  # field: (holds, what it must be)
             "n": (self.n >= 1, "must be >= 1"),
-            "max_tokens": (self.max_tokens >= 1, "must be >= 1"),
+            "max_tokens": (self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
+            "min_tokens": (0 <= self.min_tokens and (self.max_tokens is None
+                                                     or self.min_tokens <= self.max_tokens),
+                           "must be in [0, max_tokens]"),
             "temperature": (self.temperature >= 0, "must be >= 0"),
-            "top_p": (self.top_p is None or 0 < self.top_p <= 1, "must be in (0, 1]"),
-            "top_k": (self.top_k is None or self.top_k >= 1, "must be >= 1"),
+            "top_p": (0 < self.top_p <= 1, "must be in (0, 1]"),
+            "top_k": (self.top_k is None or self.top_k >= -1, "must be >= 1, or 0 or -1 (all)"),
+            "min_p": (0 <= self.min_p <= 1, "must be in [0, 1]"),
+            "presence_penalty": (-2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            "frequency_penalty": (-2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            "repetition_penalty": (self.repetition_penalty > 0, "must be > 0"),
+            "logprobs": (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                         f"must be in [0, {MAX_LOGPROBS}]"),
             "seed": (self.seed is None or low <= self.seed and self.seed + self.n - 1 <= high,
                      f"seed and seed + n - 1 (the last sample's seed) must be in [{low}, {high}]"),
         }
         for name, (holds, rule) in rules.items():
             if not holds:
                 raise InvalidRequest(f"{name}={getattr(self, name)}: {rule}", name)
+
+    @property
+    def top_k_or_none(self) -> int | None:
+        """top_k as a cut: None where it keeps every token (None, 0 or -1)."""
+        return self.top_k if self.top_k is not None and self.top_k > 0 else None
+
+    def stops_at(self) -> tuple[int, ...]:
+        """The token ids that end a sample: stop_token_ids, and the EOS unless ignore_eos."""
+        eos = () if self.ignore_eos or self.eos_token_id is None else (self.eos_token_id,)
+        return (*self.stop_token_ids, *eos)
+
+    def penalized(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
+
+
+MAX_LOGPROBS = 20  # as OpenAI's top_logprobs allows
+_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
 
 
 def _is_int(value: object) -> bool:
@@ -122,6 +200,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     cache_dtype: torch.dtype | None = None  # None: the model's dtype
+    max_model_len: int | None = None  # a request's prompt + output at most; None: the model's
+    seed: int | None = None  # seeds the sampling of requests without a seed of their own
 
     @classmethod
     def from_args(cls, **engine_args) -> EngineConfig:
@@ -149,6 +229,11 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # With params.logprobs: per output token {token id: (logprob, rank)} (the top-N and the
+    # sampled token), and the sum of the sampled tokens' logprobs.
+    logprobs: list[dict[int, tuple[float, int]]] | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -262,7 +347,16 @@ class LLMEngine:
                 raise ValueError(f"kv_cache_memory={c.kv_cache_memory} bytes holds no block of "
                                  f"{block_bytes} bytes (block_size={c.block_size})")
             c = dataclasses.replace(c, num_blocks=c.kv_cache_memory // block_bytes)
+        limit = model.config.max_seq_len
+        if c.max_model_len is not None and not (_is_int(c.max_model_len)
+                                                and 1 <= c.max_model_len <= limit):
+            raise ValueError(f"max_model_len={c.max_model_len!r}: must be an integer in [1, "
+                             f"{limit}] (the model's context)")
+        if c.seed is not None and not (_is_int(c.seed) and SEED_RANGE[0] <= c.seed <= SEED_RANGE[1]):
+            raise ValueError(f"seed={c.seed!r}: must be an integer in {list(SEED_RANGE)}")
         self.config = c
+        # One generator for the requests that bring no seed (vLLM's LLM(seed=...)); None: torch's.
+        self._unseeded = None if c.seed is None else torch.Generator().manual_seed(c.seed)
         self.cache = PagedKVCache(spec, c.num_blocks, c.block_size, dtype=dtype, device=weight.device)
         self.blocks = BlockManager(c.num_blocks, c.block_size, c.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
@@ -279,23 +373,25 @@ class LLMEngine:
     def max_request_tokens(self) -> int:
         """The most tokens (prompt + output) one request can hold: the model's context or the
         KV pool, whichever is smaller."""
-        return min(self.model.config.max_seq_len, self.config.num_blocks * self.config.block_size)
+        context = self.config.max_model_len or self.model.config.max_seq_len
+        return min(context, self.config.num_blocks * self.config.block_size)
 
     # ---- requests ---------------------------------------------------------------------------
 
     def check_request(self, prompt: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest if this request could never run here. Reads only the (fixed)
         configuration, so any thread may call it."""
-        c, limit, total = self.config, self.model.config.max_seq_len, len(prompt) + params.max_tokens
+        c, limit = self.config, self.config.max_model_len or self.model.config.max_seq_len
         if not prompt:
             raise InvalidRequest("prompt is empty: a request needs at least one token", "prompt")
+        total = len(prompt) + self.max_new_tokens(len(prompt), params)
         vocab = self.model.config.vocab_size
-        for name, ids in (("prompt", prompt), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (("prompt", prompt), ("stop_token_ids", params.stops_at())):
             bad = next((i for i, t in enumerate(ids) if not (_is_int(t) and 0 <= t < vocab)), None)
             if bad is not None:
                 raise InvalidRequest(f"{name}[{bad}]={ids[bad]!r}: token ids must be integers in "
                                      f"[0, {vocab}) (the model's vocabulary)", name)
-        if total > limit:
+        if total > limit or total <= len(prompt):
             raise InvalidRequest(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
                                  f"exceeds the model's context of {limit} tokens", "prompt",
                                  code="context_length_exceeded")
@@ -312,11 +408,21 @@ class LLMEngine:
             raise InvalidRequest(f"prompt of {len(prompt)} tokens exceeds max_num_batched_tokens="
                                  f"{c.max_num_batched_tokens} and chunked prefill is off", "prompt")
 
+    def _generator(self, seed: int | None) -> torch.Generator | None:
+        return self._unseeded if seed is None else _generator(seed)
+
+    def max_new_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        """The most tokens a request may generate: max_tokens, or (None) what the context and
+        the pool leave after the prompt."""
+        if params.max_tokens is not None:
+            return params.max_tokens
+        return self.max_request_tokens - prompt_len
+
     def add_request(self, prompt: list[int], params: SamplingParams | None = None) -> int:
         params = params or SamplingParams()
         self.check_request(prompt, params)
         seq_id = next(self._ids)
-        seq = Sequence(seq_id, list(prompt), params, generator=_generator(params.seed),
+        seq = Sequence(seq_id, list(prompt), params, generator=self._generator(params.seed),
                        request_id=seq_id)
         self.requests[seq_id] = [seq_id]
         self._seqs[seq_id] = seq
@@ -330,7 +436,7 @@ class LLMEngine:
         p, children = parent.params, []
         for i in range(1, p.n):
             child = Sequence(next(self._ids), parent.prompt, p, num_computed=parent.num_computed,
-                             generator=_generator(None if p.seed is None else p.seed + i),
+                             generator=self._generator(None if p.seed is None else p.seed + i),
                              request_id=parent.request_id)
             self.blocks.fork(parent.seq_id, child.seq_id)
             self.requests[parent.request_id].append(child.seq_id)
@@ -578,16 +684,27 @@ class LLMEngine:
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> bool:
         """Append the next token; finish the sequence if it stops. True when it finished."""
         p = seq.params
-        nxt = int(sample_next(logits[None], p.temperature, p.top_k, p.top_p, seq.generator)[0])
+        stops = p.stops_at()
+        scores = penalize(logits, seq.prompt, seq.output, p) if p.penalized() else logits
+        if len(seq.output) < p.min_tokens and stops:
+            scores = scores.clone()
+            scores[list(stops)] = float("-inf")
+        nxt = int(sample_next(scores[None], p.temperature, p.top_k_or_none,
+                              p.top_p if p.top_p < 1 else None, seq.generator, p.min_p)[0])
+        if p.logprobs is not None:
+            record_logprobs(seq, logits, nxt, p.logprobs)
         seq.output.append(nxt)
         self.stats.sampled_tokens += 1
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
-        if nxt not in p.stop_token_ids and len(seq.output) < p.max_tokens:
+        stopped = nxt in stops  # (masked while fewer than min_tokens were generated)
+        if not stopped and len(seq.output) < self.max_new_tokens(len(seq.prompt), p):
             return False
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
-        self._finish(seq, "stop" if nxt in p.stop_token_ids else "length")
+        if stopped and nxt in p.stop_token_ids:
+            seq.stop_reason = nxt  # a stop token of the caller's (vLLM: None for the EOS)
+        self._finish(seq, "stop" if stopped else "length")
         return True
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None
@@ -648,6 +765,41 @@ def _forward_groups(lengths: list[int], max_padding: float = 0.25) -> list[list[
             group = []
         group.append(i)
     return groups + ([group] if group else [])
+
+
+def penalize(logits: torch.Tensor, prompt: list[int], output: list[int],
+             p: SamplingParams) -> torch.Tensor:
+    """logits (V,) with vLLM's repetition, frequency and presence penalties applied (see
+    SamplingParams): repetition over the prompt and output tokens, the other two over the
+    output's counts."""
+    scores = logits.float().clone()
+    if p.repetition_penalty != 1:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=scores.device)
+        picked = scores[seen]
+        scores[seen] = torch.where(picked > 0, picked / p.repetition_penalty,
+                                   picked * p.repetition_penalty)
+    if output and (p.frequency_penalty or p.presence_penalty):
+        counts = torch.bincount(torch.tensor(output, device=scores.device),
+                                minlength=scores.shape[0]).to(scores.dtype)
+        scores -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(scores.dtype)
+    return scores
+
+
+def record_logprobs(seq: Sequence, logits: torch.Tensor, token: int, top: int) -> None:
+    """Add this step's logprobs to `seq`: the `top` most likely tokens and the sampled one,
+    each with (logprob, rank) under the raw distribution (rank 1: the most likely)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    mine = float(logprobs[token])
+    entry = {}
+    if top:
+        values, ids = logprobs.topk(top)
+        entry = {int(i): (float(v), r + 1) for r, (v, i) in enumerate(zip(values, ids))}
+    if token not in entry:
+        entry[token] = (mine, int((logprobs > logprobs[token]).sum()) + 1)
+    if seq.logprobs is None:
+        seq.logprobs, seq.cumulative_logprob = [], 0.0
+    seq.logprobs.append(entry)
+    seq.cumulative_logprob += mine
 
 
 def _generator(seed: int | None) -> torch.Generator | None:

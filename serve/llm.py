@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from egmla.checkpoint import read_metadata, read_weights
 from egmla.dtypes import parse_model_dtype
@@ -29,21 +30,44 @@ from serve.engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams
 from serve.outputs import OutputProcessor
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability under the model's raw distribution, its rank (1: the most
+    likely) and its text, as vLLM's `Logprob`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length" or "abort"
+    cumulative_logprob: float | None = None  # with logprobs requested: the sampled tokens' sum
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: the top-N and the sampled one
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop token id or string; None for EOS or length
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
 class RequestOutput:
-    request_id: int
+    request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prompt_logprobs: None = None  # not computed here (vLLM's field; see docs/serving.md)
+    metrics: dict[str, float | None] = field(default_factory=dict)  # ttft, tpot of sample 0 (s)
+
+
+def _is_token(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_text(text: object, field: str, param: str | None = None) -> None:
@@ -68,6 +92,10 @@ class LLM:
         ffn_sparsity: str | None = None,
         ffn_threshold: float = 0.0,
         ffn_predictors: str | os.PathLike | None = None,
+        *,
+        max_model_len: int | None = None,
+        seed: int | None = None,
+        trust_remote_code: bool = False,
         **engine_args: Any,
     ) -> None:
         """`model`: a Transformer (with `tokenizer`), an export directory or a known name, loaded
@@ -75,7 +103,11 @@ class LLM:
         "float16", "half", "float32", "float") or a torch.dtype. `engine_args` are
         `EngineConfig`'s fields (block_size, num_blocks, kv_cache_memory, max_num_seqs,
         max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, cache_dtype:
-        the KV cache's dtype, by default the weights'), with its defaults.
+        the KV cache's dtype, by default the weights'), with its defaults. As vLLM's:
+        `max_model_len` caps a request's prompt + output (default: the model's context),
+        `seed` seeds the sampling of every request that brings no seed of its own (one
+        generator for the engine, so a run is reproducible), and `trust_remote_code` is
+        accepted and changes nothing (no code from a checkpoint is ever run here).
 
         `ffn_sparsity` decodes the MLPs over only the neurons that fire
         (egmla.models.sparse_ffn): "gate" (exact for ReLU-family MLPs; SwiGLU needs
@@ -91,7 +123,9 @@ class LLM:
             predictor_file = (read_weights(Path(ffn_predictors)), read_metadata(Path(ffn_predictors)))
         if "cache_dtype" in engine_args:
             engine_args["cache_dtype"] = parse_model_dtype(engine_args["cache_dtype"])
-        config = EngineConfig.from_args(**engine_args)  # a misspelled argument fails before loading
+        if not isinstance(trust_remote_code, bool):
+            raise ValueError(f"trust_remote_code={trust_remote_code!r}: must be true or false")
+        config = EngineConfig.from_args(max_model_len=max_model_len, seed=seed, **engine_args)
         if isinstance(model, Transformer):
             self.model, self.tokenizer = model, tokenizer
             if dtype is not None:
@@ -140,63 +174,102 @@ class LLM:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return (self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+                if self.tokenizer else "")
 
     def with_eos(self, params: SamplingParams) -> SamplingParams:
-        """`params` that also stop at the model's end-of-sequence token."""
+        """`params` that also stop at the model's end-of-sequence token (unless ignore_eos)."""
         eos = getattr(self.tokenizer, "eos_token_id", None) or self.model.config.eos_token_id
-        if eos is None or eos in params.stop_token_ids:
+        if eos is None or params.eos_token_id is not None:
             return params
-        return dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, eos))
+        return dataclasses.replace(params, eos_token_id=eos)
 
     # ---- generation ---------------------------------------------------------------------------
 
+    def prompt_ids(self, prompt: object, index: int | None = None) -> tuple[str | None, list[int]]:
+        """(text, token ids) of one prompt as vLLM takes it: text, {"prompt": text},
+        {"prompt_token_ids": [...]} or (ours) a list of token ids."""
+        where = "prompts" if index is None else f"prompts[{index}]"
+        if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if unknown or len(prompt) != 1:
+                raise InvalidRequest(f"{where}: a prompt dict holds exactly one of 'prompt' or "
+                                     f"'prompt_token_ids'" + (f", not {', '.join(unknown)}"
+                                                              if unknown else ""), "prompts")
+            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        if isinstance(prompt, str):
+            return prompt, self.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, self.encode(list(prompt))
+        raise InvalidRequest(f"{where}: expected text, token ids or a prompt dict, got "
+                             f"{type(prompt).__name__}", "prompts")
+
     def generate(
         self,
-        prompts: str | list[int] | list[str | list[int]],
-        params: SamplingParams | list[SamplingParams] | None = None,
-        stop: list[str] | None = None,
+        prompts: object,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids), with one `params` for all or one per
-        prompt; stop strings end a sample early and are cut from its text."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if isinstance(params, list):
-            if len(params) != len(prompts):
-                raise InvalidRequest(f"{len(params)} sampling params for {len(prompts)} prompts",
-                                     "params")
-            per_prompt = [self.with_eos(p) for p in params]
+        """Generate for every prompt, as vLLM's `LLM.generate`: `prompts` is one prompt or a
+        list (text, {"prompt": text}, {"prompt_token_ids": ids}, or a list of token ids);
+        `sampling_params` one for all or one per prompt (default SamplingParams(): vLLM's
+        defaults, temperature 1.0); `use_tqdm` shows a progress bar over the requests. Stop
+        strings (SamplingParams.stop) end a sample early and are cut from its text."""
+        single = (isinstance(prompts, (str, dict))
+                  or (isinstance(prompts, (list, tuple)) and prompts and _is_token(prompts[0])))
+        prompts = [prompts] if single else list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise InvalidRequest(f"{len(sampling_params)} sampling params for {len(prompts)} "
+                                     "prompts", "sampling_params")
+            per_prompt = [self.with_eos(p) for p in sampling_params]
         else:
-            per_prompt = [self.with_eos(params or SamplingParams())] * len(prompts)
-        for s in stop or ():
-            check_text(s, "stop")
-        requests = [(p, self.encode(p)) for p in prompts]
+            per_prompt = [self.with_eos(sampling_params or SamplingParams())] * len(prompts)
+        for p in per_prompt:
+            for i, text in enumerate(p.stop):
+                check_text(text, f"stop[{i}]", "stop")
+        requests = [self.prompt_ids(p, i if not single else None) for i, p in enumerate(prompts)]
         for (_, tokens), p in zip(requests, per_prompt):  # refuse a bad batch before queueing
             self.engine.check_request(tokens, p)
         ids = [self.engine.add_request(tokens, p) for (_, tokens), p in zip(requests, per_prompt)]
         for rid in ids:
-            self.outputs.add(rid, stop or ())
+            self.outputs.add(rid)
         results = {}
+        bar = tqdm(total=len(ids), desc="generate", unit="prompt", disable=not use_tqdm)
         try:
             while len(results) < len(ids):
                 if self.engine.has_unfinished():
                     self.engine.step()
-                results.update((u.request_id, u) for u in self.outputs.process() if u.finished)
+                done = [u for u in self.outputs.process() if u.finished]
+                results.update((u.request_id, u) for u in done)
+                bar.update(len(done))
         except BaseException:  # a failed step (or an interrupt): leave nothing of this call behind
             self.outputs.discard([rid for rid in ids if rid not in results])
             raise
-        return [
-            RequestOutput(rid, p if isinstance(p, str) else None, tokens,
-                          [CompletionOutput(o.index, o.text, o.token_ids, o.finish_reason)
-                           for o in results[rid].outputs], results[rid].cached_tokens)
-            for rid, (p, tokens) in zip(ids, requests)
-        ]
+        finally:
+            bar.close()
+        return [self._output(rid, text, tokens, results[rid])
+                for rid, (text, tokens) in zip(ids, requests)]
+
+    def _output(self, rid: int, prompt: str | None, tokens: list[int], update) -> RequestOutput:
+        outputs = [CompletionOutput(o.index, o.text, o.token_ids, o.cumulative_logprob,
+                                    self._logprobs(o.logprobs), o.finish_reason, o.stop_reason)
+                   for o in update.outputs]
+        first = update.outputs[0]
+        return RequestOutput(str(rid), prompt, tokens, outputs, True, update.cached_tokens,
+                             metrics={"ttft": first.ttft, "tpot": first.tpot})
+
+    def _logprobs(self, steps) -> list[dict[int, Logprob]] | None:
+        if steps is None:
+            return None
+        return [{t: Logprob(lp, rank, self.decode([t], skip_special_tokens=False))
+                 for t, (lp, rank) in step.items()} for step in steps]
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-             params: SamplingParams | list[SamplingParams] | None = None,
-             stop: list[str] | None = None
-             ) -> list[RequestOutput]:
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
         """Apply the tokenizer's chat template (with the assistant prompt) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.encode_chat(c) for c in conversations], params, stop)
+        return self.generate([self.encode_chat(c) for c in conversations], sampling_params,
+                             use_tqdm)

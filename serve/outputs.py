@@ -15,23 +15,27 @@ from dataclasses import dataclass, field
 
 from serve.engine import LLMEngine
 
-Decode = Callable[[list[int]], str]
+Decode = Callable[[list[int], bool], str]  # (token ids, skip_special_tokens) -> text
 
 
 class TextStream:
     """The text of one sample as its tokens arrive: stop strings applied, deltas safe to send."""
 
-    def __init__(self, decode: Decode, stop: Sequence[str] = ()) -> None:
+    def __init__(self, decode: Decode, stop: Sequence[str] = (),
+                 skip_special_tokens: bool = True) -> None:
         self._decode, self._stop = decode, [s for s in stop if s]
+        self._skip = skip_special_tokens
         self.sent = ""  # text released so far
         self.stopped = False  # a stop string was found; the text ends before it
+        self.hit: str | None = None  # that stop string
 
     def update(self, token_ids: list[int], final: bool) -> str:
         """Decode the sample's tokens so far; return the newly releasable text."""
-        text = self._decode(token_ids)
-        hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
+        text = self._decode(token_ids, self._skip)
+        hits = [(i, s) for i, s in ((text.find(s), s) for s in self._stop) if i >= 0]
         if hits:
-            text, self.stopped, final = text[: min(hits)], True, True
+            at, self.hit = min(hits)
+            text, self.stopped, final = text[:at], True, True
         if not final:
             text = text[: len(text) - self._unsettled_tail(text)]
         if not text.startswith(self.sent):
@@ -60,6 +64,11 @@ class SampleDelta:
     finish_reason: str | None = None  # "stop", "length" or "abort" once it finished
     ttft: float | None = None  # seconds to the first token (final outputs only)
     tpot: float | None = None  # seconds per output token after the first (final outputs only)
+    # Final outputs only: the stop token id or stop string that ended it, and with logprobs
+    # requested, each token's {token id: (logprob, rank)} and their sum (serve.engine.Sequence).
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, tuple[float, int]]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -78,6 +87,7 @@ class _Tracked:
     stop: list[str]
     stream: bool
     prompt_tokens: int
+    skip_special_tokens: bool = True
     texts: dict[int, TextStream] = field(default_factory=dict)  # seq id -> its text
     tokens_seen: dict[int, int] = field(default_factory=dict)  # seq id -> tokens reported
 
@@ -89,10 +99,12 @@ class OutputProcessor:
         self.engine, self._decode = engine, decode
         self._tracked: dict[int, _Tracked] = {}
 
-    def add(self, request_id: int, stop: Sequence[str] = (), stream: bool = False) -> None:
-        """Track a request added to the engine; `stream` asks for text deltas on every step."""
-        prompt = self.engine.samples(request_id)[0].prompt
-        self._tracked[request_id] = _Tracked(list(stop), stream, len(prompt))
+    def add(self, request_id: int, stream: bool = False) -> None:
+        """Track a request added to the engine (its stop strings are its SamplingParams');
+        `stream` asks for text deltas on every step."""
+        first = self.engine.samples(request_id)[0]
+        self._tracked[request_id] = _Tracked(list(first.params.stop), stream, len(first.prompt),
+                                             first.params.skip_special_tokens)
 
     def process(self) -> list[RequestUpdate]:
         """New tokens and text of every tracked request; finished ones are released from the
@@ -108,7 +120,8 @@ class OutputProcessor:
                 t.tokens_seen[seq_id] = len(seq.output)
                 text = ""
                 if t.stream or t.stop or done:
-                    stream = t.texts.setdefault(seq_id, TextStream(self._decode, t.stop))
+                    stream = t.texts.setdefault(
+                        seq_id, TextStream(self._decode, t.stop, t.skip_special_tokens))
                     text = stream.update(seq.output, final=done)
                     if stream.stopped:  # ends it now, or relabels a last token's "length"
                         self.engine.stop_sample(seq_id)
@@ -121,9 +134,12 @@ class OutputProcessor:
                 for index, seq in enumerate(self.engine.release(rid)):
                     if index == 0:
                         update.cached_tokens = seq.cached_tokens or 0
-                    update.outputs.append(SampleDelta(index, t.texts[seq.seq_id].sent,
-                                                      list(seq.output), seq.finish_reason,
-                                                      seq.ttft, seq.tpot))
+                    text = t.texts[seq.seq_id]
+                    stop_reason = text.hit if text.stopped else seq.stop_reason
+                    update.outputs.append(SampleDelta(index, text.sent, list(seq.output),
+                                                      seq.finish_reason, seq.ttft, seq.tpot,
+                                                      stop_reason, seq.logprobs,
+                                                      seq.cumulative_logprob))
                 del self._tracked[rid]
             updates.append(update)
         return updates

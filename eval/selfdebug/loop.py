@@ -147,7 +147,7 @@ class EngineBackend:
             prompts.append(ids)
             params.append(p)
         started = time.perf_counter()
-        outs = self.llm.generate(prompts, params) if prompts else []
+        outs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
         for i, o in zip(batch, outs):
             rows[i] = (o.outputs[0].text, len(o.prompt_token_ids), len(o.outputs[0].token_ids),
                        o.num_cached_tokens, None)

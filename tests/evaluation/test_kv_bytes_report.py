@@ -322,7 +322,7 @@ def test_paged_measurement_is_what_the_serving_engine_holds(name, tokens):
 
     model = build(preset(name), dtype=torch.float32)
     engine = LLMEngine(model, EngineConfig(block_size=16, num_blocks=8))
-    engine.add_request(list(range(1, tokens + 1)), SamplingParams(max_tokens=4))
+    engine.add_request(list(range(1, tokens + 1)), SamplingParams(temperature=0, max_tokens=4))
     engine.step()  # the prompt's K/V (or latent) is written; the sequence is running
     held = engine.blocks.num_used() * engine.cache.block_bytes()
     m = kv.measure_paged(model.cache_spec(), torch.float32, tokens, block_size=16)

@@ -110,7 +110,8 @@ def test_generate_until_goes_through_the_engine_with_stop_strings(lm, smollm2_ll
     prompts = ["The capital of France is", "1, 2, 3, 4,"]
     args = [(p, {"until": ["\n", "."], "max_gen_toks": 16, "do_sample": False}) for p in prompts]
     texts = lm.generate_until(instances("generate_until", args), disable_tqdm=True)
-    expected = smollm2_llm.generate(prompts, SamplingParams(max_tokens=16), stop=["\n", "."])
+    expected = smollm2_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16,
+                                                             stop=["\n", "."]))
     assert texts == [r.outputs[0].text for r in expected]
     assert "Paris" in texts[0] and "." not in texts[0] and "\n" not in texts[0]
 

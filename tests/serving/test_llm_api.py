@@ -17,7 +17,7 @@ def llm(smollm2_llm):
 @pytest.mark.slow
 def test_greedy_text_equals_the_plain_generator(llm):
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=12))
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
     for prompt, out in zip(prompts, outs):
         ids = torch.tensor([llm.tokenizer.encode(prompt)])
         expected = generate(llm.model, ids, 12, eos_token_id=llm.tokenizer.eos_token_id)
@@ -31,9 +31,9 @@ def test_greedy_text_equals_the_plain_generator(llm):
 @pytest.mark.slow
 def test_chat_writes_python_and_stop_strings_cut(llm):
     messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
-    out = llm.chat(messages, SamplingParams(max_tokens=40))[0].outputs[0]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
     assert "def " in out.text and "return" in out.text
-    cut = llm.chat(messages, SamplingParams(max_tokens=40), stop=["return"])[0].outputs[0]
+    cut = llm.chat(messages, SamplingParams(temperature=0, max_tokens=40, stop=["return"]))[0].outputs[0]
     assert cut.finish_reason == "stop" and "return" not in cut.text
     assert out.text.startswith(cut.text)
 
@@ -43,7 +43,7 @@ def test_text_prompt_without_tokenizer_is_an_error():
     from egmla.presets import preset
 
     llm = LLM(Transformer(preset("tiny-mha")), num_blocks=16)
-    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+    assert llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("hello")
 
@@ -54,9 +54,9 @@ def test_each_request_reports_the_prompt_tokens_found_in_the_prefix_cache():
 
     llm = LLM(Transformer(preset("tiny-mha")), num_blocks=64, block_size=4)
     prompt = list(range(1, 12))  # 11 tokens: two full blocks of 4, then 3 more
-    first = llm.generate([prompt], SamplingParams(max_tokens=3))[0]
+    first = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3))[0]
     assert first.num_cached_tokens == 0
-    again = llm.generate([prompt + [20, 21]], SamplingParams(max_tokens=3))[0]
+    again = llm.generate([prompt + [20, 21]], SamplingParams(temperature=0, max_tokens=3))[0]
     assert again.num_cached_tokens == 8  # the two full blocks, whatever the stats say overall
     assert llm.engine.stats.cached_prompt_tokens == 8
 
@@ -67,7 +67,7 @@ def test_one_sampling_params_per_prompt():
 
     llm = LLM(Transformer(preset("tiny-mha")), num_blocks=64)
     prompts = [[1, 2, 3], [4, 5, 6]]
-    each = [SamplingParams(max_tokens=2), SamplingParams(max_tokens=5, temperature=1.0, seed=7)]
+    each = [SamplingParams(temperature=0, max_tokens=2), SamplingParams(max_tokens=5, temperature=1.0, seed=7)]
     outs = llm.generate(prompts, each)
     assert [len(o.outputs[0].token_ids) for o in outs] == [2, 5]
     alone = llm.generate([prompts[1]], each[1])[0].outputs[0].token_ids
@@ -83,7 +83,7 @@ def test_a_failed_step_raises_and_leaves_nothing_of_the_call_behind():
 
     torch.manual_seed(0)
     llm = LLM(Transformer(preset("tiny-mla")), num_blocks=64, block_size=4, max_num_seqs=1)
-    expected = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].outputs[0].token_ids
+    expected = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids
     forward, calls = llm.engine._forward, []
 
     def faulty(rows):  # the second forward of the call raises; the first request has run by then
@@ -94,11 +94,11 @@ def test_a_failed_step_raises_and_leaves_nothing_of_the_call_behind():
 
     llm.engine._forward = faulty
     with pytest.raises(StepFailed, match="injected fault"):
-        llm.generate([[1, 2, 3], [4, 5, 6]], SamplingParams(max_tokens=4))
+        llm.generate([[1, 2, 3], [4, 5, 6]], SamplingParams(temperature=0, max_tokens=4))
     llm.engine._forward = forward
     assert not llm.engine.requests and not llm.engine.finished and not llm.engine.has_unfinished()
     assert llm.engine.blocks.num_used() == 0
-    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].outputs[0].token_ids == expected
+    assert llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids == expected
 
 
 @pytest.mark.slow
@@ -107,9 +107,9 @@ def test_text_must_be_valid_unicode_and_a_tiny_temperature_samples_greedily(llm)
         llm.generate("bad \ud800 text")
     with pytest.raises(ValueError, match=r"messages\[0\].content: not valid Unicode"):
         llm.chat([{"role": "user", "content": "\udfff"}])
-    with pytest.raises(ValueError, match="stop: not valid Unicode"):
-        llm.generate("fine", stop=["\ud800"])
-    greedy = llm.generate("The capital of France is", SamplingParams(max_tokens=6))
+    with pytest.raises(ValueError, match=r"stop\[0\]: not valid Unicode"):
+        llm.generate("fine", SamplingParams(stop=["\ud800"]))
+    greedy = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=6))
     tiny = llm.generate("The capital of France is",
                         SamplingParams(max_tokens=6, temperature=1e-45, seed=0))
     assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
@@ -127,7 +127,7 @@ def test_dtypes_are_named_as_vllm_names_them_and_the_kv_cache_dtype_is_separate(
     split = LLM(Transformer(preset("tiny-mha")), dtype="bfloat16", cache_dtype="float32",
                 num_blocks=8)
     assert split.model.tok_emb.weight.dtype == torch.bfloat16 and split.engine.cache.dtype == torch.float32
-    assert split.generate([[1, 2, 3]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids
+    assert split.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].token_ids
     auto = LLM(Transformer(preset("tiny-mha")), dtype="auto", num_blocks=8)
     assert auto.model.tok_emb.weight.dtype == torch.float32
     for bad in ("int8", "bfloat17", 3):
@@ -149,7 +149,7 @@ def test_bf16_decoding_agrees_with_fp32_on_greedy_tokens(llm):
                "The three primary colors are", "import numpy as np\n", "Water boils at"]
     bf16 = LLM(copy.deepcopy(llm.model), llm.tokenizer, dtype="bfloat16", num_blocks=256)
     assert bf16.model.tok_emb.weight.dtype == bf16.engine.cache.dtype == torch.bfloat16
-    params = SamplingParams(max_tokens=24)
+    params = SamplingParams(temperature=0, max_tokens=24)
     ours = [o.outputs[0].token_ids for o in bf16.generate(prompts, params)]
     reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     whole = 0

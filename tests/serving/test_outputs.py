@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
@@ -14,7 +15,7 @@ from serve.outputs import OutputProcessor, TextStream
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
-def letters(ids: list[int]) -> str:
+def letters(ids: list[int], skip_special_tokens: bool = True) -> str:
     """A toy detokenizer: one letter per token, and token 255 is the first half of a character
     that only the next token completes (shown as U+FFFD until then, as byte-level BPE does)."""
     out = []
@@ -75,7 +76,7 @@ def test_a_stop_string_completed_by_the_last_token_is_cut_with_reason_stop():
     """The sample ends by length at the very token that completes the stop string."""
     torch.manual_seed(0)
     model = Transformer(preset("tiny-mha")).eval()
-    params = SamplingParams(max_tokens=6)
+    params = SamplingParams(temperature=0, max_tokens=6)
     reference = LLMEngine(model, EngineConfig(num_blocks=32)).generate([[1, 2, 3]], params)[0]
     whole = letters(reference)
     # The shortest tail of the text that appears nowhere earlier: complete only at the end.
@@ -83,15 +84,15 @@ def test_a_stop_string_completed_by_the_last_token_is_cut_with_reason_stop():
 
     engine = LLMEngine(model, EngineConfig(num_blocks=32))
     processor = OutputProcessor(engine, letters)
-    rid = engine.add_request([1, 2, 3], params)
-    processor.add(rid, [stop], stream=True)
+    rid = engine.add_request([1, 2, 3], dataclasses.replace(params, stop=[stop]))
+    processor.add(rid, stream=True)
     updates = []
     while engine.has_unfinished():
         engine.step()
         updates += processor.process()
     assert updates[-1].finished and len(updates) == 6
     out = updates[-1].outputs[0]
-    assert out.token_ids == reference and out.finish_reason == "stop"
+    assert out.token_ids == reference and out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == whole[: len(whole) - len(stop)]
     assert "".join(d.text for u in updates for d in u.deltas) == out.text
     assert not engine.requests  # released

@@ -225,7 +225,7 @@ def test_an_engine_decode_step_runs_one_kernel_call_per_mha_block():
         torch.manual_seed(0)
         model = Transformer(preset(name, ffn=ffn)).eval()
         engine = LLMEngine(model, EngineConfig(num_blocks=8, block_size=4))
-        engine.add_request([1, 2, 3], SamplingParams(max_tokens=3))
+        engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=3))
         engine.step()  # prefill
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             engine.step()  # one decode step

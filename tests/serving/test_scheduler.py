@@ -58,7 +58,7 @@ def test_every_token_of_a_random_workload_matches_the_reference(setting):
     while pending or engine.has_unfinished():
         for _ in range(rng.randint(0, 3) if pending else 0):
             prompt, max_tokens = pending.pop()
-            requests[engine.add_request(prompt, SamplingParams(max_tokens=max_tokens))] = (
+            requests[engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))] = (
                 prompt, max_tokens)
         engine.step()
         if engine.last_plan.rows:
@@ -81,7 +81,7 @@ def test_every_token_of_a_random_workload_matches_the_reference(setting):
 def test_the_per_step_snapshot_is_the_metrics_without_the_walk():
     engine = LLMEngine(HistorySumModel(VOCAB), EngineConfig(block_size=4, num_blocks=64))
     for prompt, max_tokens in workload(12, seed=3):
-        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens))
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
     for _ in range(4):
         engine.step()
     full, cheap = engine.metrics(), dataclasses.asdict(engine.snapshot(now=False))

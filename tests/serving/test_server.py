@@ -84,7 +84,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_completions_equal_the_python_api(smollm2, client, stream):
-    expected = smollm2.generate(PROMPTS, SamplingParams(max_tokens=24))
+    expected = smollm2.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))
     for prompt, ref in zip(PROMPTS, expected):
         kwargs = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
         if stream:
@@ -120,7 +120,7 @@ def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(smollm2, c
 def test_chat_equals_the_python_api_with_stop_strings(smollm2, client, stream):
     messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
     for stop in (None, ["return"]):
-        ref = smollm2.chat(messages, SamplingParams(max_tokens=40), stop=stop)[0].outputs[0]
+        ref = smollm2.chat(messages, SamplingParams(temperature=0, max_tokens=40, stop=stop))[0].outputs[0]
         kwargs = dict(model=MODEL, messages=messages, max_tokens=40, temperature=0, stop=stop)
         if stream:
             chunks = list(client.chat.completions.create(**kwargs, stream=True))
@@ -147,7 +147,7 @@ def test_n_samples_and_prompt_batches_are_indexed_like_openai(smollm2, client):
 @pytest.mark.slow
 def test_32_concurrent_streams_each_get_their_own_tokens(smollm2, server):
     prompts = [f"Item {i}: the number {i} written in words is" for i in range(32)]
-    expected = [r.outputs[0].text for r in smollm2.generate(prompts, SamplingParams(max_tokens=12))]
+    expected = [r.outputs[0].text for r in smollm2.generate(prompts, SamplingParams(temperature=0, max_tokens=12))]
 
     async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
         stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,

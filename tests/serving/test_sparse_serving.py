@@ -21,7 +21,7 @@ PROMPTS = [[5, 9, 2, 7], [1, 2, 3], [30, 31, 32, 33, 34, 35], [8]]
 
 
 def greedy(llm: LLM) -> list[list[int]]:
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=20))
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20))
     return [o.outputs[0].token_ids for o in outs]
 
 

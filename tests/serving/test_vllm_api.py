@@ -1,0 +1,189 @@
+"""Code written for vLLM runs here: `LLM` and `SamplingParams` take vLLM's names and defaults,
+and every field changes the output as documented, checked against a reference computed from
+the model's own logits (a tiny model exported with a real BPE tokenizer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from egmla.checkpoint import save_export
+from egmla.data.tokenizer import get_tokenizer
+from egmla.models import Transformer
+from egmla.presets import preset
+from serve import LLM, Logprob, SamplingParams
+from serve.engine import InvalidRequest
+
+PROMPTS = ["The king said", "And the lord spake", "O Romeo, Romeo"]
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    tokenizer = get_tokenizer("bpe", vocab_size=512)
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny-gqa2", vocab_size=len(tokenizer), max_seq_len=128))
+    return save_export(model, tmp_path_factory.mktemp("vllm") / "export", tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def llm(export):
+    return LLM(model=str(export), dtype="float32", max_model_len=96, seed=0)
+
+
+def greedy_reference(llm: LLM, prompt: list[int], steps: int, adjust=None) -> list[int]:
+    """Greedy decoding by full forwards of the model; `adjust(logits, output)` changes the
+    logits before the argmax (a penalty written out)."""
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = llm.model(torch.tensor([prompt + out]))[0, -1].double()
+            out.append(int((adjust(logits, out) if adjust else logits).argmax()))
+    return out
+
+
+def test_code_written_for_vllm_runs_and_its_logprobs_are_the_models(llm):
+    """The acceptance example: vLLM's constructor and generate keywords, greedy with stop
+    strings and logprobs=2; each token's logprobs equal a direct log-softmax of the model over
+    prompt + output (1e-4), with the top two and the sampled token, ranked."""
+    params = SamplingParams(temperature=0, max_tokens=12, stop=["\n\n"], logprobs=2)
+    outs = llm.generate(PROMPTS, sampling_params=params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.prompt == prompt and out.finished and isinstance(out.request_id, str)
+        sample = out.outputs[0]
+        ids = out.prompt_token_ids + sample.token_ids
+        with torch.no_grad():
+            reference = torch.log_softmax(llm.model(torch.tensor([ids]))[0].double(), dim=-1)
+        total = 0.0
+        for t, (token, entry) in enumerate(zip(sample.token_ids, sample.logprobs)):
+            row = reference[len(out.prompt_token_ids) - 1 + t]
+            top2 = row.topk(2).indices.tolist()
+            assert set(entry) == {*top2, token} and token == top2[0]  # greedy: rank 1
+            for tid, lp in entry.items():
+                assert isinstance(lp, Logprob) and abs(lp.logprob - row[tid].item()) < 1e-4
+                assert lp.rank == int((row > row[tid]).sum()) + 1
+                assert lp.decoded_token == llm.tokenizer.decode([tid])
+            total += row[token].item()
+        assert sample.cumulative_logprob == pytest.approx(total, abs=1e-3)
+        assert sample.finish_reason in ("stop", "length") and sample.finished()
+
+
+def test_bf16_logprobs_are_the_fp32_models_within_bf16s_error(export):
+    """bf16 weights and KV: each token's logprob within 0.05 nats of fp32's log-softmax: bf16
+    rounds each weight and activation to 8 bits of mantissa (relative 2^-9), which moves a
+    logit by a few thousandths here (measured at most 0.004); 0.05 leaves room for a longer
+    context's accumulation without admitting a wrong token's logprob."""
+    bf16 = LLM(model=str(export), dtype="bfloat16", seed=0)
+    fp32 = LLM(model=str(export), dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0)
+    for out in bf16.generate(PROMPTS, params, use_tqdm=False):
+        sample = out.outputs[0]
+        ids = out.prompt_token_ids + sample.token_ids
+        with torch.no_grad():
+            reference = torch.log_softmax(fp32.model(torch.tensor([ids]))[0].double(), dim=-1)
+        for t, (token, entry) in enumerate(zip(sample.token_ids, sample.logprobs)):
+            assert set(entry) == {token}  # logprobs=0: the sampled token only
+            row = reference[len(out.prompt_token_ids) - 1 + t]
+            assert abs(entry[token].logprob - row[token].item()) < 0.05
+
+
+def test_the_default_temperature_is_vllms_and_samples(llm):
+    assert SamplingParams().temperature == 1.0 and SamplingParams().top_p == 1.0
+    a = llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, seed=1), use_tqdm=False)
+    b = llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, seed=2), use_tqdm=False)
+    assert a[0].outputs[0].token_ids != b[0].outputs[0].token_ids  # sampled, not greedy
+
+
+def test_penalties_change_the_logits_as_vllm_defines_them(llm):
+    """Greedy with each penalty equals greedy over the model's logits with the penalty written
+    out; and each changes the output of this model (which repeats itself)."""
+    prompt = llm.encode(PROMPTS[0])
+    plain = greedy_reference(llm, prompt, 12)
+
+    def repetition(logits, out):
+        seen = torch.tensor(sorted(set(prompt + out)))
+        picked = logits[seen]
+        logits = logits.clone()
+        logits[seen] = torch.where(picked > 0, picked / 3.0, picked * 3.0)
+        return logits
+
+    def counted(freq, pres):
+        def adjust(logits, out):
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long),
+                                    minlength=logits.shape[0]).double() if out else 0
+            return logits - freq * counts - pres * (torch.as_tensor(counts) > 0).double()
+        return adjust
+
+    cases = {"repetition_penalty": (3.0, repetition), "frequency_penalty": (1.5, counted(1.5, 0)),
+             "presence_penalty": (1.5, counted(0, 1.5))}
+    for name, (value, adjust) in cases.items():
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **{name: value})
+        got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert got == greedy_reference(llm, prompt, 12, adjust), name
+        assert got != plain, name
+
+
+def test_min_p_one_keeps_only_the_top_token_and_top_k_minus_one_keeps_all(llm):
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                          use_tqdm=False)
+    only_top = llm.generate(PROMPTS, SamplingParams(temperature=1.0, min_p=1.0, seed=3,
+                                                    max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in only_top] == [o.outputs[0].token_ids for o in greedy]
+    runs = [llm.generate(PROMPTS[1], SamplingParams(top_k=k, seed=4, max_tokens=10),
+                         use_tqdm=False)[0].outputs[0].token_ids for k in (None, -1, 0)]
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_stop_tokens_eos_min_tokens_and_ignore_eos(llm):
+    prompt = llm.encode(PROMPTS[2])
+    first = greedy_reference(llm, prompt, 1)[0]
+    stop_at_first = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first])
+    [out] = llm.generate([prompt], stop_at_first, use_tqdm=False)
+    assert out.outputs[0].token_ids == [first] and out.outputs[0].stop_reason == first
+    assert out.outputs[0].finish_reason == "stop"
+    # min_tokens: the stop token cannot come before 3 tokens (it is masked, so greedy goes on)
+    [later] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, min_tokens=3,
+                                                    stop_token_ids=[first]), use_tqdm=False)
+    tokens = later.outputs[0].token_ids
+    assert len(tokens) >= 3 and first not in tokens[:3]
+    # the EOS stops with no stop_reason (vLLM's); ignore_eos runs on to max_tokens
+    eos = SamplingParams(temperature=0, max_tokens=8, eos_token_id=first)
+    [out] = llm.engine.generate([prompt], eos)
+    assert out == [first]
+    [out] = llm.engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
+                                                         eos_token_id=first, ignore_eos=True))
+    assert len(out) == 8
+
+
+def test_prompts_as_vllm_takes_them_and_max_model_len(llm):
+    params = SamplingParams(temperature=0, max_tokens=4)
+    ids = llm.encode(PROMPTS[0])
+    forms = [PROMPTS[0], {"prompt": PROMPTS[0]}, {"prompt_token_ids": ids}, ids]
+    outs = [llm.generate(f, params, use_tqdm=False)[0] for f in forms]
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    assert outs[1].prompt == PROMPTS[0] and outs[2].prompt is None
+    with pytest.raises(InvalidRequest, match="exactly one of 'prompt' or 'prompt_token_ids'"):
+        llm.generate({"prompt": "a", "images": []}, params)
+    # max_tokens=None: as many as max_model_len (96) leaves after the prompt
+    [out] = llm.generate([ids], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                         use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 96 - len(ids)
+    with pytest.raises(InvalidRequest, match="exceeds the model's context of 96"):
+        llm.generate([ids], SamplingParams(max_tokens=96))
+
+
+def test_the_llm_seed_makes_unseeded_sampling_reproducible(export):
+    runs = []
+    for seed in (0, 0, 1):
+        llm = LLM(model=str(export), seed=seed, trust_remote_code=True)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12), use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in outs])
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_what_is_not_implemented_is_refused_by_name(export):
+    with pytest.raises(InvalidRequest, match="use_beam_search: vLLM's, not implemented"):
+        SamplingParams(use_beam_search=True)
+    with pytest.raises(ValueError, match="unknown engine argument.*gpu_memory_utilization"):
+        LLM(model=str(export), gpu_memory_utilization=0.9)
+    with pytest.raises(ValueError, match="max_model_len=1000"):
+        LLM(model=str(export), max_model_len=1000)
