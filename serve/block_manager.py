@@ -277,15 +277,18 @@ class BlockManager:
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    def allocate_prompt(self, seq_id: SeqId, token_ids: Sequence[int], extra: ExtraKey = None) -> int:
+    def allocate_prompt(self, seq_id: SeqId, token_ids: Sequence[int], extra: ExtraKey = None,
+                        lookup: bool = True) -> int:
         """Start a sequence: share the longest cached run of leading full prompt blocks; return
-        the number of tokens already computed, at most ((len - 1) // block_size) * block_size."""
+        the number of tokens already computed, at most ((len - 1) // block_size) * block_size.
+        `lookup=False` shares nothing (the whole prompt is computed; its blocks still enter
+        the cache for others)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
         if not token_ids:
             raise ValueError(f"sequence {seq_id!r}: empty prompt")
         seq, bs = _SeqBlocks(extra=extra), self.block_size
-        if self.pool.enable_prefix_caching:
+        if self.pool.enable_prefix_caching and lookup:
             parent = None
             for i in range((len(token_ids) - 1) // bs):  # the last token is always computed
                 block_hash = hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra)

@@ -59,7 +59,7 @@ NOT_IMPLEMENTED = ("best_of", "use_beam_search", "length_penalty", "early_stoppi
                    "allowed_token_ids", "logits_processors", "truncate_prompt_tokens",
                    "guided_decoding", "structured_outputs", "logit_bias", "output_kind",
                    "include_stop_str_in_output", "spaces_between_special_tokens", "detokenize",
-                   "extra_args", "prompt_logprobs", "flat_logprobs")
+                   "extra_args", "flat_logprobs")
 
 
 @dataclass
@@ -77,7 +77,8 @@ class SamplingParams:
     -1: all) and top_p. `logprobs=N` returns, for every generated token, the N most likely
     tokens and the sampled one with their log-probabilities under the model's raw distribution
     (before penalties and temperature, as vLLM's default), and the sum of the sampled ones'
-    (`cumulative_logprob`)."""
+    (`cumulative_logprob`); `prompt_logprobs=N` the same for every prompt token after the first
+    (its prompt is computed whole, not taken from the prefix cache)."""
 
     n: int = 1  # samples of one prompt; sample i draws with seed + i and shares the prompt's blocks
     presence_penalty: float = 0.0
@@ -94,6 +95,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: as many as the context leaves
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     eos_token_id: int | None = None  # set by LLM from the tokenizer: stops unless ignore_eos
 
@@ -113,7 +115,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.top_p is None:  # as vLLM: None is the default, no cut
             self.top_p = 1.0
-        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "eos_token_id"):
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs",
+                     "prompt_logprobs", "eos_token_id"):
             value = getattr(self, name)
             if not (value is None and name not in ("n", "min_tokens")) and not _is_int(value):
                 raise InvalidRequest(f"{name}={value!r}: must be an integer", name)
@@ -150,6 +153,9 @@ class SamplingParams:
             "repetition_penalty": (self.repetition_penalty > 0, "must be > 0"),
             "logprobs": (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                          f"must be in [0, {MAX_LOGPROBS}]"),
+            "prompt_logprobs": (self.prompt_logprobs is None
+                                or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                                f"must be in [0, {MAX_LOGPROBS}]"),
             "seed": (self.seed is None or low <= self.seed and self.seed + self.n - 1 <= high,
                      f"seed and seed + n - 1 (the last sample's seed) must be in [{low}, {high}]"),
         }
@@ -234,6 +240,8 @@ class Sequence:
     # sampled token), and the sum of the sampled tokens' logprobs.
     logprobs: list[dict[int, tuple[float, int]]] | None = None
     cumulative_logprob: float | None = None
+    # With params.prompt_logprobs: the same for each prompt token (None for the first).
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -588,7 +596,8 @@ class LLMEngine:
         while self.waiting and budget > 0 and len(rows) < c.max_num_seqs:
             seq = self.waiting[0]
             if not self.blocks.has(seq.seq_id):
-                cached = self.blocks.allocate_prompt(seq.seq_id, seq.tokens)
+                cached = self.blocks.allocate_prompt(  # prompt logprobs need every position
+                    seq.seq_id, seq.tokens, lookup=seq.params.prompt_logprobs is None)
                 seq.num_computed = cached
                 if seq.cached_tokens is None:  # a preempted sequence re-finds its own blocks
                     seq.cached_tokens = cached
@@ -637,7 +646,14 @@ class LLMEngine:
                                    "token budget is too small for it")
             return []
         last_logits = {}  # row index -> logits of its last new token
-        for group in _forward_groups([r.num_new_tokens for r in rows]):
+        scoring = [i for i, r in enumerate(rows) if _wants_prompt_logprobs(r)]
+        for i in scoring:  # alone, with every position's logits
+            logits = self._forward([rows[i]], every=True)[0]  # (num_new_tokens, V)
+            record_prompt_logprobs(rows[i].seq, rows[i].start, logits)
+            last_logits[i] = logits[-1]
+        others = [i for i in range(len(rows)) if i not in set(scoring)]
+        for group in _forward_groups([rows[i].num_new_tokens for i in others]):
+            group = [others[g] for g in group]
             logits = self._forward([rows[i] for i in group])  # (len(group), V)
             last_logits.update(zip(group, logits))
         self.stats.steps += 1
@@ -665,9 +681,9 @@ class LLMEngine:
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
         return done
 
-    def _forward(self, rows: list[ScheduledRow]) -> torch.Tensor:
+    def _forward(self, rows: list[ScheduledRow], every: bool = False) -> torch.Tensor:
         """One ragged forward over the paged cache -> (rows, vocab) logits of each row's last
-        new token."""
+        new token, or (`every`) (rows, new tokens, vocab) at every position."""
         B, T = len(rows), max(r.num_new_tokens for r in rows)
         tokens = torch.zeros(B, T, dtype=torch.long)
         positions = torch.zeros(B, T, dtype=torch.long)  # padding queries sit at position 0
@@ -678,7 +694,7 @@ class LLMEngine:
         step = self.cache.step([self.blocks.block_table(r.seq.seq_id) for r in rows],
                                [r.start for r in rows], [r.num_new_tokens for r in rows])
         device = self.model.tok_emb.weight.device
-        last = torch.tensor([r.num_new_tokens - 1 for r in rows], device=device)
+        last = None if every else torch.tensor([r.num_new_tokens - 1 for r in rows], device=device)
         return self.model(tokens.to(device), positions.to(device), cache=step, logits_at=last)
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> bool:
@@ -790,16 +806,45 @@ def record_logprobs(seq: Sequence, logits: torch.Tensor, token: int, top: int) -
     each with (logprob, rank) under the raw distribution (rank 1: the most likely)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     mine = float(logprobs[token])
+    entry = _ranked(logprobs, token, top)
+    if seq.logprobs is None:
+        seq.logprobs, seq.cumulative_logprob = [], 0.0
+    seq.logprobs.append(entry)
+    seq.cumulative_logprob += mine
+
+
+def _wants_prompt_logprobs(row: ScheduledRow) -> bool:
+    """A chunk of the prompt of a request that asked for prompt logprobs, not yet recorded."""
+    seq = row.seq
+    done = len(seq.prompt_logprobs or ())  # recorded so far (the first token's None counts)
+    return (seq.params.prompt_logprobs is not None and done < len(seq.prompt)
+            and row.start < len(seq.prompt) and row.start + row.num_new_tokens >= done)
+
+
+def _ranked(logprobs: torch.Tensor, token: int, top: int) -> dict[int, tuple[float, int]]:
+    """{token id: (logprob, rank)} of the `top` most likely tokens and `token` (rank 1: the
+    most likely)."""
     entry = {}
     if top:
         values, ids = logprobs.topk(top)
         entry = {int(i): (float(v), r + 1) for r, (v, i) in enumerate(zip(values, ids))}
     if token not in entry:
-        entry[token] = (mine, int((logprobs > logprobs[token]).sum()) + 1)
-    if seq.logprobs is None:
-        seq.logprobs, seq.cumulative_logprob = [], 0.0
-    seq.logprobs.append(entry)
-    seq.cumulative_logprob += mine
+        entry[token] = (float(logprobs[token]), int((logprobs > logprobs[token]).sum()) + 1)
+    return entry
+
+
+def record_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor) -> None:
+    """Prompt logprobs of the tokens a prefill chunk predicts: logits (n, V) at positions
+    start .. start + n - 1 score prompt tokens start + 1 .. (within the prompt). A chunk computed
+    again (after a preemption) adds nothing already recorded."""
+    if seq.prompt_logprobs is None:
+        seq.prompt_logprobs = [None]  # the first token has no context to be scored in
+    top = seq.params.prompt_logprobs
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    for i in range(logits.shape[0]):
+        target = start + i + 1  # the position this row of logits predicts
+        if target < len(seq.prompt) and target == len(seq.prompt_logprobs):
+            seq.prompt_logprobs.append(_ranked(logprobs[i], seq.prompt[target], top))
 
 
 def _generator(seed: int | None) -> torch.Generator | None:

@@ -62,7 +62,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    prompt_logprobs: None = None  # not computed here (vLLM's field; see docs/serving.md)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with prompt_logprobs=N
     metrics: dict[str, float | None] = field(default_factory=dict)  # ttft, tpot of sample 0 (s)
 
 
@@ -258,12 +258,14 @@ class LLM:
                    for o in update.outputs]
         first = update.outputs[0]
         return RequestOutput(str(rid), prompt, tokens, outputs, True, update.cached_tokens,
+                             self._logprobs(update.prompt_logprobs),
                              metrics={"ttft": first.ttft, "tpot": first.tpot})
 
-    def _logprobs(self, steps) -> list[dict[int, Logprob]] | None:
+    def _logprobs(self, steps) -> list[dict[int, Logprob] | None] | None:
         if steps is None:
             return None
-        return [{t: Logprob(lp, rank, self.decode([t], skip_special_tokens=False))
+        return [None if step is None else
+                {t: Logprob(lp, rank, self.decode([t], skip_special_tokens=False))
                  for t, (lp, rank) in step.items()} for step in steps]
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],

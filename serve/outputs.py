@@ -80,6 +80,8 @@ class RequestUpdate:
     # On the last update: each sample's whole text and tokens, by index.
     outputs: list[SampleDelta] = field(default_factory=list)
     cached_tokens: int = 0  # on the last update: prompt tokens served from the prefix cache
+    # On the last update, with prompt_logprobs asked: per prompt token {id: (logprob, rank)}.
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
 
 
 @dataclass
@@ -134,6 +136,7 @@ class OutputProcessor:
                 for index, seq in enumerate(self.engine.release(rid)):
                     if index == 0:
                         update.cached_tokens = seq.cached_tokens or 0
+                        update.prompt_logprobs = seq.prompt_logprobs
                     text = t.texts[seq.seq_id]
                     stop_reason = text.hit if text.stopped else seq.stop_reason
                     update.outputs.append(SampleDelta(index, text.sent, list(seq.output),

@@ -150,7 +150,7 @@ def test_requests_that_can_never_run_are_refused_up_front(prompt_len, params, co
     ({"ignore_eos": 1}, "ignore_eos=1: must be true or false"),
     ({"stop": 5}, "stop=5: must be a string or a list"), ({"stop": ["a", 1]}, "stop="),
     ({"best_of": 2}, "best_of: vLLM's, not implemented here"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs: vLLM's, not implemented"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs=21"),
     ({"temprature": 0.5}, "unknown field.s. temprature"),
     ({"seed": 2**64}, "seed=18446744073709551616"), ({"seed": -2**63 - 1}, "seed="),
     ({"seed": 2**64 - 1, "n": 2}, r"seed \+ n - 1"),

@@ -67,6 +67,30 @@ def test_code_written_for_vllm_runs_and_its_logprobs_are_the_models(llm):
         assert sample.finish_reason in ("stop", "length") and sample.finished()
 
 
+def test_prompt_logprobs_are_the_models_over_chunks_and_despite_the_prefix_cache(export):
+    """prompt_logprobs=3: every prompt token after the first, scored by a log-softmax of the
+    model's logits at the position before it (1e-4), with the top three; also when the prompt is
+    prefilled in chunks of 8 and when an identical prompt already sits in the prefix cache
+    (a request that asks for prompt logprobs computes its whole prompt)."""
+    llm = LLM(model=str(export), dtype="float32", block_size=4, max_num_batched_tokens=8)
+    text = "And the lord spake unto Moses, saying, Speak unto the children of Israel"
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    first, again = (llm.generate(text, params, use_tqdm=False)[0] for _ in range(2))
+    ids = first.prompt_token_ids
+    assert len(ids) > 16  # three chunks at least
+    with torch.no_grad():
+        reference = torch.log_softmax(llm.model(torch.tensor([ids]))[0].double(), dim=-1)
+    for out in (first, again):
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+        for p, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            row = reference[p - 1]
+            assert set(entry) == {*row.topk(3).indices.tolist(), ids[p]}
+            assert all(abs(lp.logprob - row[t].item()) < 1e-4 for t, lp in entry.items())
+    assert again.num_cached_tokens == 0  # it did not take the cached blocks
+    plain = llm.generate(text, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert plain.num_cached_tokens > 0 and plain.prompt_logprobs is None  # the cache still serves
+
+
 def test_bf16_logprobs_are_the_fp32_models_within_bf16s_error(export):
     """bf16 weights and KV: each token's logprob within 0.05 nats of fp32's log-softmax: bf16
     rounds each weight and activation to 8 bits of mantissa (relative 2^-9), which moves a
