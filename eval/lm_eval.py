@@ -32,6 +32,8 @@ def default_device(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     import eval.adapter  # noqa: F401 - registers the "egmla" model with lm-eval
+    import lm_eval.models  # noqa: F401 - and lm-eval's own (local-completions, hf, ...): its
+    # registry imports them only while it is empty, which egmla's registration ends
     from egmla.checkpoint import CheckpointError
     from eval.local_tasks import install
     from lm_eval.__main__ import cli_evaluate

@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import sys
+from pathlib import Path
 
 UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
          "g": 2**30, "gb": 10**9, "gib": 2**30}
@@ -52,6 +53,24 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def set_chat_template(llm, template: str) -> None:
+    """Give the tokenizer `template` (a file's text, or the template itself), checked by
+    rendering a one-message conversation; ValueError naming what is wrong."""
+    path = Path(template)
+    try:
+        text = path.read_text() if path.is_file() else template
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--chat-template {template}: cannot read it ({error})") from None
+    if llm.tokenizer is None:
+        raise ValueError("--chat-template: this model has no tokenizer")
+    llm.tokenizer.chat_template = text
+    try:
+        llm.encode_chat([{"role": "user", "content": "hello"}])
+    except Exception as error:  # noqa: BLE001 - Jinja fails in many ways: one line, named
+        raise ValueError(f"--chat-template: it does not render a conversation: "
+                         f"{type(error).__name__}: {error}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m serve", description=__doc__,
@@ -64,6 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, help="the weights' dtype (default: the export's)")
     p.add_argument("--kv-cache-dtype", choices=["auto", *DTYPES], default="auto",
                    help="the KV cache's dtype (default auto: the weights')")
+    p.add_argument("--max-model-len", type=positive_int,
+                   help="a request's prompt + output at most (default: the model's context)")
+    p.add_argument("--seed", type=int,
+                   help="seeds the sampling of requests that bring no seed (reproducible runs)")
+    p.add_argument("--api-key",
+                   help="requests to /v1 must send 'Authorization: Bearer KEY' (else 401)")
+    p.add_argument("--chat-template", metavar="FILE_OR_TEXT",
+                   help="a Jinja chat template (a file, or the template itself) in place of the "
+                        "tokenizer's")
     g = p.add_argument_group("KV cache and scheduling")
     g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (%(default)s)")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default="512MiB",
@@ -128,10 +156,17 @@ def main(argv: list[str] | None = None) -> int:
                   enable_chunked_prefill=not args.no_chunked_prefill,
                   dtype=args.dtype, cache_dtype=args.kv_cache_dtype,
                   ffn_sparsity=args.ffn_sparsity, ffn_threshold=args.ffn_threshold,
-                  ffn_predictors=args.ffn_predictors)
+                  ffn_predictors=args.ffn_predictors, max_model_len=args.max_model_len,
+                  seed=args.seed)
     except (CheckpointError, ValueError, OSError) as error:
         print(f"error: cannot load --model {args.model}: {error}", file=sys.stderr)
         return 2
+    if args.chat_template is not None:
+        try:
+            set_chat_template(llm, args.chat_template)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model))
                                       if os.path.isdir(args.model) else args.model)
     c = llm.engine.config
@@ -139,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "serving %s as %r: %d KV blocks of %d tokens (%.1f MiB)", args.model, name, c.num_blocks,
         c.block_size, llm.engine.cache.nbytes() / 2**20)
     engine = AsyncEngine(llm, max_queued_requests=args.max_queued_requests).start()
-    app = build_app(engine, name, max_request_bytes=args.max_request_bytes)
+    app = build_app(engine, name, max_request_bytes=args.max_request_bytes, api_key=args.api_key)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level, timeout_graceful_shutdown=5),
                             engine, args.shutdown_timeout)

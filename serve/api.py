@@ -3,6 +3,10 @@
     GET  /v1/models              the served model
     POST /v1/completions         text completion; "stream": true for server-sent events
     POST /v1/chat/completions    chat through the tokenizer's template; streams the same way
+    POST /tokenize               vLLM's: a prompt (or messages) -> token ids
+    POST /detokenize             vLLM's: token ids -> text
+    GET  /tokenizer_info         vLLM's: the tokenizer's special tokens and chat template
+    GET  /version                the server's version
     GET  /health                 200 while the engine thread is alive, else 503
     GET  /metrics                Prometheus text: TTFT, TPOT, requests, KV blocks, prefix hits
 
@@ -20,6 +24,7 @@ aborted and its KV blocks freed. Tokenization runs on a worker thread, off the e
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -30,14 +35,15 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException
 
 from serve.async_engine import (AsyncEngine, Draining, EngineDead, QueueFull, RequestFailed,
                                 RequestStream)
-from serve.engine import InvalidRequest, SamplingParams
+from serve.engine import MAX_LOGPROBS, InvalidRequest, SamplingParams
 from serve.llm import check_text
 from serve.outputs import RequestUpdate
 
@@ -61,16 +67,25 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
-    # Extensions (as in vLLM): top-k sampling, stop token ids, and generating past EOS.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Extensions (as in vLLM): top-k and min-p sampling, the repetition penalty, a minimum
+    # length, stop token ids, generating past EOS, and special tokens kept in the text.
     top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     best_of: int | None = None
+    logprobs: int | None = None  # the N most likely tokens' logprobs at each position
+    echo: bool = False  # the prompt comes back before the completion (with its logprobs)
 
 
 class ChatMessage(BaseModel):
@@ -102,17 +117,33 @@ class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # None: the rest of the context (or of the KV pool)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None  # with logprobs: the N most likely tokens at each position
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or messages through the chat template."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[int]
 
 
 # Fields of OpenAI's or vLLM's API this server does not implement: accepted only at the value
 # that means "off", refused otherwise (never silently ignored).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-    "min_p": (0,), "min_tokens": (0,), "logit_bias": ({},), "logprobs": (False,),
-    "top_logprobs": (0,), "prompt_logprobs": (), "echo": (False,), "suffix": ("",),
+    "logit_bias": ({},), "prompt_logprobs": (), "suffix": ("",),
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "response_format": ({"type": "text"},), "use_beam_search": (False,), "length_penalty": (1,),
-    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+    "include_stop_str_in_output": (False,),
     "truncate_prompt_tokens": (), "allowed_token_ids": (), "bad_words": ([],),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
 }
@@ -254,23 +285,43 @@ def _install_error_handlers(app: FastAPI) -> None:
                         type="server_error").response()
 
 
-def _metrics_registry(engine: AsyncEngine) -> CollectorRegistry:
+def _metrics_registry(engine: AsyncEngine, model_name: str) -> CollectorRegistry:
     """This app's own Prometheus registry: latency histograms fed by each finished request, and
-    the engine's counters and gauges read from its latest snapshot at scrape time."""
+    the engine's counters and gauges read from its latest snapshot at scrape time; each under
+    our name (egmla_*) and under vLLM's (vllm:*, labelled with model_name), so vLLM's dashboards
+    and alerts read this server."""
     registry = CollectorRegistry()
     latency = dict(registry=registry, buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
     ttft = Histogram("egmla_time_to_first_token_seconds", "Time to first token", **latency)
     tpot = Histogram("egmla_time_per_output_token_seconds",
                      "Time per output token after the first", **latency)
-    registry.register(_EngineCollector(engine))
+    vllm = {name: Histogram(f"vllm:{name}", text, labelnames=["model_name"], **latency).labels(model_name)
+            for name, text in (
+                ("time_to_first_token_seconds", "Time to first token"),
+                ("inter_token_latency_seconds", "Time between tokens (each request's mean gap, "
+                                                "once per gap)"),
+                ("e2e_request_latency_seconds", "Request latency, arrival to last token"),
+                ("request_queue_time_seconds", "Time waiting before first scheduled"))}
+    success = Counter("vllm:request_success", "Finished requests by finish reason",
+                      labelnames=["model_name", "finished_reason"], registry=registry)
+    registry.register(_EngineCollector(engine, model_name))
 
     def observe(update: RequestUpdate) -> None:  # on the engine thread
         for out in update.outputs:
-            if out.finish_reason not in ("abort", "error"):
-                if out.ttft is not None:
-                    ttft.observe(out.ttft)
-                if out.tpot is not None:
-                    tpot.observe(out.tpot)
+            if out.finish_reason in ("abort", "error"):
+                continue
+            success.labels(model_name, out.finish_reason).inc()
+            if out.ttft is not None:
+                ttft.observe(out.ttft)
+                vllm["time_to_first_token_seconds"].observe(out.ttft)
+            if out.tpot is not None:
+                tpot.observe(out.tpot)
+                for _ in range(len(out.token_ids) - 1):
+                    vllm["inter_token_latency_seconds"].observe(out.tpot)
+            for name, value in (("e2e_request_latency_seconds", out.e2e),
+                                ("request_queue_time_seconds", out.queue_time)):
+                if value is not None:
+                    vllm[name].observe(value)
 
     engine.on_finish.append(observe)
     return registry
@@ -296,12 +347,20 @@ class _Admission:
             except InvalidRequest as error:
                 raise APIError(400, str(error), param=error.param) from None
 
-    def sampling(self, req: _Common, max_tokens: int) -> SamplingParams:
+    def sampling(self, req: _Common, max_tokens: int, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None) -> SamplingParams:
+        if req.stream and (logprobs is not None or prompt_logprobs is not None):
+            raise APIError(400, "logprobs with stream=true are not supported by this server; "
+                           "ask without streaming", param="logprobs")
         try:
             params = SamplingParams(
                 max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                top_k=req.top_k, seed=req.seed, n=req.n, stop=_stops(req),
-                stop_token_ids=list(req.stop_token_ids or ()), ignore_eos=req.ignore_eos)
+                top_k=req.top_k, min_p=req.min_p, seed=req.seed, n=req.n, stop=_stops(req),
+                stop_token_ids=list(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
+                skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs)
         except InvalidRequest as error:
             raise APIError(400, str(error), param=error.param) from None
         return self.llm.with_eos(params)
@@ -330,14 +389,35 @@ class _Admission:
         return streams
 
 
+class APIKey:
+    """ASGI middleware: a request to /v1 without `Authorization: Bearer <key>` is answered 401
+    (as vLLM's --api-key; /health, /metrics and the tokenizer routes stay open)."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("path", "").startswith("/v1"):
+            given = dict(scope.get("headers", ())).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                return await APIError(401, "a valid API key is required (Authorization: "
+                                      "Bearer <key>)", type="authentication_error",
+                                      code="invalid_api_key").response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def build_app(engine: AsyncEngine, served_model_name: str,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              api_key: str | None = None) -> FastAPI:
     """The HTTP API over a started `AsyncEngine`; metrics go to a registry of this app's own.
-    Request bodies over `max_request_bytes` are answered 413."""
+    Request bodies over `max_request_bytes` are answered 413; with `api_key`, requests to /v1
+    without it 401."""
     app = FastAPI(title="egmla serve", description=__doc__)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    if api_key is not None:
+        app.add_middleware(APIKey, key=api_key)
     _install_error_handlers(app)
-    registry = _metrics_registry(engine)
+    registry = _metrics_registry(engine, served_model_name)
     gate, llm = _Admission(engine, served_model_name), engine.llm
     context = llm.model.config.max_seq_len
     app.state.started = time.time()
@@ -357,6 +437,60 @@ def build_app(engine: AsyncEngine, served_model_name: str,
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    def known(model: str | None) -> None:
+        if model is not None and model != served_model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves "
+                           f"{served_model_name!r}", param="model", code="model_not_found")
+
+    @app.post("/tokenize")
+    async def tokenize_text(req: TokenizeRequest) -> dict:
+        known(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        try:
+            if req.prompt is not None:
+                check_text(req.prompt, "prompt")
+                if llm.tokenizer is None:
+                    raise InvalidRequest("this model has no tokenizer", "prompt")
+                ids = await tokenize(lambda: list(llm.tokenizer.encode(
+                    req.prompt, add_special_tokens=req.add_special_tokens)))
+            else:
+                ids = await tokenize(llm.encode_chat, [m.model_dump() for m in req.messages])
+        except InvalidRequest as error:
+            raise APIError(400, str(error), param=error.param) from None
+        return {"count": len(ids), "max_model_len": engine.max_request_tokens, "tokens": ids,
+                "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        known(req.model)
+        vocab = llm.model.config.vocab_size
+        bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens[{bad}]={req.tokens[bad]}: token ids must be in [0, "
+                           f"{vocab}) (the model's vocabulary)", param="tokens")
+        return {"prompt": llm.decode(req.tokens, skip_special_tokens=False)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        tok = llm.tokenizer
+        if tok is None:
+            raise APIError(404, "this model has no tokenizer", code="not_found")
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token,
+                "bos_token": tok.bos_token, "pad_token": tok.pad_token,
+                "chat_template": getattr(tok, "chat_template", None),
+                "model_max_length": engine.max_request_tokens, "vocab_size": len(tok)}
+
+    @app.get("/version")
+    async def version() -> dict:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as installed
+
+        try:
+            return {"version": installed("egmla")}
+        except PackageNotFoundError:
+            return {"version": "unknown"}
+
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{
@@ -373,8 +507,18 @@ def build_app(engine: AsyncEngine, served_model_name: str,
             raise APIError(400, str(error), param="prompt") from None
         if req.max_tokens is None:
             req.max_tokens = 16
-        streams = gate.submit(encoded, gate.sampling(req, req.max_tokens), req, "prompt")
-        reply = _Reply("cmpl", "text_completion", served_model_name, req, chat=False)
+        if req.max_tokens == 0 and req.stream:
+            raise APIError(400, "max_tokens=0 streams nothing: ask without streaming",
+                           param="max_tokens")
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens=0: must be >= 1 (0 only with echo: the prompt's "
+                           "logprobs alone)", param="max_tokens")
+        # max_tokens 0 (echo): generate one token and drop it, the prompt's logprobs are the answer
+        params = gate.sampling(req, max(1, req.max_tokens), req.logprobs,
+                               req.logprobs if req.echo and req.logprobs is not None else None)
+        streams = gate.submit(encoded, params, req, "prompt")
+        reply = _Reply("cmpl", "text_completion", served_model_name, req, chat=False,
+                       llm=llm, prompts=list(zip(prompts, encoded)))
         return await reply.respond(streams, request)
 
     @app.post("/v1/chat/completions")
@@ -392,13 +536,18 @@ def build_app(engine: AsyncEngine, served_model_name: str,
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if max_tokens is None:  # the rest of the context, within what the KV pool can hold
             max_tokens = max(1, engine.max_request_tokens - len(prompt))
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs={req.top_logprobs}: must be in [0, {MAX_LOGPROBS}]",
+                           param="top_logprobs")
         try:
-            params = gate.sampling(req, max_tokens)
+            params = gate.sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         except APIError as error:
             error.param = param if error.param == "max_tokens" else error.param
             raise
         streams = gate.submit([prompt], params, req, "messages")
-        reply = _Reply("chatcmpl", "chat.completion", served_model_name, req, chat=True)
+        reply = _Reply("chatcmpl", "chat.completion", served_model_name, req, chat=True, llm=llm)
         return await reply.respond(streams, request)
 
     return app
@@ -419,11 +568,14 @@ def _completion_prompts(prompt: str | list) -> list[str | list[int]]:
 class _Reply:
     """Builds OpenAI-shaped responses (whole or streamed) from the requests' updates."""
 
-    def __init__(self, prefix: str, obj: str, model: str, req: _Common, chat: bool) -> None:
+    def __init__(self, prefix: str, obj: str, model: str, req: _Common, chat: bool, llm=None,
+                 prompts: list[tuple[str | list[int], list[int]]] | None = None) -> None:
         self.id, self.object, self.model = f"{prefix}-{uuid.uuid4().hex}", obj, model
         self.created, self.req, self.chat, self.n = int(time.time()), req, chat, req.n
+        self.llm, self.prompts = llm, prompts or []
 
-    def _choice(self, index: int, text: str, finish: str | None, delta: bool) -> dict:
+    def _choice(self, index: int, text: str, finish: str | None, delta: bool,
+                logprobs: dict | None = None) -> dict:
         choice: dict[str, Any] = {"index": index}
         if not self.chat:
             choice["text"] = text
@@ -431,9 +583,62 @@ class _Reply:
             choice["delta"] = {"content": text} if text else {}
         else:
             choice["message"] = {"role": "assistant", "content": text}
-        choice["logprobs"] = None
+        choice["logprobs"] = logprobs
         choice["finish_reason"] = finish
         return choice
+
+    def _prompt_text(self, i: int) -> str:
+        prompt, prompt_ids = self.prompts[i]
+        return prompt if isinstance(prompt, str) else self.llm.decode(prompt_ids)
+
+    def _token(self, token_id: int) -> str:
+        return self.llm.decode([token_id], skip_special_tokens=False)
+
+    def _final(self, i: int, update: RequestUpdate, out) -> tuple[str, list[int], dict | None]:
+        """A finished sample's text, tokens and logprobs as the response carries them: echo
+        puts the prompt (and its logprobs) first; max_tokens 0 drops the one token made."""
+        req = self.req
+        text, tokens, steps = out.text, list(out.token_ids), list(out.logprobs or [])
+        if not self.chat and req.max_tokens == 0:
+            text, tokens, steps = "", [], []
+        if self.chat:
+            return text, tokens, (self._chat_logprobs(tokens, steps)
+                                  if req.logprobs else None)
+        if req.echo:
+            prompt_ids = self.prompts[i][1]
+            text = self._prompt_text(i) + text
+            if req.logprobs is not None:
+                steps = list(update.prompt_logprobs or [None] * len(prompt_ids)) + steps
+            tokens = prompt_ids + tokens
+        if req.logprobs is None:
+            return text, tokens, None
+        return text, tokens, self._completion_logprobs(tokens, steps)
+
+    def _completion_logprobs(self, tokens: list[int], steps: list) -> dict:
+        """The legacy completions shape: tokens, token_logprobs, top_logprobs (the N most
+        likely, as text -> logprob), text_offset."""
+        names = [self._token(t) for t in tokens]
+        offsets, at = [], 0
+        for name in names:
+            offsets.append(at)
+            at += len(name)
+        top = self.req.logprobs
+        return {"tokens": names,
+                "token_logprobs": [None if s is None else s[t][0] for t, s in zip(tokens, steps)],
+                "top_logprobs": [None if s is None else {
+                    self._token(i): lp for i, (lp, rank) in s.items() if rank <= top}
+                    for s in steps],
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, tokens: list[int], steps: list) -> dict:
+        """The chat shape: per token its text, logprob and UTF-8 bytes, and its top_logprobs."""
+        def item(i: int, lp: float) -> dict:
+            name = self._token(i)
+            return {"token": name, "logprob": lp, "bytes": list(name.encode("utf-8"))}
+        top = self.req.top_logprobs or 0
+        return {"content": [{**item(t, s[t][0]), "top_logprobs": [
+            item(i, lp) for i, (lp, rank) in sorted(s.items(), key=lambda e: e[1][1])
+            if rank <= top]} for t, s in zip(tokens, steps)]}
 
     def _usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -482,9 +687,11 @@ class _Reply:
             prompt_tokens += update.prompt_tokens
             cached += update.cached_tokens
             for out in update.outputs:
-                completion_tokens += len(out.token_ids)
-                choices.append(self._choice(i * self.n + out.index, out.text, out.finish_reason,
-                                            delta=False))
+                made = 0 if (not self.chat and self.req.max_tokens == 0) else len(out.token_ids)
+                completion_tokens += made
+                text, _, logprobs = self._final(i, update, out)
+                choices.append(self._choice(i * self.n + out.index, text, out.finish_reason,
+                                            delta=False, logprobs=logprobs))
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self._usage(prompt_tokens, completion_tokens, cached)}
 
@@ -505,6 +712,9 @@ class _Reply:
                 yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}
                                    for i in range(self.n * len(streams))])
+            elif self.req.echo:  # the prompts first
+                yield self._chunk([self._choice(i * self.n + k, self._prompt_text(i), None, True)
+                                   for i in range(len(streams)) for k in range(self.n)])
             open_streams, prompt_tokens, completion_tokens, cached = len(streams), 0, 0, 0
             while open_streams:
                 i, item = await merged.get()
@@ -541,10 +751,11 @@ async def _disconnected(request: Request) -> None:
 
 
 class _EngineCollector:
-    """Gauges and counters read from the engine's latest snapshot at scrape time."""
+    """Gauges and counters read from the engine's latest snapshot at scrape time, under our
+    names and vLLM's."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        self._engine = engine
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self._engine, self._model = engine, model_name
 
     def collect(self):
         s = self._engine.snapshot
@@ -565,3 +776,17 @@ class _EngineCollector:
         }
         for name, (help_text, value) in counters.items():
             yield CounterMetricFamily(name, help_text, value=value)
+        usage = s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0
+        for name, help_text, value in (
+                ("vllm:num_requests_running", "Sequences in the running batch", s.running),
+                ("vllm:num_requests_waiting", "Sequences waiting to be scheduled", s.waiting),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means every block is held", usage)):
+            family = GaugeMetricFamily(name, help_text, labels=["model_name"])
+            family.add_metric([self._model], value)
+            yield family
+        for name, help_text, value in (
+                ("vllm:prompt_tokens", "Prompt tokens computed", s.prompt_tokens),
+                ("vllm:generation_tokens", "Tokens generated", s.generation_tokens)):
+            family = CounterMetricFamily(name, help_text, labels=["model_name"])
+            family.add_metric([self._model], value)
+            yield family

@@ -233,6 +233,7 @@ class Sequence:
     preemptions: int = 0
     request_id: int = -1  # the request this sample belongs to (its first sample's seq_id)
     arrival: float = field(default_factory=time.perf_counter)
+    scheduled_time: float | None = None  # first admitted to the running batch
     first_token_time: float | None = None
     finish_time: float | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
@@ -246,6 +247,16 @@ class Sequence:
     @property
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+    @property
+    def e2e(self) -> float | None:
+        """Seconds from arrival to the last token (vLLM's end-to-end request latency)."""
+        return None if self.finish_time is None else self.finish_time - self.arrival
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds waiting before first scheduled (vLLM's request queue time)."""
+        return None if self.scheduled_time is None else self.scheduled_time - self.arrival
 
     @property
     def tpot(self) -> float | None:
@@ -612,6 +623,8 @@ class LLMEngine:
                 break
             self.waiting.popleft()
             self.running.append(seq)
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.perf_counter()
             rows.append(ScheduledRow.of(seq, n))
             budget -= n
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))

@@ -69,6 +69,8 @@ class SampleDelta:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, tuple[float, int]]] | None = None
     cumulative_logprob: float | None = None
+    e2e: float | None = None  # seconds from arrival to the last token (final outputs only)
+    queue_time: float | None = None  # seconds waiting before first scheduled (final only)
 
 
 @dataclass
@@ -142,7 +144,8 @@ class OutputProcessor:
                     update.outputs.append(SampleDelta(index, text.sent, list(seq.output),
                                                       seq.finish_reason, seq.ttft, seq.tpot,
                                                       stop_reason, seq.logprobs,
-                                                      seq.cumulative_logprob))
+                                                      seq.cumulative_logprob, seq.e2e,
+                                                      seq.queue_time))
                 del self._tracked[rid]
             updates.append(update)
         return updates

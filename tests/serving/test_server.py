@@ -22,38 +22,15 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 
 from egmla.checkpoint import save_export
 from egmla.models import Transformer
 from egmla.presets import preset
 from serve import LLM, SamplingParams
-from serve.api import build_app
-from serve.async_engine import AsyncEngine
 from support import ROOT
+from support.server import serving
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-@contextlib.contextmanager
-def serving(llm: LLM, name: str = MODEL, app_kwargs: dict | None = None, **engine_kwargs):
-    """A real uvicorn server for `llm` on a free loopback port; yields its base URL."""
-    engine = AsyncEngine(llm, **engine_kwargs).start()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    app = build_app(engine, name, **(app_kwargs or {}))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        engine.close()
-        sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +150,7 @@ BAD = [  # (body changes, status, param)
     ({"n": 10_000}, 400, "n"),
     ({"prompt": "word " * 9000}, 400, "prompt"),
     ({"max_tokens": "many"}, 400, "max_tokens"),
-    ({"logprobs": 5}, 400, "logprobs"),
+    ({"logprobs": 21}, 400, "logprobs"),
 ]
 
 
@@ -365,10 +342,17 @@ HOSTILE = [  # (endpoint, body changes, the field the 400 names)
     ("completions", {"max_tokens": 2**70}, "prompt"),
     ("completions", {"stream": "yes"}, "stream"),
     ("completions", {"temperature": "0.5"}, "temperature"),
-    ("completions", {"top_k": 0}, "top_k"),
-    ("completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
-    ("completions", {"min_p": 0.1}, "min_p"),
-    ("completions", {"min_tokens": 5}, "min_tokens"),
+    ("completions", {"top_k": -5}, "top_k"),
+    ("completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"min_p": 1.5}, "min_p"),
+    ("completions", {"min_tokens": 5}, "min_tokens"),  # more than max_tokens (4)
+    ("completions", {"presence_penalty": 3}, "presence_penalty"),
+    ("completions", {"logprobs": 21}, "logprobs"),
+    ("completions", {"logprobs": 2, "stream": True}, "logprobs"),
+    ("completions", {"max_tokens": 0}, "max_tokens"),
+    ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": 123}]}]}, "messages"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}, "messages"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
