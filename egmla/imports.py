@@ -36,6 +36,7 @@ from egmla.checkpoint import (
     tokenizer_or_none,
 )
 from egmla.config import FFN_HIDDEN_ACT, MHAConfig, MLAConfig, ModelConfig
+from egmla.devices import parse_device
 from egmla.models.transformer import Transformer
 from egmla.paths import cache_dir
 from egmla.weight_names import (
@@ -262,9 +263,11 @@ KNOWN_MODELS: dict[str, PackagedGGUF] = {
 
 
 def load_pretrained(
-    name_or_path: str | os.PathLike, dtype: torch.dtype | None = None
+    name_or_path: str | os.PathLike, dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
 ) -> tuple[Transformer, Any]:
-    """(model, tokenizer) from an egmla export, a known name, or a transformers model.
+    """(model, tokenizer) from an egmla export, a known name, or a transformers model, on
+    `device` (default: the CPU; "cuda" the current GPU; checked before anything loads).
 
     Accepted, in this order: an egmla export directory, or a training run directory (its
     export/); a transformers-format directory written by `python -m egmla.export --format hf`
@@ -273,6 +276,13 @@ def load_pretrained(
     a hub id (needs network; passed to transformers). The tokenizer is None
     when the source has none. `dtype` defaults to the export's dtype, float32 for conversions.
     """
+    where = parse_device(device)
+    model, tokenizer = _load_pretrained(name_or_path, dtype)
+    return (model if where is None else model.to(where)), tokenizer
+
+
+def _load_pretrained(name_or_path: str | os.PathLike, dtype: torch.dtype | None
+                     ) -> tuple[Transformer, Any]:
     path = Path(name_or_path)
     if path.is_dir() and is_export(path / "export"):
         path = path / "export"  # a training run directory: its final export

@@ -39,35 +39,11 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from egmla.devices import parse_device
 from egmla.dtypes import WEIGHT_DTYPES, parse_dtype
 from egmla.imports import load_pretrained
 from serve import LLM, SamplingParams
 from serve.engine import DEFAULT_KV_CACHE_MEMORY
-
-
-def _device(device: str | None) -> torch.device | None:
-    """The device asked for, refused here unless the model can run on it; None: not asked.
-
-    "cuda" means the current CUDA device: torch.device("cuda", torch.cuda.current_device()).
-    """
-    if device is None:
-        return None
-    try:
-        wanted = torch.device(device)
-    except (RuntimeError, TypeError):
-        wanted = None
-    if wanted is None or wanted.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r}: expected cpu, cuda or cuda:N")
-    if wanted.type == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError(f"device={device!r}: CUDA is not available on this machine "
-                         "(torch.cuda.is_available() is False); run on the CPU (--device cpu)")
-    index = torch.cuda.current_device() if wanted.index is None else wanted.index
-    if index >= torch.cuda.device_count():
-        raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} "
-                         "CUDA device(s)")
-    return torch.device("cuda", index)
 
 
 @register_model("egmla")
@@ -90,7 +66,7 @@ class EgmlaLM(TemplateLM):
                         if k not in ("self", "unknown")]
             raise ValueError(f"model_args: unknown key(s) {', '.join(sorted(unknown))}; "
                              f"accepted keys: {', '.join(accepted)}")
-        wanted = _device(device)  # checked before minutes of loading
+        wanted = parse_device(device)  # checked before minutes of loading
         if isinstance(pretrained, LLM):
             self.llm = pretrained
             where = self.llm.model.tok_emb.weight.device

@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, help="the weights' dtype (default: the export's)")
     p.add_argument("--kv-cache-dtype", choices=["auto", *DTYPES], default="auto",
                    help="the KV cache's dtype (default auto: the weights')")
+    p.add_argument("--device", help="where the model runs: cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--max-model-len", type=positive_int,
                    help="a request's prompt + output at most (default: the model's context)")
     p.add_argument("--seed", type=int,
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                   dtype=args.dtype, cache_dtype=args.kv_cache_dtype,
                   ffn_sparsity=args.ffn_sparsity, ffn_threshold=args.ffn_threshold,
                   ffn_predictors=args.ffn_predictors, max_model_len=args.max_model_len,
-                  seed=args.seed)
+                  seed=args.seed, device=args.device)
     except (CheckpointError, ValueError, OSError) as error:
         print(f"error: cannot load --model {args.model}: {error}", file=sys.stderr)
         return 2

@@ -375,7 +375,8 @@ class LLMEngine:
             raise ValueError(f"seed={c.seed!r}: must be an integer in {list(SEED_RANGE)}")
         self.config = c
         # One generator for the requests that bring no seed (vLLM's LLM(seed=...)); None: torch's.
-        self._unseeded = None if c.seed is None else torch.Generator().manual_seed(c.seed)
+        self.device = model.tok_emb.weight.device  # where sampling draws: its generators too
+        self._unseeded = None if c.seed is None else _generator(c.seed, self.device)
         self.cache = PagedKVCache(spec, c.num_blocks, c.block_size, dtype=dtype, device=weight.device)
         self.blocks = BlockManager(c.num_blocks, c.block_size, c.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
@@ -428,7 +429,7 @@ class LLMEngine:
                                  f"{c.max_num_batched_tokens} and chunked prefill is off", "prompt")
 
     def _generator(self, seed: int | None) -> torch.Generator | None:
-        return self._unseeded if seed is None else _generator(seed)
+        return self._unseeded if seed is None else _generator(seed, self.device)
 
     def max_new_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         """The most tokens a request may generate: max_tokens, or (None) what the context and
@@ -860,5 +861,6 @@ def record_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor) -> N
             seq.prompt_logprobs.append(_ranked(logprobs[i], seq.prompt[target], top))
 
 
-def _generator(seed: int | None) -> torch.Generator | None:
-    return None if seed is None else torch.Generator(device="cpu").manual_seed(seed)
+def _generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A generator on the device whose logits it samples (a CUDA draw needs a CUDA generator)."""
+    return None if seed is None else torch.Generator(device=device).manual_seed(seed)

@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from egmla.checkpoint import read_metadata, read_weights
+from egmla.devices import parse_device
 from egmla.dtypes import parse_model_dtype
 from egmla.imports import load_pretrained
 from egmla.models import Transformer
@@ -93,6 +94,7 @@ class LLM:
         ffn_threshold: float = 0.0,
         ffn_predictors: str | os.PathLike | None = None,
         *,
+        device: str | torch.device | None = None,
         max_model_len: int | None = None,
         seed: int | None = None,
         trust_remote_code: bool = False,
@@ -104,6 +106,8 @@ class LLM:
         `EngineConfig`'s fields (block_size, num_blocks, kv_cache_memory, max_num_seqs,
         max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, cache_dtype:
         the KV cache's dtype, by default the weights'), with its defaults. As vLLM's:
+        `device` is where the weights, the KV cache and the sampling live ("cpu", "cuda",
+        "cuda:N"; default: where the model is, the CPU for a loaded one),
         `max_model_len` caps a request's prompt + output (default: the model's context),
         `seed` seeds the sampling of every request that brings no seed of its own (one
         generator for the engine, so a run is reproducible), and `trust_remote_code` is
@@ -118,6 +122,7 @@ class LLM:
         loading them reorders the model's neurons in place, as they were trained (the function
         is unchanged). None, the default, is dense."""
         dtype = parse_model_dtype(dtype)  # a bad dtype fails before loading, naming itself
+        where = parse_device(device)  # and so does a device this machine does not have
         check_sparsity(ffn_sparsity, ffn_threshold, ffn_predictors)
         if ffn_predictors is not None:  # a missing or unreadable file fails before loading
             predictor_file = (read_weights(Path(ffn_predictors)), read_metadata(Path(ffn_predictors)))
@@ -130,8 +135,10 @@ class LLM:
             self.model, self.tokenizer = model, tokenizer
             if dtype is not None:
                 self.model.to(dtype)
+            if where is not None:
+                self.model.to(where)
         else:
-            self.model, loaded_tokenizer = load_pretrained(model, dtype=dtype)
+            self.model, loaded_tokenizer = load_pretrained(model, dtype=dtype, device=where)
             self.tokenizer = tokenizer or loaded_tokenizer
         self.model.eval()
         predictors = None

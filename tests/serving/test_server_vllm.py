@@ -175,8 +175,13 @@ def test_cli_flags_as_vllm_spells_them(export, tmp_path):
     template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     run = subprocess.run([sys.executable, "-m", "serve", "--help"], capture_output=True,
                          text=True, cwd=ROOT, timeout=60)
-    for flag in ("--max-model-len", "--seed", "--api-key", "--chat-template"):
+    for flag in ("--max-model-len", "--seed", "--api-key", "--chat-template", "--device"):
         assert flag in run.stdout
+    if not torch.cuda.is_available():
+        run = subprocess.run([sys.executable, "-m", "serve", "--model", str(export), "--device",
+                              "cuda"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert run.returncode == 2 and "device='cuda': CUDA is not available" in run.stderr
+        assert "Traceback" not in run.stderr
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for %}")
     run = subprocess.run([sys.executable, "-m", "serve", "--model", str(export), "--chat-template",

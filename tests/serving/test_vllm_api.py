@@ -211,3 +211,43 @@ def test_what_is_not_implemented_is_refused_by_name(export):
         LLM(model=str(export), gpu_memory_utilization=0.9)
     with pytest.raises(ValueError, match="max_model_len=1000"):
         LLM(model=str(export), max_model_len=1000)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_a_device_this_machine_lacks_is_refused_before_anything_loads(tmp_path):
+    from egmla.imports import load_pretrained
+
+    for device, named in (("cuda", "CUDA is not available"), ("tpu", "expected cpu, cuda")):
+        with pytest.raises(ValueError, match=f"device='{device}': .*{named}"):
+            LLM(model=str(tmp_path / "never-loaded"), device=device)
+        with pytest.raises(ValueError, match=f"device='{device}'"):
+            load_pretrained(tmp_path / "never-loaded", device=device)
+
+
+def test_the_cpu_device_is_where_everything_lives(export):
+    from egmla.imports import load_pretrained
+
+    model, _ = load_pretrained(export, device="cpu")
+    assert model.tok_emb.weight.device.type == "cpu"
+    llm = LLM(model=str(export), device="cpu", seed=0)
+    assert llm.engine.device.type == "cpu" and llm.engine.cache.tensors()[0].device.type == "cpu"
+    seeded = SamplingParams(max_tokens=4, seed=5)
+    assert llm.engine.add_request([1, 2, 3], seeded) is not None  # a generator on the device
+    assert llm.engine.sequence(0).generator.device.type == "cpu"
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@CUDA
+def test_on_a_gpu_greedy_tokens_and_seeded_draws_match_the_cpus(export):
+    """The weights, KV cache and generators on the GPU: greedy tokens as on the CPU (fp32),
+    and seeded sampling reproducible there."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    cpu = LLM(model=str(export), dtype="float32").generate(PROMPTS, params, use_tqdm=False)
+    gpu_llm = LLM(model=str(export), dtype="float32", device="cuda")
+    gpu = gpu_llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in cpu]
+    seeded = SamplingParams(max_tokens=12, seed=7)
+    a, b = (gpu_llm.generate(PROMPTS, seeded, use_tqdm=False) for _ in range(2))
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
