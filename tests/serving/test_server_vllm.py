@@ -13,12 +13,9 @@ import openai
 import pytest
 import torch
 
-from egmla.checkpoint import save_export
-from egmla.data.tokenizer import get_tokenizer
-from egmla.models import Transformer
-from egmla.presets import preset
 from serve import LLM, SamplingParams
 from support import ROOT
+from support.models import tiny_text_export
 from support.server import serving
 
 NAME = "tiny"
@@ -27,10 +24,7 @@ PROMPT = "And the lord spake unto Moses"
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
-    tokenizer = get_tokenizer("bpe", vocab_size=512)
-    torch.manual_seed(0)
-    model = Transformer(preset("tiny-gqa2", vocab_size=len(tokenizer), max_seq_len=256))
-    return save_export(model, tmp_path_factory.mktemp("server") / "export", tokenizer=tokenizer)
+    return tiny_text_export(tmp_path_factory.mktemp("server") / "export", max_seq_len=256)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +146,7 @@ def test_metrics_under_vllms_names_with_the_model_name(url, client):
                  "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count",
                  "vllm:request_queue_time_seconds_count"):
         assert re.search(rf'^{name}{{model_name="{NAME}"}} ', text, re.MULTILINE), name
-    done = re.search(rf'^vllm:request_success_total{{.*finished_reason="length".*}} (\S+)$', text,
+    done = re.search(r'^vllm:request_success_total{.*finished_reason="length".*} (\S+)$', text,
                      re.MULTILINE)
     assert done and float(done.group(1)) >= 1
 

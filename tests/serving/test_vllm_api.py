@@ -7,22 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from egmla.checkpoint import save_export
-from egmla.data.tokenizer import get_tokenizer
-from egmla.models import Transformer
-from egmla.presets import preset
 from serve import LLM, Logprob, SamplingParams
 from serve.engine import InvalidRequest
+from support.models import tiny_text_export
 
 PROMPTS = ["The king said", "And the lord spake", "O Romeo, Romeo"]
 
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
-    tokenizer = get_tokenizer("bpe", vocab_size=512)
-    torch.manual_seed(0)
-    model = Transformer(preset("tiny-gqa2", vocab_size=len(tokenizer), max_seq_len=128))
-    return save_export(model, tmp_path_factory.mktemp("vllm") / "export", tokenizer=tokenizer)
+    return tiny_text_export(tmp_path_factory.mktemp("vllm") / "export", max_seq_len=128)
 
 
 @pytest.fixture(scope="module")

@@ -78,3 +78,16 @@ def decode(model, ids: torch.Tensor, prompt: int) -> torch.Tensor:
         steps = [model(ids[:, :prompt], cache=cache)]
         steps += [model(ids[:, t:t + 1], cache=cache) for t in range(prompt, ids.shape[1])]
     return torch.cat(steps, dim=1)
+
+
+def tiny_text_export(directory, max_seq_len: int = 256, **changes):
+    """A seeded tiny GQA model with the real 512-token BPE tokenizer, saved as an export in
+    `directory` (text prompts, stop strings and chat templates work on it)."""
+    from egmla.checkpoint import save_export
+    from egmla.data.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer("bpe", vocab_size=512)
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny-gqa2", vocab_size=len(tokenizer), max_seq_len=max_seq_len,
+                               **changes))
+    return save_export(model, directory, tokenizer=tokenizer)
