@@ -674,6 +674,10 @@ class LLMEngine:
         reserved, used = self.blocks.slot_counts()
         self.stats.reserved_slot_steps += reserved
         self.stats.used_slot_steps += used
+        # The greedy rows' tokens in one argmax and one transfer, not one per row.
+        plain = [b for b, r in enumerate(rows) if _plain_greedy(r.seq)]
+        argmax = dict(zip(plain, torch.stack([last_logits[b] for b in plain]).argmax(-1).tolist()
+                          if plain else []))
         done = []
         for b, row in enumerate(rows):
             seq, n = row.seq, row.num_new_tokens
@@ -690,7 +694,7 @@ class LLMEngine:
             for s in group:
                 if s is not seq:
                     self.running.append(s)
-                if self._sample(s, last_logits[b]):
+                if self._sample(s, last_logits[b], argmax.get(b)):
                     done.append(s)
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
         return done
@@ -711,16 +715,20 @@ class LLMEngine:
         last = None if every else torch.tensor([r.num_new_tokens - 1 for r in rows], device=device)
         return self.model(tokens.to(device), positions.to(device), cache=step, logits_at=last)
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> bool:
-        """Append the next token; finish the sequence if it stops. True when it finished."""
+    def _sample(self, seq: Sequence, logits: torch.Tensor, greedy: int | None = None) -> bool:
+        """Append the next token (`greedy`: already taken, for a plain greedy sequence); finish
+        the sequence if it stops. True when it finished."""
         p = seq.params
         stops = p.stops_at()
-        scores = penalize(logits, seq.prompt, seq.output, p) if p.penalized() else logits
-        if len(seq.output) < p.min_tokens and stops:
-            scores = scores.clone()
-            scores[list(stops)] = float("-inf")
-        nxt = int(sample_next(scores[None], p.temperature, p.top_k_or_none,
-                              p.top_p if p.top_p < 1 else None, seq.generator, p.min_p)[0])
+        if greedy is not None and _plain_greedy(seq):
+            nxt = greedy
+        else:
+            scores = penalize(logits, seq.prompt, seq.output, p) if p.penalized() else logits
+            if len(seq.output) < p.min_tokens and stops:
+                scores = scores.clone()
+                scores[list(stops)] = float("-inf")
+            nxt = int(sample_next(scores[None], p.temperature, p.top_k_or_none,
+                                  p.top_p if p.top_p < 1 else None, seq.generator, p.min_p)[0])
         if p.logprobs is not None:
             record_logprobs(seq, logits, nxt, p.logprobs)
         seq.output.append(nxt)
@@ -825,6 +833,14 @@ def record_logprobs(seq: Sequence, logits: torch.Tensor, token: int, top: int) -
         seq.logprobs, seq.cumulative_logprob = [], 0.0
     seq.logprobs.append(entry)
     seq.cumulative_logprob += mine
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """The next token is the argmax of the raw logits: temperature 0, no penalty, no stop token
+    masked by min_tokens."""
+    p = seq.params
+    return (p.temperature == 0 and not p.penalized()
+            and not (len(seq.output) < p.min_tokens and p.stops_at()))
 
 
 def _wants_prompt_logprobs(row: ScheduledRow) -> bool:
