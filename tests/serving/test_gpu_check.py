@@ -1,0 +1,34 @@
+"""benchmarks/gpu_check.py, the prepared GPU run, works end to end: here on the CPU (its smoke
+mode), so that the lent GPU machine's few minutes are not spent finding a broken script."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from support import ROOT
+
+
+def test_the_gpu_check_runs_every_part_in_its_cpu_smoke_mode(tmp_path):
+    run = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--quick",
+                          "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    report = json.loads((tmp_path / "gpu_check_quick.json").read_text())
+    for part in ("checks", "attention_path", "decode", "serving", "training"):
+        assert "error" not in report[part], (part, report[part])
+    assert report["checks"]["passed"] and report["checks"]["greedy_equals_cpu"]
+    assert report["decode"]["by_batch"]["1"]["decode_tok_s"] > 0
+    assert report["training"]["eager"]["tokens_per_s"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_a_gpu_check_without_a_gpu_says_so_in_one_line(tmp_path):
+    run = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--out", str(tmp_path)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 2 and "CUDA is not available" in run.stderr
+    assert "Traceback" not in run.stderr and not list(tmp_path.iterdir())
