@@ -514,7 +514,7 @@ def build_app(engine: AsyncEngine, served_model_name: str,
             raise APIError(400, "max_tokens=0: must be >= 1 (0 only with echo: the prompt's "
                            "logprobs alone)", param="max_tokens")
         # max_tokens 0 (echo): generate one token and drop it, the prompt's logprobs are the answer
-        params = gate.sampling(req, max(1, req.max_tokens), req.logprobs,
+        params = gate.sampling(req, req.max_tokens or 1, req.logprobs,
                                req.logprobs if req.echo and req.logprobs is not None else None)
         streams = gate.submit(encoded, params, req, "prompt")
         reply = _Reply("cmpl", "text_completion", served_model_name, req, chat=False,
