@@ -201,8 +201,8 @@ def interval(values: list[float], level: float = 0.95) -> dict[str, Any]:
         return {"n": n, "mean": mean, "low": None, "high": None}
     from scipy.stats import t
 
-    half = t.ppf((1 + level) / 2, n - 1) * statistics.stdev(values) / math.sqrt(n)
-    return {"n": n, "mean": mean, "low": mean - half, "high": mean + half}
+    half = float(t.ppf((1 + level) / 2, n - 1)) * statistics.stdev(values) / math.sqrt(n)
+    return {"n": n, "mean": mean, "low": mean - half, "high": mean + half}  # plain floats: JSON
 
 
 def aggregate(rows: list[dict[str, Any]], x: str = "kv_bytes") -> list[dict[str, Any]]:
