@@ -11,8 +11,11 @@ ids (no tokenizer), and needs only torch, numpy, safetensors, tqdm and Lightning
    bf16 through `serve.LLM`;
 3. serving: a mixed workload (prompts 16-256 tokens, outputs 16-64) through `LLM.generate`;
 4. training: tokens/s of the LightningModule in bf16-mixed, eager and with torch.compile;
-5. the attention path taken: PyTorch's SDPA backends enabled, whether flash-attn is importable
-   (it cannot be installed there; its path is untested).
+5. the attention path: the backend `auto` picks and why (serve.attention), PyTorch's SDPA
+   backends enabled, whether flash-attn is importable (it cannot be installed there; its path
+   is tested here only against its documented interface). Decode is measured under `auto`,
+   `sdpa` (gather + SDPA), `flex` (FlexAttention in place) and `auto` compiled
+   (enforce_eager=False), and the checks run the engine under each.
 
     bash benchmarks/gpu_check.sh                  # on the GPU machine: everything
     python benchmarks/gpu_check.py --device cpu --quick   # a smoke test of the script here
@@ -75,6 +78,11 @@ def checks(device) -> dict[str, Any]:
     a = [o.outputs[0].token_ids for o in LLM(cpu).generate(prompts, greedy, use_tqdm=False)]
     llm = LLM(here)
     b = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    by_backend = {}
+    for name, args in ENGINES.items():
+        other = LLM(model_of(TINY, torch.float32, device), **args)
+        got = [o.outputs[0].token_ids for o in other.generate(prompts, greedy, use_tqdm=False)]
+        by_backend[name] = got == a
     seeded = SamplingParams(max_tokens=16, seed=7)
     s1, s2 = ([o.outputs[0].token_ids for o in llm.generate(prompts, seeded, use_tqdm=False)]
               for _ in range(2))
@@ -87,17 +95,38 @@ def checks(device) -> dict[str, Any]:
         steps += [bf16(ids[:, t:t + 1], cache=cache) for t in range(8, ids.shape[1])]
         stepwise = torch.cat(steps, dim=1).float()
     err = (full - stepwise).abs().max().item()
-    return {"greedy_equals_cpu": a == b, "seeded_repeats": s1 == s2,
+    return {"greedy_equals_cpu": a == b, "greedy_equals_cpu_by_engine": by_backend,
+            "seeded_repeats": s1 == s2,
             "bf16_prefill_decode_max_abs_err": err, "bf16_tolerance": 0.05,
-            "passed": a == b and s1 == s2 and err < 0.05}
+            "passed": a == b and all(by_backend.values()) and s1 == s2 and err < 0.05}
 
 
-def decode(device, dtype, batches: list[int], new_tokens: int, repeats: int) -> dict[str, Any]:
+# The engine settings measured side by side (besides the default, `auto`).
+ENGINES = {"sdpa": {"attention_backend": "sdpa"}, "flex": {"attention_backend": "flex"},
+           "auto_compiled": {"enforce_eager": False}}
+
+
+def decode_by_engine(device, dtype, batches: list[int], new_tokens: int, repeats: int
+                     ) -> dict[str, Any]:
+    """`decode` under the default engine and, at the smallest and largest batch, half the
+    tokens and one repeat fewer (the 5-minute budget), each of ENGINES."""
+    out = {"auto": decode(device, dtype, batches, new_tokens, repeats)}
+    for name, args in ENGINES.items():
+        try:
+            out[name] = decode(device, dtype, batches[:: max(1, len(batches) - 1)],
+                               max(8, new_tokens // 2), max(1, repeats - 1), **args)
+        except Exception as error:  # noqa: BLE001 - one engine failing must not lose the rest
+            out[name] = {"error": f"{type(error).__name__}: {error}"}
+    return out
+
+
+def decode(device, dtype, batches: list[int], new_tokens: int, repeats: int,
+           **engine_args) -> dict[str, Any]:
     from serve import LLM, SamplingParams
 
     model = model_of(SMOLLM2, dtype, device)
     llm = LLM(model, num_blocks=max(batches) * (64 + new_tokens) // 16 + 16, block_size=16,
-              max_num_seqs=max(batches), enable_prefix_caching=False)
+              max_num_seqs=max(batches), enable_prefix_caching=False, **engine_args)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     rows = {}
@@ -120,7 +149,8 @@ def decode(device, dtype, batches: list[int], new_tokens: int, repeats: int) -> 
                 runs.append({"decode_tok_s": batch * (new_tokens - 1) / (end - start),
                              "output_tok_s": batch * new_tokens / wall})
         rows[str(batch)] = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
-    return {"dtype": str(dtype), "new_tokens": new_tokens, "by_batch": rows}
+    return {"dtype": str(dtype), "new_tokens": new_tokens, "attention": engine.attention_backend,
+            "enforce_eager": engine.config.enforce_eager, "by_batch": rows}
 
 
 def serving(device, dtype, requests: int, longest: int = 256) -> dict[str, Any]:
@@ -184,10 +214,16 @@ def training(device, steps: int, seq_len: int, batch: int, compiled: bool = True
 def attention_path(device) -> dict[str, Any]:
     import torch
 
-    path = {"flash_attn_importable": importlib.util.find_spec("flash_attn") is not None,
-            "note": "attention runs through torch SDPA (prefill) and the paged cache's gather + "
-                    "SDPA (decode) on a GPU; the flash-attn and FlexAttention paths are not built, "
-                    "and flash-attn cannot be installed on the lent machine"}
+    from serve import attention
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    head_dim = SMOLLM2["d_model"] // SMOLLM2["n_heads"]
+    choice = attention.select("auto", device, dtype, 16, {head_dim})
+    path = {"auto": choice.name, "auto_reason": choice.reason,
+            "flash_attn_importable": importlib.util.find_spec("flash_attn") is not None,
+            "note": "MHA/GQA layers attend through the chosen backend; MLA and EG-MLA layers "
+                    "gather their latent history under every backend. flash-attn cannot be "
+                    "installed on the lent machine, so its path is untested on a GPU"}
     if device.type == "cuda":
         path.update(sdpa_flash=torch.backends.cuda.flash_sdp_enabled(),
                     sdpa_mem_efficient=torch.backends.cuda.mem_efficient_sdp_enabled(),
@@ -236,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = [
         ("checks", lambda: checks(device)),
         ("attention_path", lambda: attention_path(device)),
-        ("decode", lambda: decode(device, dtype, [1, 4] if args.quick else [1, 16, 64],
-                                  8 if args.quick else 128, 1 if args.quick else 3)),
+        ("decode", lambda: decode_by_engine(device, dtype, [1, 4] if args.quick else [1, 16, 64],
+                                            8 if args.quick else 128, 1 if args.quick else 3)),
         ("serving", lambda: serving(device, dtype, 4 if args.quick else 64,
                                     96 if args.quick else 256)),
         ("training", lambda: training(device, 3 if args.quick else 20, 64 if args.quick else 512,
@@ -245,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.quick and not gpu:  # SmolLM2's shape is too slow for a CPU smoke test
         SMOLLM2.update(TINY)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / ("gpu_check_quick.json" if args.quick else "gpu_check.json")
     for name, run in parts:
         t0 = time.perf_counter()
         try:
@@ -252,10 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as error:  # noqa: BLE001 - one part failing must not lose the others
             report[name] = {"error": f"{type(error).__name__}: {error}"}
         print(f"{name}: {json.dumps(report[name])[:400]}", flush=True)
-    report["seconds"] = round(time.perf_counter() - started, 1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / ("gpu_check_quick.json" if args.quick else "gpu_check.json")
-    path.write_text(json.dumps(report, indent=2) + "\n")
+        report["seconds"] = round(time.perf_counter() - started, 1)
+        # after every part: a run stopped by the time limit keeps what it measured
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        os.replace(tmp, path)
     print(f"wrote {path}")
     failed = [n for n, _ in parts if "error" in report[n]]
     return 1 if failed or not report["checks"].get("passed") else 0

@@ -17,9 +17,13 @@ import re
 import sys
 from pathlib import Path
 
+from egmla.dtypes import WEIGHT_DTYPES as DTYPES
+
+# serve.attention.BACKENDS, spelled here so that --help does not import torch (a test keeps
+# the two equal)
+ATTENTION_BACKENDS = ("auto", "native", "sdpa", "flex", "flash_attn")
 UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
          "g": 2**30, "gb": 10**9, "gib": 2**30}
-from egmla.dtypes import WEIGHT_DTYPES as DTYPES
 
 
 def parse_bytes(text: str) -> int:
@@ -84,6 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", choices=["auto", *DTYPES], default="auto",
                    help="the KV cache's dtype (default auto: the weights')")
     p.add_argument("--device", help="where the model runs: cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="how MHA/GQA layers attend over the paged cache: native (this project's "
+                        "CPU kernels), sdpa (gather + PyTorch SDPA), flex (FlexAttention in "
+                        "place), flash_attn (flash-attn's paged decode; CUDA, fp16/bf16, "
+                        "--block-size a multiple of 256); auto picks native on a CPU, flash_attn "
+                        "or flex on a GPU, and logs its choice (default %(default)s)")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="run decode steps eagerly; --no-enforce-eager compiles them with "
+                        "torch.compile (dynamic shapes; seconds to minutes at start; no CUDA "
+                        "graphs). Default eager (vLLM's default is compiled)")
     p.add_argument("--max-model-len", type=positive_int,
                    help="a request's prompt + output at most (default: the model's context)")
     p.add_argument("--seed", type=int,
@@ -158,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                   dtype=args.dtype, cache_dtype=args.kv_cache_dtype,
                   ffn_sparsity=args.ffn_sparsity, ffn_threshold=args.ffn_threshold,
                   ffn_predictors=args.ffn_predictors, max_model_len=args.max_model_len,
-                  seed=args.seed, device=args.device)
+                  seed=args.seed, device=args.device, attention_backend=args.attention_backend,
+                  enforce_eager=args.enforce_eager)
     except (CheckpointError, ValueError, OSError) as error:
         print(f"error: cannot load --model {args.model}: {error}", file=sys.stderr)
         return 2
@@ -172,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                                       if os.path.isdir(args.model) else args.model)
     c = llm.engine.config
     logging.getLogger("serve").info(
-        "serving %s as %r: %d KV blocks of %d tokens (%.1f MiB)", args.model, name, c.num_blocks,
-        c.block_size, llm.engine.cache.nbytes() / 2**20)
+        "serving %s as %r: %d KV blocks of %d tokens (%.1f MiB), attention %s", args.model, name,
+        c.num_blocks, c.block_size, llm.engine.cache.nbytes() / 2**20, llm.engine.attention_backend)
     engine = AsyncEngine(llm, max_queued_requests=args.max_queued_requests).start()
     app = build_app(engine, name, max_request_bytes=args.max_request_bytes, api_key=args.api_key)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 import time
 from collections import deque
@@ -28,8 +29,11 @@ import torch
 
 from egmla.generate import sample_next
 from egmla.models import Transformer
+from serve import attention
 from serve.block_manager import BlockManager
 from serve.paged_cache import PagedKVCache
+
+log = logging.getLogger("serve")
 
 
 class InvalidRequest(ValueError):
@@ -182,6 +186,16 @@ MAX_LOGPROBS = 20  # as OpenAI's top_logprobs allows
 _FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
 
 
+def compiled_decode(model: Transformer):
+    """`model` through torch.compile for decode steps: dynamic shapes from the first call (the
+    batch and the context change every step), the CPU kernels loaded first (their loading
+    takes a lock, which a traced region cannot)."""
+    from egmla import kernels
+
+    kernels.load()
+    return torch.compile(model, dynamic=True)
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -208,6 +222,11 @@ class EngineConfig:
     cache_dtype: torch.dtype | None = None  # None: the model's dtype
     max_model_len: int | None = None  # a request's prompt + output at most; None: the model's
     seed: int | None = None  # seeds the sampling of requests without a seed of their own
+    attention_backend: str = "auto"  # how MHA/GQA layers attend (serve.attention.BACKENDS)
+    # vLLM's name. False: decode steps run through torch.compile (dynamic shapes: one graph
+    # serves every batch and context; no CUDA graphs: the KV pools are inputs it mutates).
+    # Default True here (vLLM's is False): compiling costs seconds to minutes at start.
+    enforce_eager: bool = True
 
     @classmethod
     def from_args(cls, **engine_args) -> EngineConfig:
@@ -217,6 +236,13 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine argument(s) {', '.join(unknown)}; accepted: "
                              f"{', '.join(sorted(known))}")
+        backend = engine_args.get("attention_backend", cls.attention_backend)
+        if backend not in attention.BACKENDS:  # before a model is loaded
+            raise ValueError(f"attention_backend={backend!r}: expected one of "
+                             f"{', '.join(attention.BACKENDS)}")
+        eager = engine_args.get("enforce_eager", cls.enforce_eager)
+        if not isinstance(eager, bool):
+            raise ValueError(f"enforce_eager={eager!r}: must be true or false")
         return cls(**engine_args)
 
 
@@ -377,7 +403,13 @@ class LLMEngine:
         # One generator for the requests that bring no seed (vLLM's LLM(seed=...)); None: torch's.
         self.device = model.tok_emb.weight.device  # where sampling draws: its generators too
         self._unseeded = None if c.seed is None else _generator(c.seed, self.device)
-        self.cache = PagedKVCache(spec, c.num_blocks, c.block_size, dtype=dtype, device=weight.device)
+        head_dims = {f["k"].shape[-1] for f in spec.layers if set(f) == {"k", "v"}}
+        choice = attention.select(c.attention_backend, weight.device, dtype, c.block_size, head_dims)
+        self.attention_backend = choice.name  # what runs, and why (logged)
+        log.info("attention backend: %s (%s)", choice.name, choice.reason)
+        self.cache = PagedKVCache(spec, c.num_blocks, c.block_size, dtype=dtype,
+                                  device=weight.device, attention=choice.backend)
+        self._decode_model = model if c.enforce_eager else compiled_decode(model)
         self.blocks = BlockManager(c.num_blocks, c.block_size, c.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -713,7 +745,8 @@ class LLMEngine:
                                [r.start for r in rows], [r.num_new_tokens for r in rows])
         device = self.model.tok_emb.weight.device
         last = None if every else torch.tensor([r.num_new_tokens - 1 for r in rows], device=device)
-        return self.model(tokens.to(device), positions.to(device), cache=step, logits_at=last)
+        model = self._decode_model if step.decode_only else self.model
+        return model(tokens.to(device), positions.to(device), cache=step, logits_at=last)
 
     def _sample(self, seq: Sequence, logits: torch.Tensor, greedy: int | None = None) -> bool:
         """Append the next token (`greedy`: already taken, for a plain greedy sequence); finish

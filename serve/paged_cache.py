@@ -12,7 +12,10 @@ goes through `PagedStep`, which implements the model's cache protocol (`egmla.ca
 - `layer(i).update(**fields)`: scatter the new tokens' fields into their slots, then gather each
   row's whole history into a padded (B, S_max, ...) tensor;
 - `key_positions` (B, S_max): each history slot's position, padding set past any query so the
-  causal mask hides it.
+  causal mask hides it;
+- `layer(i).fused_attention(...)`: MHA/GQA attention without the gathered copy, through the
+  cache's attention backend (serve.attention: this project's kernels, FlexAttention over the
+  pools, flash-attn's paged decode), where it applies.
 
 Slot of position p in a sequence = block_table[p // block_size] * block_size + p % block_size.
 """
@@ -23,15 +26,16 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from egmla import kernels
 from egmla.cache import CacheSpec, CacheTensors, DecodeSlots, write_sequence_fields
+from serve.attention import Native, PagedAttention
 
 # Key position of padding slots: larger than any query position, so `key <= query` is false.
 PAD_POSITION = 2**62
 
 
 class PagedKVCache(CacheTensors):
-    """Block pools for every cached field; `nbytes()` measures what was allocated."""
+    """Block pools for every cached field; `nbytes()` measures what was allocated. `attention`:
+    how MHA/GQA layers attend over it (serve.attention; default this project's kernels)."""
 
     def __init__(
         self,
@@ -40,11 +44,13 @@ class PagedKVCache(CacheTensors):
         block_size: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        attention: PagedAttention | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
         super().__init__(spec, (num_blocks * block_size,), dtype, device)  # flat, block-major
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.attention = attention or Native()
 
     def block_bytes(self) -> int:
         """Bytes of one block across every layer and field."""
@@ -97,6 +103,8 @@ class PagedStep:
         new_pos = context[:, None] + torch.arange(T)  # (B, T): where new tokens go, -1 for padding
         new_slots = slots.gather(1, new_pos.clamp(max=S - 1)).where(new_pos < total[:, None], -1)
         self.slots, self.new_slots = slots.to(device), new_slots.to(device)
+        self._tables, self._context, self._added = tables, context, added
+        self.flex_mask = None  # the FlexAttention backend's block mask (build_flex_mask)
         self.decode_only = all(n == 1 for n in new_lens)  # each row's query is its newest key
         self.lengths = total.to(device)
         self.flat_slots = self.slots.flatten()
@@ -104,6 +112,42 @@ class PagedStep:
         valid = (self.new_slots >= 0).flatten()  # real new tokens (the rest is padding)
         self._rows = valid.nonzero().squeeze(1)  # their indices in the flattened (B * T)
         self._targets = self.new_slots.flatten().index_select(0, self._rows)  # and their slots
+        cache.attention.prepare(self)  # what the backend's layers share (FlexAttention's mask)
+
+    @property
+    def block_tables(self) -> torch.Tensor:
+        """(B, blocks) int64 on the cache's device: row b's physical blocks in order (padded
+        with 0 past its own)."""
+        return self._tables.to(self.cache.device)
+
+    def build_flex_mask(self, create_block_mask, compiled: bool = False):
+        """FlexAttention's block mask for this step over the pools' used prefix (shared by every
+        layer, built before the forward): batch b is row b, query t its t-th new token, key i
+        the pools' slot i, seen where slot i's block is one of row b's at a logical position
+        <= the query's."""
+        bs, device = self.cache.block_size, self.cache.device
+        tables, total = self._tables, self._context + self._added
+        B, T = len(total), int(self._added.max())
+        held = torch.arange(tables.shape[1]) < ((total + bs - 1) // bs)[:, None]
+        used = int(tables.where(held, 0).max()) + 1  # blocks 0..used-1 cover every row
+        logical = torch.full((B, used + 1), -1, dtype=torch.long)  # column `used`: padding
+        order = torch.arange(tables.shape[1]).expand(B, -1)
+        logical.scatter_(1, tables.where(held, used), order)
+        logical = logical[:, :used].to(device)  # (B, physical block) -> logical, or -1
+        t = torch.arange(T)
+        query_pos = (self._context[:, None] + t).where(t < self._added[:, None], -1).to(device)
+
+        def mask_mod(b, h, q, k):
+            block = logical[b, k // bs]
+            return (block >= 0) & (block * bs + k % bs <= query_pos[b, q])
+
+        return create_block_mask(mask_mod, B, None, T, used * bs, device=device, _compile=compiled)
+
+    def write_fields(self, pools: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
+                     ) -> None:
+        """Write a layer's new tokens' fields into its pools (what `update` writes)."""
+        for name, values in new.items():
+            self._write(pools[name], values)
 
     def _write(self, pool: torch.Tensor, values: torch.Tensor) -> None:
         rows = values.flatten(0, 1)
@@ -140,10 +184,10 @@ class _PagedLayer:
     def update(self, **new: torch.Tensor) -> dict[str, torch.Tensor]:
         if set(new) != set(self._pools):
             raise KeyError(f"cached {sorted(new)}, spec says {sorted(self._pools)}")
+        self._step.write_fields(self._pools, new)
         out = {}
         for name, values in new.items():
             pool = self._pools[name]
-            self._step._write(pool, values)
             history = pool.index_select(0, self._step.flat_slots)  # 5x faster than pool[slots]
             out[name] = history.view(*self._step.slots.shape, *pool.shape[1:]).to(values.dtype)
         return out
@@ -156,20 +200,18 @@ class _PagedLayer:
         return self._step.sequence_field(name)
 
     def decode_slots(self) -> DecodeSlots | None:
+        """The pools and slot tables of a decode step, for the native block kernel; None for
+        other steps and under a backend that attends by itself."""
         step = self._step
-        return DecodeSlots(self._pools, step._targets, step.slots, step.lengths) if step.decode_only else None
+        if not (step.decode_only and step.cache.attention.fuses_blocks):
+            return None
+        return DecodeSlots(self._pools, step._targets, step.slots, step.lengths)
 
     def fused_attention(self, q: torch.Tensor, new: Mapping[str, torch.Tensor], key: str,
                         value: str, scale: float) -> torch.Tensor | None:
-        """A decode step (one new token per row) attends straight from the pools through the
-        slot tables (egmla.kernels.paged_attention): no padded history copy, no mask."""
-        where = self.decode_slots()
-        if where is None or set(new) != set(self._pools):
+        """Attention through the cache's backend (serve.attention), read from the pools in
+        place: no padded history copy. None, with nothing written, where it does not apply."""
+        if set(new) != set(self._pools):
             return None
-        k_pool, v_pool = self._pools[key], self._pools[value]
-        if not kernels.paged_attention_runs(q, k_pool, v_pool):
-            return None  # nothing written: the layer takes update + SDPA
-        for name, values in new.items():
-            self._step._write(self._pools[name], values)
-        out = kernels.paged_attention(q[:, 0], k_pool, v_pool, where.slots, where.lengths, scale)
-        return out[:, None]  # (B, 1, H, Dv)
+        return self._step.cache.attention.attend(self._step, self._pools, q, dict(new), key,
+                                                 value, scale)

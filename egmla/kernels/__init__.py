@@ -175,7 +175,13 @@ def _load() -> dict[str, object]:
                 lambda x, ws: [x.new_empty(x.shape[0], w.shape[0]) for w in ws])
             torch.library.register_fake("egmla::paged_attention")(
                 lambda q, k, v, slots, lengths, scale: q.new_empty(*q.shape[:2], v.shape[-1]))
-            torch.library.register_fake("egmla::decode_block")(lambda x, *rest: torch.empty_like(x))
+            # (the count of MLP neurons computed is data-dependent: an unbacked size)
+            torch.library.register_fake("egmla::decode_block")(
+                lambda x, *rest: (torch.empty_like(x), torch.library.get_ctx().new_dynamic_size()))
+            torch.library.register_fake("egmla::sparse_mlp")(
+                lambda x, activation, w_gate, w_up, down_t, *rest: (
+                    x.new_empty(x.shape[0], down_t.shape[1]),
+                    torch.library.get_ctx().new_dynamic_size()))
     except (KernelBuildError, OSError, RuntimeError) as error:
         warnings.warn(f"egmla: CPU kernels unavailable, using PyTorch's: {error}", stacklevel=3)
         return {"loaded": False, "reason": str(error).splitlines()[0]}

@@ -71,9 +71,10 @@ class Rotary:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (B, T) integer -> cos, sin (B, T, dim) in `dtype`."""
+        compiling = torch.compiler.is_compiling()  # a traced forward keeps no memo
         last = self._last  # one read: another thread may replace it, never half of it
-        if (last is not None and last[0] is positions and last[1] == version(positions)
-                and last[2] == dtype):
+        if (not compiling and last is not None and last[0] is positions
+                and last[1] == version(positions) and last[2] == dtype):
             return last[3], last[4]
         work = _compute_dtype(dtype)
         exponent = torch.arange(0, self.dim, 2, device=positions.device, dtype=torch.int64).to(work)
@@ -81,7 +82,7 @@ class Rotary:
         angles = positions.to(work)[..., None] * inv_freq  # (B, T, dim/2)
         angles = torch.cat((angles, angles), dim=-1)  # (B, T, dim)
         cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-        if not torch.compiler.is_compiling():
+        if not compiling:
             self._last = (positions, version(positions), dtype, cos, sin)
         return cos, sin
 

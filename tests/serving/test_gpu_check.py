@@ -22,7 +22,14 @@ def test_the_gpu_check_runs_every_part_in_its_cpu_smoke_mode(tmp_path):
     for part in ("checks", "attention_path", "decode", "serving", "training"):
         assert "error" not in report[part], (part, report[part])
     assert report["checks"]["passed"] and report["checks"]["greedy_equals_cpu"]
-    assert report["decode"]["by_batch"]["1"]["decode_tok_s"] > 0
+    assert report["checks"]["greedy_equals_cpu_by_engine"] == {
+        "sdpa": True, "flex": True, "auto_compiled": True}
+    assert report["attention_path"]["auto"] == "native"
+    for engine, attention in (("auto", "native"), ("sdpa", "sdpa"), ("flex", "flex"),
+                              ("auto_compiled", "native")):
+        decoded = report["decode"][engine]
+        assert decoded["attention"] == attention and decoded["by_batch"]["1"]["decode_tok_s"] > 0
+    assert report["decode"]["auto_compiled"]["enforce_eager"] is False
     assert report["training"]["eager"]["tokens_per_s"] > 0
 
 

@@ -3,8 +3,6 @@ scattered blocks reproduce the full forward of every sequence, for every variant
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +10,7 @@ import torch.nn.functional as F
 from egmla.models import Transformer, cache_spec_for
 from egmla.presets import PRESETS, preset
 from serve.paged_cache import PagedKVCache
+from support.engine import run_ragged
 from support.models import VARIANTS, build, exact_predictor
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -23,41 +22,6 @@ def test_paged_bytes_equal_analytic(name, dtype):
     spec = cache_spec_for(preset(name))
     cache = PagedKVCache(spec, num_blocks=3, block_size=16, dtype=dtype, device="meta")
     assert cache.nbytes() == 3 * 16 * spec.bytes_per_token(dtype)
-
-
-def run_ragged(model: Transformer, sequences: list[torch.Tensor], block_size: int, seed: int):
-    """Feed each sequence in random chunks, all rows in one ragged step at a time, through
-    randomly scattered blocks. Returns, per sequence, the logits of every position."""
-    rng = random.Random(seed)
-    spec = model.cache_spec()
-    need = sum(-(-len(s) // block_size) for s in sequences)
-    cache = PagedKVCache(spec, num_blocks=need + 3, block_size=block_size, dtype=torch.float64)
-    ids = list(range(need + 3))
-    rng.shuffle(ids)
-    tables, done = [], [0] * len(sequences)
-    for s in sequences:
-        n = -(-len(s) // block_size)
-        tables.append(ids[:n])
-        ids = ids[n:]
-    logits = [[] for _ in sequences]
-    while any(d < len(s) for d, s in zip(done, sequences)):
-        rows = [i for i, s in enumerate(sequences) if done[i] < len(s)]
-        rows = rng.sample(rows, rng.randint(1, len(rows)))  # not every sequence every step
-        new = [rng.randint(1, len(sequences[i]) - done[i]) if rng.random() < 0.5 else 1
-               for i in rows]
-        T = max(new)
-        tokens = torch.zeros(len(rows), T, dtype=torch.long)
-        positions = torch.zeros(len(rows), T, dtype=torch.long)  # padding queries sit at 0
-        for b, (i, n) in enumerate(zip(rows, new)):
-            tokens[b, :n] = sequences[i][done[i] : done[i] + n]
-            positions[b, :n] = torch.arange(done[i], done[i] + n)
-        step = cache.step([tables[i] for i in rows], [done[i] for i in rows], new)
-        with torch.no_grad():
-            out = model(tokens, positions, cache=step)
-        for b, (i, n) in enumerate(zip(rows, new)):
-            logits[i].append(out[b, :n])
-            done[i] += n
-    return [torch.cat(chunks) for chunks in logits]
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))

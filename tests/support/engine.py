@@ -71,3 +71,42 @@ def history_sum_greedy(prompt: list[int], n: int, vocab_size: int = 97) -> list[
     for _ in range(n):
         tokens.append((sum(tokens) + len(tokens) - 1) % vocab_size)
     return tokens[len(prompt):]
+
+
+def run_ragged(model, sequences: list[torch.Tensor], block_size: int, seed: int, attention=None):
+    """Feed each sequence in random chunks, all rows in one ragged step at a time, through
+    randomly scattered blocks, attending through `attention` (a serve.attention backend; None:
+    the default). Returns, per sequence, the logits of every position."""
+    from serve.paged_cache import PagedKVCache
+
+    rng = random.Random(seed)
+    spec = model.cache_spec()
+    need = sum(-(-len(s) // block_size) for s in sequences)
+    cache = PagedKVCache(spec, num_blocks=need + 3, block_size=block_size, dtype=torch.float64,
+                         attention=attention)
+    ids = list(range(need + 3))
+    rng.shuffle(ids)
+    tables, done = [], [0] * len(sequences)
+    for s in sequences:
+        n = -(-len(s) // block_size)
+        tables.append(ids[:n])
+        ids = ids[n:]
+    logits = [[] for _ in sequences]
+    while any(d < len(s) for d, s in zip(done, sequences)):
+        rows = [i for i, s in enumerate(sequences) if done[i] < len(s)]
+        rows = rng.sample(rows, rng.randint(1, len(rows)))  # not every sequence every step
+        new = [rng.randint(1, len(sequences[i]) - done[i]) if rng.random() < 0.5 else 1
+               for i in rows]
+        T = max(new)
+        tokens = torch.zeros(len(rows), T, dtype=torch.long)
+        positions = torch.zeros(len(rows), T, dtype=torch.long)  # padding queries sit at 0
+        for b, (i, n) in enumerate(zip(rows, new)):
+            tokens[b, :n] = sequences[i][done[i] : done[i] + n]
+            positions[b, :n] = torch.arange(done[i], done[i] + n)
+        step = cache.step([tables[i] for i in rows], [done[i] for i in rows], new)
+        with torch.no_grad():
+            out = model(tokens, positions, cache=step)
+        for b, (i, n) in enumerate(zip(rows, new)):
+            logits[i].append(out[b, :n])
+            done[i] += n
+    return [torch.cat(chunks) for chunks in logits]

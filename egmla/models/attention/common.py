@@ -105,14 +105,15 @@ def _causal_mask(positions: torch.Tensor, key_positions: torch.Tensor, R: int) -
     query repeated for the R heads folded into it. Every layer of a forward passes the same two
     tensors, so the first layer builds the mask and the rest reuse it."""
     global _last_mask
+    compiling = torch.compiler.is_compiling()  # a traced forward keeps no memo
     last = _last_mask  # one read: another thread may replace it, never half of it
-    versions = (version(positions), version(key_positions))
-    if (last is not None and last[0] is positions and last[1] is key_positions
-            and last[2] == versions and last[3] == R):
+    versions = None if compiling else (version(positions), version(key_positions))
+    if (not compiling and last is not None and last[0] is positions
+            and last[1] is key_positions and last[2] == versions and last[3] == R):
         return last[4]
     kp = key_positions if key_positions.dim() == 2 else key_positions[None]  # (B or 1, S)
     mask = kp[:, None, :] <= positions[:, :, None]  # (B or 1, T, S)
     mask = mask[:, None, None].expand(-1, -1, R, -1, -1).reshape(mask.shape[0], 1, -1, kp.shape[-1])
-    if not torch.compiler.is_compiling():
+    if not compiling:
         _last_mask = (positions, key_positions, versions, R, mask)
     return mask
