@@ -349,9 +349,9 @@ class _Admission:
 
     def sampling(self, req: _Common, max_tokens: int, logprobs: int | None = None,
                  prompt_logprobs: int | None = None) -> SamplingParams:
-        if req.stream and (logprobs is not None or prompt_logprobs is not None):
-            raise APIError(400, "logprobs with stream=true are not supported by this server; "
-                           "ask without streaming", param="logprobs")
+        if req.stream and prompt_logprobs is not None:  # they come with the request's end
+            raise APIError(400, "echo with logprobs (the prompt's logprobs) and stream=true are "
+                           "not supported together; ask without streaming", param="echo")
         try:
             params = SamplingParams(
                 max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
@@ -573,6 +573,7 @@ class _Reply:
         self.id, self.object, self.model = f"{prefix}-{uuid.uuid4().hex}", obj, model
         self.created, self.req, self.chat, self.n = int(time.time()), req, chat, req.n
         self.llm, self.prompts = llm, prompts or []
+        self._offsets: dict[int, int] = {}  # streamed completions: each choice's text_offset
 
     def _choice(self, index: int, text: str, finish: str | None, delta: bool,
                 logprobs: dict | None = None) -> dict:
@@ -614,11 +615,12 @@ class _Reply:
             return text, tokens, None
         return text, tokens, self._completion_logprobs(tokens, steps)
 
-    def _completion_logprobs(self, tokens: list[int], steps: list) -> dict:
+    def _completion_logprobs(self, tokens: list[int], steps: list, at: int = 0) -> dict:
         """The legacy completions shape: tokens, token_logprobs, top_logprobs (the N most
-        likely, as text -> logprob), text_offset."""
+        likely, as text -> logprob), text_offset (counted from `at`: a streamed chunk's
+        offsets continue the earlier chunks')."""
         names = [self._token(t) for t in tokens]
-        offsets, at = [], 0
+        offsets = []
         for name in names:
             offsets.append(at)
             at += len(name)
@@ -639,6 +641,18 @@ class _Reply:
         return {"content": [{**item(t, s[t][0]), "top_logprobs": [
             item(i, lp) for i, (lp, rank) in sorted(s.items(), key=lambda e: e[1][1])
             if rank <= top]} for t, s in zip(tokens, steps)]}
+
+    def _delta_logprobs(self, choice: int, delta) -> dict | None:
+        """A streamed chunk's logprobs: of the tokens made since the last chunk (their text
+        may come in a later chunk, held back until it is final)."""
+        if delta.logprobs is None:
+            return None
+        if self.chat:
+            return self._chat_logprobs(delta.token_ids, delta.logprobs)
+        at = self._offsets.get(choice, 0)
+        out = self._completion_logprobs(delta.token_ids, delta.logprobs, at)
+        self._offsets[choice] = at + sum(len(t) for t in out["tokens"])
+        return out
 
     def _usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -725,8 +739,9 @@ class _Reply:
                     err = {"message": str(item), "type": "server_error", "param": None, "code": None}
                     yield f"data: {json.dumps({'error': err})}\n\n"
                     continue
-                choices = [self._choice(i * self.n + d.index, d.text, d.finish_reason, delta=True)
-                           for d in item.deltas if d.text or d.finish_reason]
+                choices = [self._choice(i * self.n + d.index, d.text, d.finish_reason, delta=True,
+                                        logprobs=self._delta_logprobs(i * self.n + d.index, d))
+                           for d in item.deltas if d.text or d.finish_reason or d.logprobs]
                 if choices:
                     yield self._chunk(choices)
                 if item.finished:

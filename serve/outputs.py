@@ -64,8 +64,9 @@ class SampleDelta:
     finish_reason: str | None = None  # "stop", "length" or "abort" once it finished
     ttft: float | None = None  # seconds to the first token (final outputs only)
     tpot: float | None = None  # seconds per output token after the first (final outputs only)
-    # Final outputs only: the stop token id or stop string that ended it, and with logprobs
-    # requested, each token's {token id: (logprob, rank)} and their sum (serve.engine.Sequence).
+    # Final outputs only: the stop token id or stop string that ended it. With logprobs
+    # requested, each token's {token id: (logprob, rank)} (serve.engine.Sequence): of the new
+    # tokens in a delta, of every token in a final output, with their sum (final only).
     stop_reason: int | str | None = None
     logprobs: list[dict[int, tuple[float, int]]] | None = None
     cumulative_logprob: float | None = None
@@ -129,7 +130,10 @@ class OutputProcessor:
                     text = stream.update(seq.output, final=done)
                     if stream.stopped:  # ends it now, or relabels a last token's "length"
                         self.engine.stop_sample(seq_id)
-                deltas.append(SampleDelta(index, text, seq.output[seen:], seq.finish_reason))
+                made = len(seq.output)
+                deltas.append(SampleDelta(
+                    index, text, seq.output[seen:made], seq.finish_reason,
+                    logprobs=None if seq.logprobs is None else seq.logprobs[seen:made]))
             finished = self.engine.is_finished(rid)
             if not deltas and not finished:
                 continue

@@ -348,7 +348,7 @@ HOSTILE = [  # (endpoint, body changes, the field the 400 names)
     ("completions", {"min_tokens": 5}, "min_tokens"),  # more than max_tokens (4)
     ("completions", {"presence_penalty": 3}, "presence_penalty"),
     ("completions", {"logprobs": 21}, "logprobs"),
-    ("completions", {"logprobs": 2, "stream": True}, "logprobs"),
+    ("completions", {"logprobs": 2, "echo": True, "stream": True}, "echo"),
     ("completions", {"max_tokens": 0}, "max_tokens"),
     ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),

@@ -68,6 +68,34 @@ def test_completion_logprobs_are_the_models(llm, client):
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
+def test_streamed_logprobs_equal_the_whole_responses(llm, client):
+    """stream=true with logprobs: the chunks' logprobs, joined, are the unstreamed response's
+    (completions: tokens, logprobs, top alternatives and continuing text offsets; chat: the
+    content items)."""
+    whole = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=8, temperature=0,
+                                      logprobs=2).choices[0].logprobs
+    joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPT, max_tokens=8,
+                                            temperature=0, logprobs=2, stream=True))
+    for chunk in chunks:
+        lp = chunk.choices[0].logprobs if chunk.choices else None
+        for key in joined if lp else ():
+            joined[key] += getattr(lp, key)
+    assert joined == {key: getattr(whole, key) for key in joined}
+    assert sum(1 for c in chunks if c.choices and c.choices[0].logprobs) > 1  # really streamed
+    messages = [{"role": "user", "content": PROMPT}]
+    whole = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6,
+                                           temperature=0, logprobs=True, top_logprobs=2)
+    items = []
+    for chunk in client.chat.completions.create(model=NAME, messages=messages, max_tokens=6,
+                                                temperature=0, logprobs=True, top_logprobs=2,
+                                                stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            items += chunk.choices[0].logprobs.content
+    assert [i.model_dump() for i in items] == [
+        i.model_dump() for i in whole.choices[0].logprobs.content]
+
+
 @pytest.mark.parametrize("max_tokens", [0, 1])
 def test_echo_returns_the_prompt_with_its_logprobs(llm, client, max_tokens):
     """What lm-eval's local-completions sends to score a continuation: echo, logprobs=1 and
