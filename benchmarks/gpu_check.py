@@ -95,7 +95,11 @@ def checks(device) -> dict[str, Any]:
         steps += [bf16(ids[:, t:t + 1], cache=cache) for t in range(8, ids.shape[1])]
         stepwise = torch.cat(steps, dim=1).float()
     err = (full - stepwise).abs().max().item()
-    return {"greedy_equals_cpu": a == b, "greedy_equals_cpu_by_engine": by_backend,
+    shared = {}
+    if device.type == "cuda":  # vLLM's gpu_memory_utilization sizes the pool from the device
+        pool = LLM(model_of(TINY, torch.float32, device), gpu_memory_utilization=0.3).engine
+        shared = {"gpu_memory_utilization_0.3_kv_gib": round(pool.cache.nbytes() / 2**30, 2)}
+    return {**shared, "greedy_equals_cpu": a == b, "greedy_equals_cpu_by_engine": by_backend,
             "seeded_repeats": s1 == s2,
             "bf16_prefill_decode_max_abs_err": err, "bf16_tolerance": 0.05,
             "passed": a == b and all(by_backend.values()) and s1 == s2 and err < 0.05}

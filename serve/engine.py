@@ -186,6 +186,34 @@ MAX_LOGPROBS = 20  # as OpenAI's top_logprobs allows
 _FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
 
 
+def kv_memory_for_share(share: float, total: int, used: int, reserve: int) -> int:
+    """Bytes left for the KV pool when the engine may hold `share` of a device's `total` bytes,
+    `used` are held already (the weights) and `reserve` are kept for a step's activations;
+    ValueError, with the numbers, when nothing is left."""
+    left = int(share * total) - used - reserve
+    if left <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={share}: {share} x {total / 2**30:.2f} GiB leaves no room "
+            f"for a KV pool after {used / 2**30:.2f} GiB held (the weights) and "
+            f"{reserve / 2**30:.2f} GiB reserved for activations; raise it")
+    return left
+
+
+def _kv_memory_on_gpu(model: Transformer, c: EngineConfig) -> int:
+    device = model.tok_emb.weight.device
+    if device.type != "cuda":
+        raise ValueError(f"gpu_memory_utilization applies to a CUDA device (this engine is on "
+                         f"{device}): size the KV pool with kv_cache_memory")
+    total = torch.cuda.get_device_properties(device).total_memory
+    cfg = model.config
+    # A step's activations, roughly: hidden states, MLP and attention scratch and fp32 logits
+    # for every token of the step's budget (vLLM profiles a forward; this is an estimate).
+    per_token = 4 * (16 * cfg.d_model + 3 * cfg.d_ff + 2 * cfg.vocab_size)
+    reserve = c.max_num_batched_tokens * per_token + 2**28  # + 256 MiB for the allocator
+    return kv_memory_for_share(c.gpu_memory_utilization, total,
+                               torch.cuda.memory_allocated(device), reserve)
+
+
 def compiled_decode(model: Transformer):
     """`model` through torch.compile for decode steps: dynamic shapes from the first call (the
     batch and the context change every step), the CPU kernels loaded first (their loading
@@ -227,6 +255,10 @@ class EngineConfig:
     # serves every batch and context; no CUDA graphs: the KV pools are inputs it mutates).
     # Default True here (vLLM's is False): compiling costs seconds to minutes at start.
     enforce_eager: bool = True
+    # vLLM's: on a CUDA device, the share of its memory this engine may hold (weights,
+    # activations, KV pool); the pool gets what the weights and an activation reserve leave.
+    # None: kv_cache_memory sizes the pool (and it is the only way on a CPU).
+    gpu_memory_utilization: float | None = None
 
     @classmethod
     def from_args(cls, **engine_args) -> EngineConfig:
@@ -240,6 +272,10 @@ class EngineConfig:
         if backend not in attention.BACKENDS:  # before a model is loaded
             raise ValueError(f"attention_backend={backend!r}: expected one of "
                              f"{', '.join(attention.BACKENDS)}")
+        share = engine_args.get("gpu_memory_utilization")
+        if share is not None and not (isinstance(share, (int, float)) and not isinstance(share, bool)
+                                      and 0 < share <= 1):
+            raise ValueError(f"gpu_memory_utilization={share!r}: must be a number in (0, 1]")
         eager = engine_args.get("enforce_eager", cls.enforce_eager)
         if not isinstance(eager, bool):
             raise ValueError(f"enforce_eager={eager!r}: must be true or false")
@@ -386,6 +422,8 @@ class LLMEngine:
         self.model, c = model.eval(), config or EngineConfig()
         weight = model.tok_emb.weight
         spec, dtype = model.cache_spec(), c.cache_dtype or weight.dtype
+        if c.gpu_memory_utilization is not None and c.num_blocks is None:
+            c = dataclasses.replace(c, kv_cache_memory=_kv_memory_on_gpu(model, c))
         if c.num_blocks is None:
             block_bytes = spec.bytes_per_token(dtype) * c.block_size
             if c.kv_cache_memory < block_bytes:

@@ -201,8 +201,8 @@ def test_the_llm_seed_makes_unseeded_sampling_reproducible(export):
 def test_what_is_not_implemented_is_refused_by_name(export):
     with pytest.raises(InvalidRequest, match="use_beam_search: vLLM's, not implemented"):
         SamplingParams(use_beam_search=True)
-    with pytest.raises(ValueError, match="unknown engine argument.*gpu_memory_utilization"):
-        LLM(model=str(export), gpu_memory_utilization=0.9)
+    with pytest.raises(ValueError, match="unknown engine argument.*tensor_parallel_size"):
+        LLM(model=str(export), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="max_model_len=1000"):
         LLM(model=str(export), max_model_len=1000)
 
@@ -245,3 +245,20 @@ def test_on_a_gpu_greedy_tokens_and_seeded_draws_match_the_cpus(export):
     seeded = SamplingParams(max_tokens=12, seed=7)
     a, b = (gpu_llm.generate(PROMPTS, seeded, use_tqdm=False) for _ in range(2))
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_gpu_memory_utilization_sizes_the_pool_on_a_gpu_and_is_refused_elsewhere(export):
+    """vLLM's share of device memory: the pool gets the share less what is held and an
+    activation reserve; on a CPU (no share to take) it is refused, naming kv_cache_memory."""
+    from serve.engine import kv_memory_for_share
+
+    assert kv_memory_for_share(0.5, 80 * 2**30, 2**30, 2**29) == 40 * 2**30 - 2**30 - 2**29
+    with pytest.raises(ValueError, match="leaves no room for a KV pool"):
+        kv_memory_for_share(0.01, 8 * 2**30, 2**30, 0)
+    for bad in (0, 1.5, "0.9", True):
+        with pytest.raises(ValueError, match=f"gpu_memory_utilization={bad!r}: must be a number"):
+            LLM(model=str(export), gpu_memory_utilization=bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="applies to a CUDA device.*kv_cache_memory"):
+            LLM(model=str(export), gpu_memory_utilization=0.9)
+
