@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (%(default)s)")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default="512MiB",
                    help="memory for the paged KV pool, e.g. 512MiB or 4GiB (default %(default)s)")
+    g.add_argument("--gpu-memory-utilization", type=non_negative_float,
+                   help="on a CUDA device: the share of its memory (0-1] to use, the KV pool "
+                        "taking what the weights and an activation reserve leave; overrides "
+                        "--kv-cache-memory (not on a CPU)")
     g.add_argument("--num-blocks", type=positive_int,
                    help="blocks in the KV pool; overrides --kv-cache-memory")
     g.add_argument("--max-num-seqs", type=positive_int, default=64,
@@ -173,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                   ffn_sparsity=args.ffn_sparsity, ffn_threshold=args.ffn_threshold,
                   ffn_predictors=args.ffn_predictors, max_model_len=args.max_model_len,
                   seed=args.seed, device=args.device, attention_backend=args.attention_backend,
-                  enforce_eager=args.enforce_eager)
+                  enforce_eager=args.enforce_eager,
+                  gpu_memory_utilization=args.gpu_memory_utilization)
     except (CheckpointError, ValueError, OSError) as error:
         print(f"error: cannot load --model {args.model}: {error}", file=sys.stderr)
         return 2

@@ -307,6 +307,17 @@ def test_cli_help_and_bad_arguments_fail_cleanly(tmp_path):
     assert "Traceback" not in missing.stderr
     size = run_cli("--model", "x", "--kv-cache-memory", "lots")
     assert size.returncode == 2 and "'lots'" in size.stderr
+    backend = run_cli("--model", "x", "--attention-backend", "fastest")
+    assert backend.returncode == 2 and "'fastest'" in backend.stderr
+    if not torch.cuda.is_available():  # what needs a GPU is refused with its reason
+        from support.models import tiny_text_export
+
+        export = tiny_text_export(tmp_path / "tiny")
+        for flags, reason in ((["--attention-backend", "flash_attn"], "flash-attn"),
+                              (["--gpu-memory-utilization", "0.5"], "applies to a CUDA device")):
+            refused = run_cli("--model", str(export), *flags)
+            assert refused.returncode == 2 and reason in refused.stderr, refused.stderr[-500:]
+            assert "Traceback" not in refused.stderr
 
 
 def test_json_error_body_shape_is_openai(server):
