@@ -173,6 +173,9 @@ def select(requested: str, device: torch.device, dtype: torch.dtype, block_size:
     installed = flash_attn_installed() if flash_installed is None else flash_installed
     gpu = device.type == "cuda"
     if requested == "auto":
+        if gpu and not head_dims:
+            return Choice(PagedAttention(), "auto: no MHA/GQA layers (MLA and EG-MLA layers "
+                                            "gather their latents under every backend)")
         if not gpu:
             return Choice(Native(), f"auto on {device}: this project's kernels, SDPA where "
                                     "they do not apply")

@@ -51,6 +51,8 @@ class PagedKVCache(CacheTensors):
         super().__init__(spec, (num_blocks * block_size,), dtype, device)  # flat, block-major
         self.num_blocks, self.block_size = num_blocks, block_size
         self.attention = attention or Native()
+        # layers that cache plain K and V (MHA/GQA): the ones the attention backend serves
+        self.kv_layers = sum(set(layer) == {"k", "v"} for layer in spec.layers)
 
     def block_bytes(self) -> int:
         """Bytes of one block across every layer and field."""
@@ -112,7 +114,8 @@ class PagedStep:
         valid = (self.new_slots >= 0).flatten()  # real new tokens (the rest is padding)
         self._rows = valid.nonzero().squeeze(1)  # their indices in the flattened (B * T)
         self._targets = self.new_slots.flatten().index_select(0, self._rows)  # and their slots
-        cache.attention.prepare(self)  # what the backend's layers share (FlexAttention's mask)
+        if cache.kv_layers:  # what the backend's layers share (FlexAttention's mask)
+            cache.attention.prepare(self)
 
     @property
     def block_tables(self) -> torch.Tensor:

@@ -164,6 +164,20 @@ def test_auto_picks_by_machine_and_says_why(device, dtype, block, installed, nam
         assert choice.backend.compiled  # eager FlexAttention would materialize the scores
 
 
+def test_a_model_without_mha_layers_builds_no_flex_mask(monkeypatch):
+    """MLA and EG-MLA layers never use the backend: auto on a GPU takes the plain path for
+    them, and an explicit flex builds no block mask for a model without K/V layers."""
+    assert attention.select("auto", CUDA, torch.bfloat16, 16, set()).name == "sdpa"
+    built = []
+    monkeypatch.setattr(attention.Flex, "prepare", lambda self, step: built.append(step))
+    latent = PagedKVCache(build(VARIANTS["mla-absorbed"]).cache_spec(),
+                          num_blocks=4, block_size=4, attention=attention.Flex())
+    latent.step([[0]], [0], [2])
+    assert not built
+    PagedKVCache(GQA, num_blocks=4, block_size=4, attention=attention.Flex()).step([[0]], [0], [2])
+    assert len(built) == 1
+
+
 @pytest.mark.parametrize("requested,device,installed,message", [
     ("flash_attn", CPU, True, "needs a CUDA device"),
     ("flash_attn", CUDA, False, "not installed"),
