@@ -106,8 +106,9 @@ class LLM:
         `EngineConfig`'s fields (block_size, num_blocks, kv_cache_memory, max_num_seqs,
         max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, cache_dtype:
         the KV cache's dtype, by default the weights', attention_backend: how MHA/GQA layers
-        attend, one of serve.attention.BACKENDS, "auto" by default), with its defaults. As
-        vLLM's:
+        attend, one of serve.attention.BACKENDS, "auto" by default; enforce_eager: False
+        compiles decode steps, True by default; gpu_memory_utilization: a CUDA device's share
+        that sizes the KV pool), with its defaults. As vLLM's:
         `device` is where the weights, the KV cache and the sampling live ("cpu", "cuda",
         "cuda:N"; default: where the model is, the CPU for a loaded one),
         `max_model_len` caps a request's prompt + output (default: the model's context),
