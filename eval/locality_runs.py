@@ -1,0 +1,221 @@
+"""Issue 19's measurements end to end, resumable: `python -m eval.locality_runs`.
+
+1. train: one model per MLP activation (swiglu, reglu, drelu, relu2) at seed 0 and two more
+   seeds of swiglu and drelu, all `experiment=locality` (equal tokens and parameters); each
+   finished run's record (final validation loss, tokens, parameters) goes to
+   `<results>/runs/<name>.json`, committed;
+2. losses: each activation's validation loss against SwiGLU's, mean and 95% interval over the
+   seeds it has, written to `<results>/losses.{json,md}`;
+3. profile and predictors of each seed-0 model, and of SmolLM2-135M-Instruct (the
+   training-free baseline): `python -m eval.locality profile|predictors`, SwiGLU models at a
+   magnitude threshold of 0.05, the ReLU family at exact zeros; the reports are copied to
+   `<results>/<name>/`;
+4. benchmark: `benchmarks/activation_locality.py` over the seed-0 models and SmolLM2, its
+   record `<results>/activation_locality.{json,md}`.
+
+Re-running skips what is done. A run known only from its record (a new machine: run
+directories are not committed) is not trained again unless a later step needs its model: the
+seed-0 models are, until the benchmark has run.
+
+    python -m eval.locality_runs                       # everything, in the background
+    python -m eval.locality_runs --steps train losses  # only some steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = [("swiglu", 0), ("reglu", 0), ("drelu", 0), ("relu2", 0),
+        ("swiglu", 1), ("drelu", 1), ("swiglu", 2), ("drelu", 2)]
+SMOLLM2 = "SmolLM2-135M-Instruct"
+# SwiGLU has no exact zeros: its neurons fire above a TEAL/CATS-style magnitude threshold
+SWIGLU_THRESHOLD = 0.05
+STEPS = ("train", "losses", "profile", "predictors", "benchmark")
+
+
+class PipelineError(RuntimeError):
+    pass
+
+
+def run_name(ffn: str, seed: int) -> str:
+    return f"locality-{ffn}-s{seed}"
+
+
+def train_command(ffn: str, seed: int, runs_dir: Path, extra: list[str]) -> list[str]:
+    width = ["model.d_ff=2304"] if ffn == "relu2" else []  # no gate: 1.5x wide, equal parameters
+    return [sys.executable, str(ROOT / "train.py"), "experiment=locality", f"model.ffn={ffn}",
+            *width, f"seed={seed}", "wandb.mode=disabled", f"name={run_name(ffn, seed)}",
+            f"hydra.run.dir={runs_dir / run_name(ffn, seed)}", *extra]
+
+
+def _run(cmd: list[str], log_file: Path, log) -> None:
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    log(f"{' '.join(cmd[1:4])} ... (log {log_file})")
+    with log_file.open("w") as out:
+        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if done.returncode != 0:
+        raise PipelineError(f"{' '.join(cmd[1:4])} failed (exit {done.returncode}); see {log_file}")
+    log(f"done in {time.perf_counter() - started:.0f} s")
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def train(ffn: str, seed: int, args, log, need_model: bool) -> dict[str, Any]:
+    """The run's record, training it first unless the record exists and its model is not
+    needed (or is there)."""
+    name = run_name(ffn, seed)
+    record_file, directory = args.results / "runs" / f"{name}.json", args.runs_dir / name
+    export = directory / "export"
+    if record_file.is_file() and (not need_model or (export / "config.json").is_file()):
+        return json.loads(record_file.read_text())
+    if not (directory / "summary.json").is_file() or not (export / "config.json").is_file():
+        _run(train_command(ffn, seed, args.runs_dir, args.overrides), args.runs_dir / f"{name}.log",
+             log)
+        shutil.rmtree(directory / "checkpoints", ignore_errors=True)  # only a resume needs them
+    summary = json.loads((directory / "summary.json").read_text())
+    config = json.loads((directory / "config.json").read_text())
+    info = json.loads((directory / "run_info.json").read_text())
+    model = json.loads((export / "config.json").read_text())
+    data = config["data"]
+    record = {"name": name, "ffn": ffn, "seed": seed, "val_loss": summary["val_loss"],
+              "steps": summary["global_step"],
+              "tokens": summary["global_step"] * data["batch_size"] * data["seq_len"],
+              "params": info.get("params"), "d_ff": model["d_ff"],
+              "precision": config["trainer"]["precision"], "fit_seconds": summary["fit_seconds"],
+              "overrides": args.overrides, "git": info["starts"][-1].get("git")}
+    write_json(record_file, record)
+    return record
+
+
+def losses(records: list[dict[str, Any]], results: Path) -> dict[str, Any]:
+    """Each activation's final validation loss against SwiGLU's: per seed, mean and interval,
+    and the difference of means (seeds are not paired across activations: different models)."""
+    from eval.compare import interval
+
+    by_ffn: dict[str, dict[int, float]] = {}
+    for r in records:
+        by_ffn.setdefault(r["ffn"], {})[r["seed"]] = r["val_loss"]
+    base = interval(list(by_ffn.get("swiglu", {}).values()))
+    rows = []
+    for ffn, seeds in by_ffn.items():
+        ci = interval(list(seeds.values()))
+        rows.append({"ffn": ffn, "val_loss_by_seed": seeds, "val_loss": ci,
+                     "vs_swiglu": ci["mean"] - base["mean"] if base["n"] else None,
+                     "vs_swiglu_percent": 100 * (ci["mean"] - base["mean"]) / base["mean"]
+                     if base["n"] else None})
+    report = {"what": "final validation loss (nats/token, held-out split) per MLP activation at "
+                      "equal tokens and parameters (configs/experiment/locality.yaml)",
+              "rows": rows}
+    write_json(results / "losses.json", report)
+    lines = ["# Loss cost of each MLP activation against SwiGLU (issue 19)", "",
+             report["what"] + "; mean and 95% t-interval over the seeds there are.", "",
+             "| activation | seeds | val loss | 95% CI | vs SwiGLU |", "|---|---:|---:|---|---:|"]
+    for row in rows:
+        ci = row["val_loss"]
+        span = "" if ci["low"] is None else f"[{ci['low']:.4f}, {ci['high']:.4f}]"
+        diff = "" if row["vs_swiglu"] is None else (f"{row['vs_swiglu']:+.4f} "
+                                                   f"({row['vs_swiglu_percent']:+.2f}%)")
+        lines.append(f"| {row['ffn']} | {ci['n']} | {ci['mean']:.4f} | {span} | {diff} |")
+    (results / "losses.md").write_text("\n".join(lines) + "\n")
+    return report
+
+
+def benchmarked(results: Path) -> bool:
+    return any(results.glob("activation_locality*.json"))
+
+
+def locality(command: str, model: str, name: str, args, log, threshold: float = 0.0) -> None:
+    """`python -m eval.locality <command>` for `model`, its reports copied to results/<name>.
+    It writes where the benchmark looks (eval.locality.default_out)."""
+    from eval.locality import default_out
+
+    out = args.results / name
+    work = ROOT / default_out(model)
+    reported = (out / f"{command}.json").is_file()
+    # the benchmark reads the predictors' file, which is not committed: remade while it is needed
+    needed = command == "predictors" and not benchmarked(args.results)
+    if reported and not (needed and not (work / "predictors.safetensors").is_file()):
+        return
+    cmd = [sys.executable, "-m", "eval.locality", command, "--model", model, "--out", str(work),
+           "--threshold", str(threshold), *getattr(args, f"{command}_args")]
+    _run(cmd, args.runs_dir / f"{name}-{command}.log", log)
+    out.mkdir(parents=True, exist_ok=True)
+    for file in (f"{command}.json", f"{command}.md", "profile.png"):
+        if (work / file).is_file():
+            shutil.copyfile(work / file, out / file)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.locality_runs", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS),
+                   help="which steps to run (default: all, in order)")
+    p.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "locality-runs",
+                   help="where the runs train (default runs/locality-runs)")
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "locality",
+                   help="where the records go (default benchmarks/results/locality)")
+    p.add_argument("--overrides", nargs="*", default=[],
+                   help="train.py overrides for every run (a rehearsal: trainer.max_steps=2 ...)")
+    for step, what in (("profile", "python -m eval.locality profile"),
+                       ("predictors", "python -m eval.locality predictors"),
+                       ("benchmark", "benchmarks/activation_locality.py")):
+        p.add_argument(f"--{step}-args", type=shlex.split, default=[], metavar="'ARGS'",
+                       help=f"extra arguments for {what}, one quoted string (e.g. '--quick')")
+    p.add_argument("--no-smollm2", action="store_true",
+                   help="leave SmolLM2 out of the profile, predictors and benchmark steps")
+    args = p.parse_args(argv)
+    args.runs_dir, args.results = args.runs_dir.resolve(), args.results.resolve()
+    log = lambda message: print(time.strftime("%H:%M:%S"), message, flush=True)  # noqa: E731
+    steps = set(args.steps)
+    later = steps & {"profile", "predictors", "benchmark"}
+    bench_done = benchmarked(args.results)
+    try:
+        records = []
+        if "train" in steps or "losses" in steps or later:
+            for ffn, seed in RUNS:
+                need = seed == 0 and bool(later) and not bench_done
+                if "train" not in steps and not (args.results / "runs" /
+                                                 f"{run_name(ffn, seed)}.json").is_file():
+                    continue
+                records.append(train(ffn, seed, args, log, need_model=need))
+        if "losses" in steps and records:
+            print((args.results / "losses.md").read_text() if losses(records, args.results) else "")
+        models = [(run_name(f, 0), str(args.runs_dir / run_name(f, 0) / "export"),
+                   SWIGLU_THRESHOLD if f == "swiglu" else 0.0) for f, s in RUNS if s == 0]
+        if not args.no_smollm2:
+            models.append((SMOLLM2, SMOLLM2, SWIGLU_THRESHOLD))
+        for command in ("profile", "predictors"):
+            if command in steps:
+                for name, model, threshold in models:
+                    locality(command, model, name, args, log, threshold)
+        if "benchmark" in steps and not bench_done:
+            cmd = [sys.executable, str(ROOT / "benchmarks" / "activation_locality.py"),
+                   "--out", str(args.results), *args.benchmark_args]
+            for _, model, _ in models:  # it finds their predictors where eval.locality wrote them
+                cmd += ["--model", model]
+            _run(cmd, args.runs_dir / "benchmark.log", log)
+    except PipelineError as error:
+        print(f"locality_runs: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""The issue-19 pipeline (eval/locality_runs.py) rehearsed end to end on tiny models: every run
+trains and is recorded, the loss table compares each activation with SwiGLU, each seed-0
+model is profiled, gets predictors and is benchmarked; a second invocation redoes nothing, and
+one on a new machine (run directories gone) rebuilds the losses from the records alone."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from eval import locality_runs
+from support import ROOT
+
+TINY = ["model.d_model=64", "model.n_heads=2", "model.n_layers=2", "data.seq_len=64",
+        "data.batch_size=4", "trainer.max_steps=2", "trainer.val_every_n_steps=2",
+        "trainer.checkpoint_every_n_steps=2", "trainer.limit_val_batches=2",
+        "trainer.final_val_batches=2"]
+
+
+def pipeline(tmp_path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "eval.locality_runs", "--runs-dir", str(tmp_path / "runs"),
+         "--results", str(tmp_path / "results"), "--no-smollm2", "--overrides", *TINY,
+         "--profile-args", "--tokens 1024 --seq-len 64",
+         "--predictors-args", "--tokens 1024 --seq-len 64 --held-out-tokens 512 --ranks 8 "
+                              "--steps 20 --tolerance 1.0",
+         "--benchmark-args", "--quick --skip-lm-eval", *extra],
+        capture_output=True, text=True, cwd=ROOT, timeout=1500)
+
+
+@pytest.mark.slow
+def test_the_pipeline_runs_records_and_resumes(tmp_path):
+    first = pipeline(tmp_path)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    results = tmp_path / "results"
+    records = {p.stem: json.loads(p.read_text()) for p in (results / "runs").glob("*.json")}
+    assert set(records) == {locality_runs.run_name(f, s) for f, s in locality_runs.RUNS}
+    assert {r["tokens"] for r in records.values()} == {2 * 4 * 64}
+    params = {r["ffn"]: r["params"] for r in records.values()}
+    # equal parameters: relu2 (no gate) at 1.5x the width holds what the gated ones hold
+    assert params["relu2"] == params["swiglu"] == params["drelu"] == params["reglu"]
+    losses = json.loads((results / "losses.json").read_text())["rows"]
+    by_ffn = {row["ffn"]: row for row in losses}
+    assert by_ffn["swiglu"]["val_loss"]["n"] == by_ffn["drelu"]["val_loss"]["n"] == 3
+    assert by_ffn["drelu"]["vs_swiglu"] == pytest.approx(
+        by_ffn["drelu"]["val_loss"]["mean"] - by_ffn["swiglu"]["val_loss"]["mean"])
+    for ffn in ("swiglu", "reglu", "drelu", "relu2"):
+        for report in ("profile.json", "predictors.json"):
+            assert (results / f"locality-{ffn}-s0" / report).is_file(), (ffn, report)
+    bench = json.loads((results / "activation_locality_quick.json").read_text())
+    assert [m["ffn"] for m in bench["models"]] == ["swiglu", "reglu", "drelu", "relu2"]
+    assert any("speedup" in key for m in bench["models"] for r in m["speed"] for key in r)
+    # again: nothing is redone
+    again = pipeline(tmp_path)
+    assert again.returncode == 0 and " ... (log " not in again.stdout, again.stdout[-2000:]
+    # a new machine: the run directories are gone, the records stay; the losses need no model
+    shutil.rmtree(tmp_path / "runs")
+    fresh = pipeline(tmp_path, "--steps", "losses")
+    assert fresh.returncode == 0 and " ... (log " not in fresh.stdout, fresh.stdout[-2000:]
+    assert json.loads((results / "losses.json").read_text())["rows"] == losses
+
+
+def test_bad_arguments_are_one_clear_line():
+    run = subprocess.run([sys.executable, "-m", "eval.locality_runs", "--steps", "fly"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 2 and "'fly'" in run.stderr and "Traceback" not in run.stderr
