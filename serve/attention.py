@@ -98,9 +98,11 @@ class Flex(PagedAttention):
             return None  # a cache in another dtype than the queries: the gather path casts
         step.write_fields(pools, new)
         mask = step.flex_mask
-        keys = mask.shape[-1]  # the pools' used prefix: a view, nothing copied
-        k = k_pool[:keys].transpose(0, 1)[None]  # (1, G, KV, D): every row's batch broadcasts
-        v = v_pool[:keys].transpose(0, 1)[None]
+        B, keys = q.shape[0], mask.shape[-1]  # the pools' used prefix: views, nothing copied
+        # (B, G, KV, D), every row the same pools (a stride-0 batch: older compiled kernels
+        # do not broadcast a batch of 1)
+        k = k_pool[:keys].transpose(0, 1).expand(B, -1, -1, -1)
+        v = v_pool[:keys].transpose(0, 1).expand(B, -1, -1, -1)
         out = self._flex(q.transpose(1, 2), k, v, block_mask=mask, scale=scale,
                          enable_gqa=q.shape[2] != k.shape[1])
         return out.transpose(1, 2)  # (B, T, H, Dv); padding queries see no key and give 0
