@@ -401,8 +401,12 @@ def main(argv: list[str] | None = None) -> int:
         files = "profile.json, profile.md, profile.png, neuron_counts.safetensors"
     else:
         md = predictors_markdown(report)
-        write_atomic(out / "predictors.safetensors", safetensors.torch.save(tensors, metadata))
-        files = "predictors.json, predictors.md, predictors.safetensors"
+        files = "predictors.json, predictors.md"
+        if tensors:
+            write_atomic(out / "predictors.safetensors", safetensors.torch.save(tensors, metadata))
+            files += ", predictors.safetensors"
+        else:  # none within the tolerance: no file (an older one would not match the report)
+            (out / "predictors.safetensors").unlink(missing_ok=True)
     write_atomic(out / f"{name}.md", md.encode())
     print(md)
     print(f"wrote {', '.join(f'{out}/{f}' for f in files.split(', '))}")

@@ -148,10 +148,13 @@ def locality(command: str, model: str, name: str, args, log, threshold: float = 
 
     out = args.results / name
     work = ROOT / default_out(model)
-    reported = (out / f"{command}.json").is_file()
-    # the benchmark reads the predictors' file, which is not committed: remade while it is needed
-    needed = command == "predictors" and not benchmarked(args.results)
-    if reported and not (needed and not (work / "predictors.safetensors").is_file()):
+    report = out / f"{command}.json"
+    # the benchmark reads the predictors' file, which is not committed: remade while it is
+    # needed, if a rank was chosen (else there is none to make)
+    missing = (command == "predictors" and not benchmarked(args.results)
+               and report.is_file() and json.loads(report.read_text())["chosen_rank"] is not None
+               and not (work / "predictors.safetensors").is_file())
+    if report.is_file() and not missing:
         return
     cmd = [sys.executable, "-m", "eval.locality", command, "--model", model, "--out", str(work),
            "--threshold", str(threshold), *getattr(args, f"{command}_args")]

@@ -209,6 +209,28 @@ def test_the_predictors_command_trains_chooses_and_saves(relu2_export, tmp_path)
     assert [s.hot for s in sparse] == [r["hot"] for r in layers]
 
 
+def test_predictors_that_miss_the_tolerance_are_not_saved(relu2_export, tmp_path, monkeypatch):
+    """No rank within the tolerance: the report says so, and no predictors file is left, not
+    even an older one, for serving or the benchmark to load as if it were chosen. (A model
+    where every mask doubles the perplexity: a random tiny model's masked perplexity is as
+    likely to fall as to rise.)"""
+    from eval import locality, predictors
+
+    dense = predictors.perplexity
+    monkeypatch.setattr(predictors, "perplexity",
+                        lambda model, batches, keep=None: dense(model, batches) * (2 if keep else 1))
+    out = tmp_path / "pred"
+    out.mkdir()
+    (out / "predictors.safetensors").write_bytes(b"stale")
+    assert locality.main(["predictors", "--model", str(relu2_export), "--tokens", "1024",
+                          "--held-out-tokens", "512", "--seq-len", "32", "--ranks", "4", "8",
+                          "--steps", "5", "--out", str(out)]) == 0
+    report = json.loads((out / "predictors.json").read_text())
+    assert report["chosen_rank"] is None and "nothing saved" in report["note"]
+    assert [t["relative_increase"] for t in report["tried"]] == pytest.approx([1.0, 1.0])
+    assert not (out / "predictors.safetensors").exists()
+
+
 @pytest.fixture(scope="module")
 def drelu_with_predictors(tmp_path_factory):
     """A drelu model's export and the predictors the command trains for it (tiny, fast)."""
