@@ -7,11 +7,11 @@
 For every config the report gives the float elements cached per token (the paper's unit), the
 bytes per token in each dtype (per-layer K/V fields, EG-MLA `kv`'s per-layer norm statistics and
 per-sequence fields such as its int32 token ids, each stated separately), the cache size per
-sequence at each context length, and the reduction against the same model with plain MHA and against its MLA reference. Every number is
-also measured: a `ContiguousCache` (batch 1) is allocated and its `nbytes()` must equal the
-analytic bytes exactly, and so must the serving engine's paged pool for the blocks its block
-manager gives the same sequence (whole blocks: the last one's empty slots are counted), or the
-command exits 1. See docs/kv_bytes.md.
+sequence at each context length, and the reduction against the same model with plain MHA and
+against its MLA reference. Every number is also measured: a `ContiguousCache` (batch 1) is
+allocated and its `nbytes()` must equal the analytic bytes exactly, and so must the serving
+engine's paged pool for the blocks its block manager gives the same sequence (whole blocks: the
+last one's empty slots are counted), or the command exits 1. See docs/kv_bytes.md.
 """
 
 from __future__ import annotations
