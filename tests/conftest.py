@@ -15,6 +15,30 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="egmla-hf-home-"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Tests marked slow run in CI (.ci/run sets EGMLA_SLOW=1) and when asked for: EGMLA_SLOW=1, an
+# explicit -m, or a test named by its node id. A plain `pytest` leaves them out.
+RUN_SLOW = os.environ.get("EGMLA_SLOW", "").strip().lower() in ("1", "true", "yes")
+
+
+def pytest_collection_modifyitems(config, items):
+    if RUN_SLOW or config.getoption("markexpr") or any("::" in a for a in config.args):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+        config.stash[_LEFT_OUT] = len(slow)
+
+
+_LEFT_OUT = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    left_out = config.stash.get(_LEFT_OUT, 0)
+    if left_out:
+        terminalreporter.write_line(f"{left_out} slow tests left out: EGMLA_SLOW=1 runs them "
+                                    "too, as CI does")
+
 
 @pytest.fixture(scope="session")
 def smollm2_cache(tmp_path_factory):
