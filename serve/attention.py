@@ -128,9 +128,9 @@ class FlashAttn(PagedAttention):
             from flash_attn import flash_attn_with_kvcache
 
             self._kernel = flash_attn_with_kvcache
-        return self._kernel(q, k, v, cache_seqlens=step.lengths.to(torch.int32),
-                            block_table=step.block_tables.to(torch.int32), softmax_scale=scale,
-                            causal=True)  # (B, 1, H, Dv)
+        lengths, tables = step.flash_tables  # built once per step, shared by the layers
+        return self._kernel(q, k, v, cache_seqlens=lengths, block_table=tables,
+                            softmax_scale=scale, causal=True)  # (B, 1, H, Dv)
 
 
 @dataclass(frozen=True)

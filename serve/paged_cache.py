@@ -22,6 +22,7 @@ Slot of position p in a sequence = block_table[p // block_size] * block_size + p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -117,11 +118,12 @@ class PagedStep:
         if cache.kv_layers:  # what the backend's layers share (FlexAttention's mask)
             cache.attention.prepare(self)
 
-    @property
-    def block_tables(self) -> torch.Tensor:
-        """(B, blocks) int64 on the cache's device: row b's physical blocks in order (padded
-        with 0 past its own)."""
-        return self._tables.to(self.cache.device)
+    @functools.cached_property
+    def flash_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lengths, block tables) as int32 on the cache's device, built once per step for
+        every layer: keys per row, and row b's physical blocks in order (padded with 0)."""
+        device = self.cache.device
+        return self.lengths.to(torch.int32), self._tables.to(device=device, dtype=torch.int32)
 
     def build_flex_mask(self, create_block_mask, compiled: bool = False):
         """FlexAttention's block mask for this step over the pools' used prefix (shared by every
