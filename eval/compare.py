@@ -316,12 +316,18 @@ def curves(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         members = [r for r in rows if r["group"] == label]
         series = [m["curve"].get(column, {}) if "curve" in m  # a row that carries its curve
                   else _logged(Path(m["run_dir"]) / "metrics.csv", column) for m in members]
+        # The final validation (the whole split, logged at the last step) is another measure
+        # than the periodic ones (a fixed number of batches): it is the run's point, not the curve's.
+        series = [{step: v for step, v in s.items() if not m.get("steps") or step < m["steps"]}
+                  for s, m in zip(series, members)]
         steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
         per_step = [(m["tokens"] or 0) / m["steps"] if m.get("steps") else None for m in members]
         if not steps or None in per_step:
             continue
         out.append({"group": label, "variant": members[0]["variant"], "n": len(members),
-                    "tokens": [step * per_step[0] for step in steps],
+                    # Lightning logs a validation during fit at the step count before the
+                    # step that triggered it: step s has s + 1 optimizer steps behind it
+                    "tokens": [(step + 1) * per_step[0] for step in steps],
                     "points": [interval([s[step] for s in series]) for step in steps]})
     if not out:
         raise CompareError(f"no run logged {metric!r} at its periodic validations (metrics.csv "
@@ -364,12 +370,30 @@ def _place_labels(ax, points: list[tuple[float, float, str]]) -> None:
                         {"arrowstyle": "-", "lw": 0.5, "color": "grey"} if offset else None))
 
 
+MARKERS = "osD^vP*X"  # the groups of one variant: one colour, a marker each
+
+
+def _styles(groups: list[dict[str, Any]], variants: list[str]) -> dict[str, tuple[Any, str]]:
+    """Each group's (colour, marker): the colour is its variant's (the same in every plot), the
+    marker tells apart groups of one variant (MLA at two widths, say)."""
+    import matplotlib
+
+    colours = matplotlib.colormaps["tab10"]
+    names = list(dict.fromkeys([*VARIANTS, *variants]))
+    styles, seen = {}, {}
+    for g in groups:
+        n = seen[g["variant"]] = seen.get(g["variant"], -1) + 1
+        styles[g["group"]] = (colours(names.index(g["variant"]) % 10), MARKERS[n % len(MARKERS)])
+    return styles
+
+
 def plot(rows: list[dict[str, Any]], x: str = "kv_bytes"):
     """The chosen metric against `x`, a point per group (the mean over its seeds, with a 95%
     interval where it has several): colour = variant (the same colour for a variant in every
-    plot), area ∝ parameters (lookup tables included). `x="tokens"`: the groups' curves over
-    their periodic validations."""
-    import matplotlib
+    plot), marker = group where a variant has several, area ∝ parameters (lookup tables
+    included). The legend names the variants, or the groups where a variant has several (then
+    the points carry no labels). `x="tokens"`: the groups' curves over their periodic
+    validations (the final, whole-split validation is left out: another measure)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -377,18 +401,19 @@ def plot(rows: list[dict[str, Any]], x: str = "kv_bytes"):
     fig = Figure(figsize=(8, 5), layout="constrained")
     FigureCanvasAgg(fig)  # Agg, without touching pyplot's global backend
     ax = fig.add_subplot()
-    colours = matplotlib.colormaps["tab10"]
-    names = list(dict.fromkeys([*VARIANTS, *(r["variant"] for r in rows)]))
-    colour = {name: colours(i % 10) for i, name in enumerate(names)}
+    variants = [r["variant"] for r in rows]
     ylabel = "validation loss (nats/token)" if metric == "val_loss" else metric
     if x == "tokens":
-        for c in curves(rows):
+        lines = curves(rows)
+        style = _styles(lines, variants)
+        for c in lines:
+            colour, marker = style[c["group"]]
             means = [p["mean"] for p in c["points"]]
-            ax.plot(c["tokens"], means, marker="o", ms=3, color=colour[c["variant"]],
+            ax.plot(c["tokens"], means, marker=marker, ms=3, color=colour,
                     label=f"{c['group']} (n={c['n']})")
             if c["n"] > 1:
                 ax.fill_between(c["tokens"], [p["low"] for p in c["points"]],
-                                [p["high"] for p in c["points"]], color=colour[c["variant"]],
+                                [p["high"] for p in c["points"]], color=colour,
                                 alpha=0.15, linewidth=0)
         ax.set_xlabel("training tokens")
         ax.set_ylabel(ylabel)
@@ -400,19 +425,21 @@ def plot(rows: list[dict[str, Any]], x: str = "kv_bytes"):
     groups = [g for g in aggregate(rows, x) if g["x"] is not None]
     if not groups:
         raise CompareError(f"--x {x}: no run has a value for it ({X_AXES[x][0]})")
+    style = _styles(groups, variants)
+    by_group = len({g["variant"] for g in groups}) < len(groups)
     biggest = max(g["params"] or 0 for g in groups) or 1
-    for name in [n for n in names if any(g["variant"] == n for g in groups)]:
-        mine = [g for g in groups if g["variant"] == name]
-        ax.scatter([g["x"] for g in mine], [g["mean"] for g in mine],
-                   s=[max(10.0, 300 * (g["params"] or 0) / biggest) for g in mine],
-                   color=colour[name], alpha=0.8, edgecolors="black", linewidths=0.5,
-                   label=name, zorder=3)
-        spread = [g for g in mine if g["low"] is not None]
-        if spread:
-            ax.errorbar([g["x"] for g in spread], [g["mean"] for g in spread],
-                        yerr=[[g["mean"] - g["low"] for g in spread],
-                              [g["high"] - g["mean"] for g in spread]],
-                        fmt="none", ecolor=colour[name], capsize=3, zorder=2)
+    labelled: set[str] = set()
+    for g in groups:
+        colour, marker = style[g["group"]]
+        name = g["group"] + (f" (n={g['n']})" if g["n"] > 1 else "")
+        label = name if by_group else None if g["variant"] in labelled else g["variant"]
+        labelled.add(g["variant"])
+        ax.scatter([g["x"]], [g["mean"]], s=max(10.0, 300 * (g["params"] or 0) / biggest),
+                   color=colour, marker=marker, alpha=0.8, edgecolors="black", linewidths=0.5,
+                   label=label, zorder=3)
+        if g["low"] is not None:
+            ax.errorbar([g["x"]], [g["mean"]], yerr=[[g["mean"] - g["low"]], [g["high"] - g["mean"]]],
+                        fmt="none", ecolor=colour, capsize=3, zorder=2)
     xs = [g["x"] for g in groups]
     ys = [v for g in groups for v in (g["low"], g["mean"], g["high"]) if v is not None]
     log = min(xs) > 0 and max(xs) > 10 * min(xs)
@@ -420,15 +447,17 @@ def plot(rows: list[dict[str, Any]], x: str = "kv_bytes"):
         ax.set_xscale("log")
     ax.set_xlim(*_limits(xs, log))
     ax.set_ylim(*_limits(ys, False))
-    _place_labels(ax, [(g["x"], g["mean"], g["group"] + (f" (n={g['n']})" if g["n"] > 1 else ""))
-                       for g in groups])
+    if not by_group:
+        _place_labels(ax, [(g["x"], g["mean"], g["group"] + (f" (n={g['n']})" if g["n"] > 1
+                                                                else "")) for g in groups])
     ax.set_xlabel(X_AXES[x][1].format(dtype=rows[0]["kv_dtype"]))
     ax.set_ylabel(ylabel)
     several = any(g["n"] > 1 for g in groups)
     ax.set_title(f"{metric} against {X_AXES[x][1].split(' (')[0]}; marker area ∝ parameters"
                  + ("; bars: 95% interval over seeds" if several else ""), fontsize=10)
     ax.grid(alpha=0.3)
-    legend = ax.legend(title="attention", fontsize=8)
+    legend = ax.legend(title="run group" if by_group else "attention", fontsize=8,
+                       loc="best", ncols=2 if len(groups) > 6 and by_group else 1)
     for handle in legend.legend_handles:
         handle.set_sizes([50])
     return fig

@@ -239,7 +239,9 @@ def seeded_copies(runs: Path, parent: Path, losses: list[float]) -> Path:
         (run / "summary.json").write_text(json.dumps({**summary, "name": run.name,
                                                       "val_loss": loss}))
         (run / "metrics.csv").write_text(
-            f"step,train/loss,val/loss\n1,6.0,{loss + 1}\n2,5.0,\n2,,{loss}\n")
+            # as Lightning logs them: periodic validations at steps 0 and 1 (after one and two
+            # optimizer steps), then the final, whole-split one at step 2 (the run's loss)
+            f"step,train/loss,val/loss\n0,6.0,{loss + 1}\n1,5.0,\n1,,{loss + 0.1}\n2,,{loss}\n")
     return parent
 
 
@@ -257,7 +259,7 @@ def test_seeds_of_one_arm_form_a_group_with_a_t_interval(runs, tmp_path):
     (curve,) = [c for c in compare.curves(rows) if c["group"] == "mha"]
     per_step = STEPS * BATCH * 32 / STEPS
     assert curve["tokens"] == [per_step, 2 * per_step]
-    assert [p["mean"] for p in curve["points"]] == [pytest.approx(5.2), pytest.approx(4.2)]
+    assert [p["mean"] for p in curve["points"]] == [pytest.approx(5.2), pytest.approx(4.3)]
 
 
 def test_other_x_axes_and_curves_from_the_command(runs, tmp_path, capsys):
@@ -294,6 +296,44 @@ def test_labels_of_coincident_points_do_not_collide():
     offsets = {a.get_text(): a.xyann for a in ax.texts}
     assert offsets["mla-dc32"] != offsets["egmla-kv"]  # the second moved
     assert offsets["mha"] == (6, 4)  # a lone point keeps its place
+
+
+def synthetic_rows() -> list[dict]:
+    """Two MLA groups (one variant) and an MHA group, two seeds each, with their curves; the
+    last curve point is the final, whole-split validation (logged at the last step)."""
+    rows = []
+    for group, variant, kv, loss in (("mla_dc32", "mla", 136, 4.5), ("mla", "mla", 520, 4.6),
+                                     ("mha", "mha", 4096, 4.7)):
+        for seed in (0, 1):
+            final = loss + 0.01 * seed
+            rows.append({"run": f"{group}-s{seed}", "group": group, "variant": variant,
+                         "seed": seed, "params": 1000, "kv_dtype": "bf16",
+                         "kv_bytes_per_token": kv, "steps": 100, "tokens": 1000,
+                         "metric": "val_loss", "metric_value": final,
+                         "curve": {"val/loss": {49: final + 1, 99: final, 100: final + 0.3}}})
+    return rows
+
+
+def test_curves_leave_out_the_final_whole_split_validation():
+    (curve, *_) = compare.curves(synthetic_rows())
+    assert curve["tokens"] == [500, 1000]  # after 50 and 100 steps; not the final one at 100
+    assert [p["mean"] for p in curve["points"]] == [pytest.approx(5.505), pytest.approx(4.505)]
+
+
+def test_groups_of_one_variant_share_its_colour_and_differ_in_marker():
+    rows = synthetic_rows()
+    styles = compare._styles(compare.aggregate(rows), [r["variant"] for r in rows])
+    assert styles["mla_dc32"][0] == styles["mla"][0] != styles["mha"][0]
+    assert styles["mla_dc32"][1] != styles["mla"][1]
+    fig = compare.plot(rows)
+    (ax,) = fig.axes
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["mla_dc32 (n=2)", "mla (n=2)", "mha (n=2)"]  # the groups, not "mla" twice
+    assert not ax.texts  # the legend names them; no labels by the points
+    one_each = [r for r in rows if r["group"] != "mla"]  # a group per variant: variant legend
+    (ax,) = compare.plot(one_each).axes
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["mla", "mha"]
+    assert {t.get_text() for t in ax.texts} == {"mla_dc32 (n=2)", "mha (n=2)"}
 
 
 def test_variant_names():
