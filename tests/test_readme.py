@@ -28,3 +28,26 @@ def test_readme_opens_with_two_commands_and_ci_runs_the_second():
 def test_readme_python_example_runs(capsys):
     exec(compile(code_blocks("python")[0], "README.md", "exec"), {})
     assert capsys.readouterr().out.strip()
+
+
+def test_readme_quotes_the_studys_record():
+    """The study's figures in the README are the committed record's (benchmarks/results/study),
+    rounded as quoted: a re-run that moves them fails here until the README says so too."""
+    import json
+
+    arms = json.loads((ROOT / "benchmarks/results/study/summary.json").read_text())["arms"]
+    section = README.split("## What the gate buys")[1].split("\n## ")[0]
+
+    def quoted(arm: str, against: str) -> str:
+        d = arms[arm]["paired_differences"][against]
+        return f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+
+    kv = arms["egmla_kv"]["paired_differences"]
+    dc32, matched = kv["mla_dc32"], kv["mla_param_matched"]
+    assert f"{-dc32['mean']:.3f} nats/token below MLA" in section
+    assert f"[{dc32['low']:.3f}, {dc32['high']:.3f}]" in section
+    assert f"{-matched['mean']:.3f} below MLA with the FFN widened" in section
+    assert f"[{matched['low']:.3f}, {matched['high']:.3f}]" in section
+    assert quoted("egmla_const_gate", "mla_dc32") in section
+    assert quoted("egmla_hidden_gate", "mla_dc32") in section
+    assert all(len(arm["val_loss_by_seed"]) >= 3 for arm in arms.values())  # "three seeds"
