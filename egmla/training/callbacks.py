@@ -1,4 +1,5 @@
-"""Callbacks and loggers: throughput and MFU, the plain export, a CSV log that survives resume."""
+"""Callbacks and loggers: throughput and MFU, the plain export, a CSV log and a progress bar
+that survive resume."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
@@ -58,6 +61,24 @@ class Throughput(L.Callback):
                 mfu = tokens_per_s * self._flops_per_token / (self.peak_flops * trainer.world_size)
                 pl_module.log("train/mfu", mfu)
         self._last = now
+
+
+class ProgressBar(TQDMProgressBar):
+    """Lightning's bar (steps, loss, tokens/s, ETA), also after a resume. Lightning does not call
+    `on_train_epoch_start` when it restarts mid-epoch, so its bar kept the placeholder
+    description and no total ("Training: 350/?", no ETA) for the rest of a resumed run."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        if trainer.fit_loop.restarted_mid_epoch and self.train_progress_bar is not None:
+            # the batches behind the restored step; the bar goes on counting from there, so its
+            # total is the epoch's, where Lightning's (for max_steps) is the steps left
+            done = trainer.global_step * trainer.accumulate_grad_batches
+            total = min(trainer.num_training_batches, done + self.total_train_batches)
+            bar = self.train_progress_bar
+            bar.reset(total=convert_inf(total))
+            bar.initial = bar.n = done  # the rate and ETA count this start's batches only
+            bar.set_description(f"Epoch {trainer.current_epoch}")
 
 
 class Export(L.Callback):

@@ -24,14 +24,14 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from egmla.config import ModelConfig
 from egmla.data.tokenizer import tokenizer_fingerprint
 from egmla.models import cache_spec_for
 from egmla.provenance import provenance
-from egmla.training.callbacks import Export, ResumableCSVLogger, Throughput
+from egmla.training.callbacks import Export, ProgressBar, ResumableCSVLogger, Throughput
 from egmla.training.config import TrainConfig
 from egmla.training.data import build_datamodule
 from egmla.training.module import LanguageModel
@@ -161,7 +161,7 @@ def _callbacks(config: TrainConfig, run_dir: Path, tokenizer, extra: tuple) -> l
         ModelCheckpoint(dirpath=ckpt_dir, filename="best-step{step}", monitor="val/loss",
                         mode="min", save_top_k=1, auto_insert_metric_name=False),
         LearningRateMonitor(logging_interval="step"),
-        TQDMProgressBar(refresh_rate=max(1, t.log_every_n_steps // 2)),  # steps, loss, tok/s, ETA
+        ProgressBar(refresh_rate=max(1, t.log_every_n_steps // 2)),  # steps, loss, tok/s, ETA
         Throughput(tokens_per_step=d.batch_size * t.accumulate_grad_batches * d.seq_len,
                    seq_len=d.seq_len, peak_flops=_peak_flops(config)),
         *extra,

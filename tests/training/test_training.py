@@ -139,6 +139,17 @@ class CrashAtStep(L.Callback):
             raise SimulatedCrash(f"crash at step {self.step}")
 
 
+class BarProbe(L.Callback):
+    """What the progress bar shows at every step: (description, position, total)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int, int | None]] = []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        bar = trainer.progress_bar_callback.train_progress_bar
+        self.seen.append((bar.desc, bar.n, bar.total))
+
+
 @pytest.mark.slow
 def test_resume_after_crash_equals_uninterrupted(tmp_path):
     overrides = [*TINY, "trainer.max_steps=12", "trainer.checkpoint_every_n_steps=6",
@@ -151,7 +162,11 @@ def test_resume_after_crash_equals_uninterrupted(tmp_path):
     last = torch.load(resumed_dir / "checkpoints" / "last.ckpt", weights_only=False)
     assert last["global_step"] == 6  # steps 7-8 are lost, nothing more
     assert not (resumed_dir / "export").exists()
-    resumed = train(compose_config(overrides), resumed_dir)
+    probe = BarProbe()
+    resumed = train(compose_config(overrides), resumed_dir, extra_callbacks=(probe,))
+    # the bar of the resumed start: the epoch, the steps so far and the total (an ETA)
+    assert probe.seen[0][0].startswith("Epoch 0") and probe.seen[0][2] == 12
+    assert probe.seen[0][1] >= 6 and probe.seen[-1][1] == 12
 
     assert resumed["global_step"] == full["global_step"] == 12
     a, b = export_weights(tmp_path / "full"), export_weights(resumed_dir)
