@@ -62,7 +62,7 @@ def _first_difference(a: Any, b: Any, path: str) -> tuple[str, Any, Any] | None:
 
 
 def _is_rank_zero() -> bool:
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
 
 
 def _with_defaults(model: Any) -> Any:
