@@ -64,6 +64,8 @@ LR_EXTENSIONS = 2  # a best LR at the grid's edge adds the next doubling (halvin
 SEEDS = (0, 1, 2)
 VAL_EVERY = 50  # periodic validations: the loss-against-tokens curve (Fig. 1a)
 LM_EVAL_TASKS = ("corpus_cloze", "corpus_perplexity", "mqar_recall")
+LM_EVAL_METRICS = ("corpus_cloze/acc", "corpus_cloze/acc_norm", "corpus_perplexity/word_perplexity",
+                   "corpus_perplexity/bits_per_byte", "mqar_recall/acc")  # summarized per arm
 
 
 @dataclass(frozen=True)
@@ -386,17 +388,33 @@ def summarize(records: list[dict[str, Any]], chosen: dict[str, float],
             "mqar_accuracy_by_seed": {r["seed"]: r["mqar_accuracy"] for r in rows
                                       if r["phase"] == "mqar"},
         }
-    for arm, entry in arms.items():
+        mqar = {seed: mqar_mean(acc) for seed, acc in arms[arm]["mqar_accuracy_by_seed"].items()
+                if acc}
+        arms[arm]["mqar_mean_accuracy"] = interval(list(mqar.values())) if mqar else None
+        scored = {r["seed"]: r["lm_eval"] for r in rows
+                  if r["phase"] in ("lr", "seeds") and r["lr"] == lr and r.get("lm_eval")}
+        arms[arm]["lm_eval_by_seed"] = dict(sorted(scored.items()))
+        arms[arm]["lm_eval"] = {m: interval([v[m] for v in scored.values() if m in v])
+                                for m in LM_EVAL_METRICS if any(m in v for v in scored.values())}
+    for arm, entry in arms.items():  # against each baseline, paired by seed
         entry["paired_differences"] = {}
+        entry["paired_differences_mqar"] = {}
+        entry["paired_differences_lm_eval"] = {m: {} for m in entry["lm_eval"]}
         for base in BASELINES:
             if base not in arms or base == arm:
                 continue
-            mine, theirs = entry["val_loss_by_seed"], arms[base]["val_loss_by_seed"]
-            diffs = [mine[s] - theirs[s] for s in sorted(set(mine) & set(theirs))]
-            ci = interval(diffs)
-            ci["distinguishable_from_zero"] = (ci["low"] is not None
-                                               and (ci["low"] > 0 or ci["high"] < 0))
-            entry["paired_differences"][base] = ci
+            other = arms[base]
+            entry["paired_differences"][base] = paired(entry["val_loss_by_seed"],
+                                                       other["val_loss_by_seed"])
+            if entry["mqar_accuracy_by_seed"] and other["mqar_accuracy_by_seed"]:
+                entry["paired_differences_mqar"][base] = paired(
+                    *({s: mqar_mean(a) for s, a in e["mqar_accuracy_by_seed"].items() if a}
+                      for e in (entry, other)))
+            for m in entry["lm_eval"]:
+                if m in other["lm_eval"]:
+                    entry["paired_differences_lm_eval"][m][base] = paired(
+                        *({s: v[m] for s, v in e["lm_eval_by_seed"].items() if m in v}
+                          for e in (entry, other)))
     return {"protocol": {"base_steps": BASE_STEPS, "tokens_per_step": 16 * 128,
                          "long_factor": LONG_FACTOR, "mqar_steps": MQAR_STEPS,
                          "recipe": BASE, "lr_grid": list(setup.lrs),
@@ -405,6 +423,19 @@ def summarize(records: list[dict[str, Any]], chosen: dict[str, float],
                          "(best over LR); a best at an edge grows the grid by a factor of 2 "
                          "past it, at most lr_extensions times"},
             "arms": arms}
+
+
+def paired(mine: dict[int, float], theirs: dict[int, float]) -> dict[str, Any]:
+    """The mean difference over the seeds both have, its 95% interval, and whether the interval
+    excludes zero."""
+    ci = interval([mine[s] - theirs[s] for s in sorted(set(mine) & set(theirs))])
+    ci["distinguishable_from_zero"] = ci["low"] is not None and (ci["low"] > 0 or ci["high"] < 0)
+    return ci
+
+
+def mqar_mean(accuracy: dict[str, float]) -> float:
+    """A MQAR run's recall accuracy, the mean over its validation slices (4, 8, 16 pairs)."""
+    return sum(accuracy.values()) / len(accuracy)
 
 
 def choose_lrs(records: list[dict[str, Any]], setup: Setup = Setup()) -> dict[str, float]:
@@ -426,30 +457,41 @@ def write_results(results: Path, records: list[dict[str, Any]], setup: Setup) ->
     _write_atomic(results / "summary.json", summary)
 
 
-FIGURES = {  # file -> (phases whose runs it shows, x axis, what it is)
-    "fig_loss_vs_tokens.png": (("long",), "tokens", "validation loss against training tokens"),
-    "fig_loss_vs_de.png": (("ablations", "lr", "seeds"), "d_e", "validation loss against d_e"),
-    "fig_loss_vs_kv_bytes.png": (("lr", "seeds"), "kv_bytes", "validation loss against KV bytes"),
+MQAR_METRIC = "MQAR recall accuracy (mean over 4, 8, 16 pairs)"
+FIGURES = {  # file -> (phases whose runs it shows, x axis, metric)
+    "fig_loss_vs_tokens.png": (("long",), "tokens", "val_loss"),  # the paper's Fig. 1a
+    "fig_loss_vs_de.png": (("ablations", "lr", "seeds"), "d_e", "val_loss"),  # Fig. 1b
+    "fig_loss_vs_kv_bytes.png": (("lr", "seeds"), "kv_bytes", "val_loss"),  # Fig. 1c
+    "fig_accuracy_vs_kv_bytes.png": (("lr", "seeds"), "kv_bytes", "corpus_cloze/acc"),  # Fig. 1c
+    "fig_mqar_vs_kv_bytes.png": (("mqar",), "kv_bytes", MQAR_METRIC),
 }
+
+
+def at_chosen_lr(r: dict[str, Any], chosen: dict[str, float]) -> bool:
+    """Whether a run is at the rate its phase uses: its arm's chosen rate, or egmla_kv's for the
+    ablations and MQAR."""
+    own = r["arm"] in ARM and r["phase"] not in ("ablations", "mqar")
+    return r["lr"] == chosen.get(r["arm"] if own else "egmla_kv")
 
 
 def write_figures(results: Path, chosen: dict[str, float],
                   records: list[dict[str, Any]]) -> list[str]:
-    """The study's three figures (the paper's Fig. 1 a-c) from the runs recorded so far, each
-    over the runs at their arm's chosen learning rate; a figure with no runs yet is skipped.
-    Drawn from the records alone, so a fresh clone redraws them without the run directories."""
+    """The study's figures (the paper's Fig. 1 a-c, and recall on MQAR) from the runs recorded
+    so far, each over the runs at their phase's learning rate; a figure with no runs (or no
+    value of its metric) yet is skipped. Drawn from the records alone, so a fresh clone redraws
+    them without the run directories."""
     from eval.compare import CompareError, plot, png_bytes
 
     written = []
-    for name, (phases, x, _) in FIGURES.items():
-        chosen_runs = [r for r in records if r["phase"] in phases
-                       and r["lr"] == chosen.get(r["arm"] if r["arm"] in ARM else "egmla_kv")
-                       and (x != "d_e" or r["arm"] == "egmla_kv"
-                            or r["arm"].startswith("egmla_kv_de"))]
-        if not chosen_runs:
+    for name, (phases, x, metric) in FIGURES.items():
+        rows = [row for row in figure_rows(
+            [r for r in records if r["phase"] in phases and at_chosen_lr(r, chosen)
+             and (x != "d_e" or r["arm"] == "egmla_kv" or r["arm"].startswith("egmla_kv_de"))],
+            metric) if row["metric_value"] is not None]
+        if not rows:
             continue
         try:
-            figure = plot(figure_rows(chosen_runs), x)
+            figure = plot(rows, x)
         except CompareError:
             continue
         _write_bytes_atomic(results / name, png_bytes(figure))
@@ -457,19 +499,30 @@ def write_figures(results: Path, chosen: dict[str, float],
     return written
 
 
-def figure_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """eval.compare's rows for study records: grouped by arm (its seeds), validation loss as the
+def metric_value(r: dict[str, Any], metric: str) -> float | None:
+    """A record's value of a figure's metric: the final validation loss, an lm-eval score, or
+    the MQAR recall accuracy; None where the run has none."""
+    if metric == "val_loss":
+        return r["val_loss"]
+    if metric == MQAR_METRIC:
+        return mqar_mean(r["mqar_accuracy"]) if r.get("mqar_accuracy") else None
+    return (r.get("lm_eval") or {}).get(metric)
+
+
+def figure_rows(records: list[dict[str, Any]], metric: str = "val_loss") -> list[dict[str, Any]]:
+    """eval.compare's rows for study records: grouped by arm (its seeds), `metric` as the
     metric, the arm's sizes from its configuration, the periodic validations as the curve."""
     rows = []
     for r in records:
         attention, overrides = ((ARM[r["arm"]].attention, arm_overrides(r["arm"]))
                                 if r["arm"] in ARM else ABLATIONS[r["arm"]])
-        arm = describe(attention, overrides)
+        arm = describe(attention, overrides)  # at the study's size; a run's own sizes first
         rows.append({"run": r["run"], "group": r["arm"], "variant": arm["variant"],
-                     "seed": r["seed"], "params": arm["params"], "kv_dtype": "bf16",
-                     "kv_bytes_per_token": arm["kv_bytes_per_token_bf16"], "d_e": arm["d_e"],
-                     "steps": r["steps"], "tokens": r["tokens"], "metric": "val_loss",
-                     "metric_value": r["val_loss"], "curve": {
+                     "seed": r["seed"], "params": r.get("params") or arm["params"],
+                     "kv_dtype": "bf16", "d_e": arm["d_e"], "kv_bytes_per_token":
+                         r.get("kv_bytes_per_token_bf16") or arm["kv_bytes_per_token_bf16"],
+                     "steps": r["steps"], "tokens": r["tokens"], "metric": metric,
+                     "metric_value": metric_value(r, metric), "curve": {
                          "val/" + k: {p["step"]: p[k] for p in r["val_curve"] if k in p}
                          for k in {k for p in r["val_curve"] for k in p if k != "step"}}})
     return rows

@@ -81,6 +81,35 @@ def test_paired_differences_pair_the_same_seed_and_say_when_they_exclude_zero():
         "mla_dc32"]["distinguishable_from_zero"]
 
 
+def test_lm_eval_scores_and_mqar_recall_are_summarized_over_seeds_and_paired(tmp_path):
+    chosen = {"mla_dc32": 2e-3, "egmla_kv": 1e-3}
+    records = []
+    for arm, lr, acc, recall in (("mla_dc32", 2e-3, [0.30, 0.32, 0.31], [0.50, 0.40, 0.45]),
+                                 ("egmla_kv", 1e-3, [0.35, 0.36, 0.37], [0.90, 0.80, 0.85])):
+        for seed in range(3):
+            records += [{**rows("lr" if seed == 0 else "seeds", arm, {(lr, seed): 4.5})[0],
+                         "lm_eval": {"corpus_cloze/acc": acc[seed], "other/metric": 1.0}},
+                        {**rows("mqar", arm, {(1e-3, seed): 1.0})[0], "lm_eval": {},
+                         "mqar_accuracy": {"kv4": recall[seed] + 0.1, "kv16": recall[seed] - 0.1}}]
+    arms = study.summarize(records, chosen)["arms"]
+    kv = arms["egmla_kv"]
+    assert kv["lm_eval_by_seed"][2]["corpus_cloze/acc"] == 0.37
+    assert set(kv["lm_eval"]) == {"corpus_cloze/acc"}  # the study's metrics, not every one
+    assert kv["lm_eval"]["corpus_cloze/acc"]["mean"] == pytest.approx(0.36)
+    cloze = kv["paired_differences_lm_eval"]["corpus_cloze/acc"]["mla_dc32"]
+    assert cloze["n"] == 3 and cloze["mean"] == pytest.approx(0.05)
+    assert kv["mqar_mean_accuracy"]["mean"] == pytest.approx(0.85)  # the slices' mean, by seed
+    recall = kv["paired_differences_mqar"]["mla_dc32"]
+    assert recall["mean"] == pytest.approx(0.40) and recall["distinguishable_from_zero"]
+    # records without kv bytes of their own (recovered ones) take the arm's, at the study's size
+    for r in records:
+        r.update(run=f"{r['phase']}-{r['arm']}-s{r['seed']}", steps=1, val_curve=[])
+    written = study.write_figures(tmp_path, chosen, records)
+    assert {"fig_accuracy_vs_kv_bytes.png", "fig_mqar_vs_kv_bytes.png"} <= set(written)
+    mqar_rows = study.figure_rows([r for r in records if r["phase"] == "mqar"], study.MQAR_METRIC)
+    assert sorted(r["metric_value"] for r in mqar_rows)[-1] == pytest.approx(0.90)
+
+
 def test_the_param_matched_arm_has_egmla_kvs_parameters_lookup_tables_included():
     d_ff = study.param_matched_d_ff()
     matched = study.model_of("small_mla_dc32", [f"model.d_ff={d_ff}"])
