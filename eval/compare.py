@@ -417,8 +417,9 @@ def plot(rows: list[dict[str, Any]], x: str = "kv_bytes"):
                                 alpha=0.15, linewidth=0)
         ax.set_xlabel("training tokens")
         ax.set_ylabel(ylabel)
-        ax.set_title(f"{metric} at the periodic validations; bands: 95% interval over seeds",
-                     fontsize=10)
+        ax.set_title(f"{metric} at the periodic validations" + (
+            "; bands: 95% interval over seeds" if any(c["n"] > 1 for c in lines) else
+            "; one seed each"), fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         return fig
