@@ -400,7 +400,8 @@ def summarize(records: list[dict[str, Any]], chosen: dict[str, float],
         entry["paired_differences"] = {}
         entry["paired_differences_mqar"] = {}
         entry["paired_differences_lm_eval"] = {m: {} for m in entry["lm_eval"]}
-        for base in BASELINES:
+        # an ablation is also paired with what it ablates
+        for base in (*BASELINES, "egmla_kv") if arm in ABLATIONS else BASELINES:
             if base not in arms or base == arm:
                 continue
             other = arms[base]

@@ -71,6 +71,10 @@ def test_paired_differences_pair_the_same_seed_and_say_when_they_exclude_zero():
     assert arms["egmla_kv"]["val_loss_by_seed"] == {0: 4.60, 1: 4.71, 2: 4.49}
     assert arms["egmla_kv"]["val_loss"]["low"] < 4.6 < arms["egmla_kv"]["val_loss"]["high"]
     assert "mla_dc32" not in arms["mla_dc32"]["paired_differences"]  # not against itself
+    assert "egmla_kv" not in arms["mla_dc32"]["paired_differences"]
+    ablation = study.summarize(records + rows("ablations", "egmla_kv_de16", {
+        (1e-3, 0): 4.70, (1e-3, 1): 4.81, (1e-3, 2): 4.59}), chosen)["arms"]["egmla_kv_de16"]
+    assert ablation["paired_differences"]["egmla_kv"]["mean"] == pytest.approx(0.1)
     # The summary is written as JSON: scipy's numbers must not leak in (a numpy bool did, and
     # stopped the study once an arm had two seeds)
     assert json.loads(json.dumps(arms))["egmla_kv"]["paired_differences"]["mla_dc32"][
