@@ -27,6 +27,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -454,8 +455,9 @@ def plot(rows: list[dict[str, Any]], x: str = "kv_bytes"):
     ax.set_xlabel(X_AXES[x][1].format(dtype=rows[0]["kv_dtype"]))
     ax.set_ylabel(ylabel)
     several = any(g["n"] > 1 for g in groups)
-    ax.set_title(f"{metric} against {X_AXES[x][1].split(' (')[0]}; marker area ∝ parameters"
-                 + ("; bars: 95% interval over seeds" if several else ""), fontsize=10)
+    title = (f"{metric} against {X_AXES[x][1].split(' (')[0]}; marker area ∝ parameters"
+             + ("; bars: 95% interval over seeds" if several else ""))
+    ax.set_title("\n".join(textwrap.wrap(title, 95)), fontsize=10)  # a long metric name wraps
     ax.grid(alpha=0.3)
     legend = ax.legend(title="run group" if by_group else "attention", fontsize=8,
                        loc="best", ncols=2 if len(groups) > 6 and by_group else 1)

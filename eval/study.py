@@ -458,7 +458,7 @@ def write_results(results: Path, records: list[dict[str, Any]], setup: Setup) ->
     _write_atomic(results / "summary.json", summary)
 
 
-MQAR_METRIC = "MQAR recall accuracy (mean over 4, 8, 16 pairs)"
+MQAR_METRIC = "MQAR recall (mean over 4, 8, 16 pairs)"
 FIGURES = {  # file -> (phases whose runs it shows, x axis, metric)
     "fig_loss_vs_tokens.png": (("long",), "tokens", "val_loss"),  # the paper's Fig. 1a
     "fig_loss_vs_de.png": (("ablations", "lr", "seeds"), "d_e", "val_loss"),  # Fig. 1b
