@@ -481,13 +481,18 @@ int64_t mlp_sparse(const float* n, float* y, int64_t B, int64_t D, int64_t F, in
     for (int64_t b = 0; b < B; ++b)
       for (int64_t i = 0; i < F; ++i) fire[i] |= firing_score(act, pre[b * F + i]) > sp.threshold;
   } else {
-    std::vector<float> z(B * sp.rank), s(B * F);
-    gemv_impl<float, float>(n, {sp.w1}, {z.data()}, {sp.rank}, B, D);
-    for (float& v : z) v = v > 0.f ? v : 0.f;
-    gemv_impl<float, float>(z.data(), {sp.w2}, {s.data()}, {F}, B, sp.rank);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < F; ++i) fire[i] |= s[b * F + i] + sp.bias[i] > 0.f;
-    std::fill(fire.begin(), fire.begin() + std::min(sp.hot, F), uint8_t{1});
+    // The hot block [0, hot) is always computed, so only the cold neurons are scored.
+    const int64_t hot = std::min(sp.hot, F), cold = F - hot;
+    std::fill(fire.begin(), fire.begin() + hot, uint8_t{1});
+    if (cold > 0) {
+      std::vector<float> z(B * sp.rank), s(B * cold);
+      gemv_impl<float, float>(n, {sp.w1}, {z.data()}, {sp.rank}, B, D);
+      for (float& v : z) v = v > 0.f ? v : 0.f;
+      gemv_impl<float, float>(z.data(), {sp.w2 + hot * sp.rank}, {s.data()}, {cold}, B, sp.rank);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t i = 0; i < cold; ++i)
+          fire[hot + i] |= s[b * cold + i] + sp.bias[hot + i] > 0.f;
+    }
   }
   std::vector<int64_t> idx;
   for (int64_t i = 0; i < F; ++i)
