@@ -220,8 +220,17 @@ def aggregate(rows: list[dict[str, Any]], x: str = "kv_bytes") -> list[dict[str,
                        "runs": [m["run"] for m in members], "seeds": [m["seed"] for m in members],
                        "x": members[0].get(field) if len(xs) == 1 else None,
                        "params": members[0]["params"],
+                       "values": [m["metric_value"] for m in members],
                        **interval([m["metric_value"] for m in members])})
     return groups
+
+
+FRACTIONS = ("acc", "recall", "exact_match", "pass@")  # metrics that are shares of [0, 1]
+
+
+def bounds(metric: str) -> tuple[float, float] | None:
+    """The range a metric cannot leave ([0, 1] for an accuracy, a recall, pass@k), or None."""
+    return (0.0, 1.0) if any(f in metric.lower() for f in FRACTIONS) else None
 
 
 def metric_names(rows: list[dict[str, Any]]) -> list[str]:
@@ -390,7 +399,8 @@ def _styles(groups: list[dict[str, Any]], variants: list[str]) -> dict[str, tupl
 
 def plot(rows: list[dict[str, Any]], x: str = "kv_bytes"):
     """The chosen metric against `x`, a point per group (the mean over its seeds, with a 95%
-    interval where it has several): colour = variant (the same colour for a variant in every
+    interval and a tick per seed where it has several; an accuracy's interval is cut at 0 and
+    1, the ends of its range): colour = variant (the same colour for a variant in every
     plot), marker = group where a variant has several, area ∝ parameters (lookup tables
     included). The legend names the variants, or the groups where a variant has several (then
     the points carry no labels). `x="tokens"`: the groups' curves over their periodic
@@ -431,6 +441,7 @@ def plot(rows: list[dict[str, Any]], x: str = "kv_bytes"):
     by_group = len({g["variant"] for g in groups}) < len(groups)
     biggest = max(g["params"] or 0 for g in groups) or 1
     labelled: set[str] = set()
+    floor, ceiling = bounds(metric) or (-math.inf, math.inf)
     for g in groups:
         colour, marker = style[g["group"]]
         name = g["group"] + (f" (n={g['n']})" if g["n"] > 1 else "")
@@ -439,11 +450,15 @@ def plot(rows: list[dict[str, Any]], x: str = "kv_bytes"):
         ax.scatter([g["x"]], [g["mean"]], s=max(10.0, 300 * (g["params"] or 0) / biggest),
                    color=colour, marker=marker, alpha=0.8, edgecolors="black", linewidths=0.5,
                    label=label, zorder=3)
-        if g["low"] is not None:
-            ax.errorbar([g["x"]], [g["mean"]], yerr=[[g["mean"] - g["low"]], [g["high"] - g["mean"]]],
+        if g["low"] is not None:  # a t-interval may pass a fraction's range: cut at its ends
+            low, high = max(g["low"], floor), min(g["high"], ceiling)
+            ax.errorbar([g["x"]], [g["mean"]], yerr=[[g["mean"] - low], [high - g["mean"]]],
                         fmt="none", ecolor=colour, capsize=3, zorder=2)
+            ax.scatter([g["x"]] * g["n"], g["values"], s=12, marker="_", color="black",
+                       linewidths=1.2, zorder=4)  # each seed's value on the bar
     xs = [g["x"] for g in groups]
-    ys = [v for g in groups for v in (g["low"], g["mean"], g["high"]) if v is not None]
+    ys = [min(max(v, floor), ceiling)
+          for g in groups for v in (g["low"], g["mean"], g["high"]) if v is not None]
     log = min(xs) > 0 and max(xs) > 10 * min(xs)
     if log:
         ax.set_xscale("log")
@@ -456,7 +471,7 @@ def plot(rows: list[dict[str, Any]], x: str = "kv_bytes"):
     ax.set_ylabel(ylabel)
     several = any(g["n"] > 1 for g in groups)
     title = (f"{metric} against {X_AXES[x][1].split(' (')[0]}; marker area ∝ parameters"
-             + ("; bars: 95% interval over seeds" if several else ""))
+             + ("; bars: 95% interval over seeds, ticks: the seeds" if several else ""))
     ax.set_title("\n".join(textwrap.wrap(title, 95)), fontsize=10)  # a long metric name wraps
     ax.grid(alpha=0.3)
     legend = ax.legend(title="run group" if by_group else "attention", fontsize=8,

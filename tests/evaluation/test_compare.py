@@ -336,6 +336,26 @@ def test_groups_of_one_variant_share_its_colour_and_differ_in_marker():
     assert {t.get_text() for t in ax.texts} == {"mla_dc32 (n=2)", "mha (n=2)"}
 
 
+def test_a_fractions_interval_stays_in_its_range_and_the_seeds_are_drawn():
+    """Recall of 0.93 / 0.54 / 0.14 over three seeds: the t-interval runs from -0.45 to 1.52;
+    drawn, it is cut at 0 and 1, the axis stays near [0, 1], and each seed has a tick."""
+    rows = [{**r, "metric": "mqar_recall/acc", "metric_value": v} for r, v in zip(
+        [r for r in synthetic_rows() if r["group"] != "mla"] + [
+            {**synthetic_rows()[0], "run": "mla_dc32-s2", "seed": 2}], [0.93, 0.54, 0.1, 0.1, 0.14])]
+    (group, _) = compare.aggregate(rows)
+    assert group["low"] < -0.4 and group["high"] > 1.5 and group["values"] == [0.93, 0.54, 0.14]
+    (ax,) = compare.plot(rows).axes
+    low, high = ax.get_ylim()
+    assert -0.1 < low < 0 and 1 < high < 1.1
+    bars = [c for c in ax.collections if c.__class__.__name__ == "LineCollection"]
+    ends = sorted(y for bar in bars for segment in bar.get_segments() for _, y in segment)
+    assert ends[0] >= 0 and ends[-1] <= 1
+    ticks = [c.get_offsets()[:, 1].tolist() for c in ax.collections
+             if c.__class__.__name__ == "PathCollection" and len(c.get_offsets()) > 1]
+    assert sorted(map(sorted, ticks)) == [[0.1, 0.1], [0.14, 0.54, 0.93]]
+    assert compare.bounds("val_loss") is None  # a loss is not cut
+
+
 def test_variant_names():
     def named(**attention) -> str:
         return compare.variant(ModelConfig.from_dict(
