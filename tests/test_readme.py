@@ -35,6 +35,8 @@ def test_readme_quotes_the_studys_record():
     rounded as quoted: a re-run that moves them fails here until the README says so too."""
     import json
 
+    from eval.study import mqar_mean
+
     arms = json.loads((ROOT / "benchmarks/results/study/summary.json").read_text())["arms"]
     section = README.split("## What the gate buys")[1].split("\n## ")[0]
 
@@ -55,3 +57,9 @@ def test_readme_quotes_the_studys_record():
     long = {name: arm["long"][0]["val_loss"] for name, arm in arms.items() if arm["long"]}
     for arm in ("egmla_kv", "mla_value_embed"):
         assert f"({long[arm] - long['mla_dc32']:+.3f}" in section.replace("\n  ", " ")
+    recall = {name: sorted(mqar_mean(a) for a in arm["mqar_accuracy_by_seed"].values())
+              for name, arm in arms.items() if arm["mqar_accuracy_by_seed"]}
+    kv = recall.pop("egmla_kv")
+    assert f"(recall {kv[2]:.2f} and {kv[1]:.2f})" in section and kv[0] < 0.5 < kv[1]
+    others = [r for seeds in recall.values() for r in seeds]
+    assert len(others) == 27 and f"(at most {max(others):.2f})" in section and max(others) < 0.5
