@@ -392,6 +392,9 @@ def summarize(records: list[dict[str, Any]], chosen: dict[str, float],
         }
         mqar = {seed: mqar_mean(acc) for seed, acc in arms[arm]["mqar_accuracy_by_seed"].items()
                 if acc}
+        arms[arm]["mqar_model"] = next(  # MQAR's model is another size: its own bytes, params
+            ({"params": r["params"], "kv_bytes_per_token_bf16": r["kv_bytes_per_token_bf16"]}
+             for r in rows if r["phase"] == "mqar" and r.get("params")), None)
         arms[arm]["mqar_mean_accuracy"] = interval(list(mqar.values())) if mqar else None
         scored = {r["seed"]: r["lm_eval"] for r in rows
                   if r["phase"] in ("lr", "seeds") and r["lr"] == lr and r.get("lm_eval")}
@@ -458,6 +461,10 @@ def write_results(results: Path, records: list[dict[str, Any]], setup: Setup) ->
     summary = {**summarize(records, chosen, setup), "chosen_lr": chosen, "provenance": provenance(),
                "runs": len(records)}
     _write_atomic(results / "summary.json", summary)
+    from eval.study_tables import render
+
+    _write_bytes_atomic(results / "tables.md",
+                        render(json.loads(json.dumps(summary))).encode())  # as read back
 
 
 MQAR_METRIC = "MQAR recall (mean over 4, 8, 16 pairs)"

@@ -221,3 +221,56 @@ def test_bad_arguments_are_one_clear_line():
                          text=True, cwd=ROOT)
     assert out.returncode == 2 and "learning rates must be > 0" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_the_tables_mark_intervals_that_exclude_zero_and_cut_an_accuracys_at_its_range():
+    from eval.study_tables import ci, mqar_table, seeds_table
+
+    chosen = {"mla_dc32": 2e-3, "egmla_kv": 1e-3}
+    records = (rows("lr", "mla_dc32", {(2e-3, 0): 4.70}) + rows("seeds", "mla_dc32", {
+        (2e-3, 1): 4.80, (2e-3, 2): 4.60}) + rows("lr", "egmla_kv", {(1e-3, 0): 4.60})
+        + rows("seeds", "egmla_kv", {(1e-3, 1): 4.71, (1e-3, 2): 4.49}))
+    for arm, recall in (("mla_dc32", (0.05, 0.04, 0.06)), ("egmla_kv", (0.93, 0.54, 0.14))):
+        records += [{**rows("mqar", arm, {(1e-3, s): 1.0})[0], "params": 100 + s,
+                     "kv_bytes_per_token_bf16": 212, "mqar_accuracy": {"kv4": r, "kv8": r}}
+                    for s, r in enumerate(recall)]
+    arms = json.loads(json.dumps(study.summarize(records, chosen)))["arms"]  # as read back
+    table = seeds_table(arms).split("\n")
+    assert table[2].startswith("| `egmla_kv` | 0.001 | 4.6000 / 4.7100 / 4.4900 | 4.6000 [")
+    assert table[2].endswith("| -0.1000 [-0.1248, -0.0752] * | - |")  # tight: excludes zero
+    assert table[3].startswith("| `mla_dc32` |") and table[3].endswith("| - | - |")
+    recall = mqar_table(arms).split("\n")[2]
+    assert recall.startswith("| `egmla_kv` | 212 | 100 | 0.930 / 0.540 / 0.140 | 0.537 [0.000, 1.000] |")
+    assert ci({"n": 1, "mean": 0.5, "low": None, "high": None}) == "0.5000 (n=1)"
+    assert ci(None) == "-"
+
+
+def test_the_committed_tables_and_the_docs_quotes_are_the_records():
+    """benchmarks/results/study/tables.md is what its summary.json renders, and every table
+    docs/study.md quotes (after a `<!-- study table: NAME -->` line) is the record's: a re-run
+    that moves a figure fails here until `python -m eval.study_tables` has rewritten them."""
+    from eval.study_tables import MARKER, SECTIONS, quote, render
+
+    results = ROOT / "benchmarks" / "results" / "study"
+    summary = json.loads((results / "summary.json").read_text())
+    assert (results / "tables.md").read_text() == render(summary)
+    docs = (ROOT / "docs" / "study.md").read_text()
+    quoted = {m[1] for line in docs.split("\n") if (m := MARKER.match(line))}
+    assert {"lr", "seeds", "long", "ablations", "mqar"} <= quoted <= set(SECTIONS)
+    assert quote(docs, summary) == docs
+
+
+def test_the_tables_command_rewrites_only_the_quoted_tables(tmp_path, capsys):
+    from eval import study_tables
+
+    summary = ROOT / "benchmarks" / "results" / "study" / "summary.json"
+    doc = tmp_path / "doc.md"
+    doc.write_text("Intro.\n\n<!-- study table: long -->\n| stale |\n|---|\n| `x` |\n\nAfter.\n")
+    assert study_tables.main([str(doc), "--summary", str(summary)]) == 0
+    text = doc.read_text()
+    assert "| stale |" not in text and text.startswith("Intro.\n\n<!-- study table: long -->\n| arm")
+    assert text.endswith("|\n\nAfter.\n")
+    doc.write_text("<!-- study table: nope -->\n")
+    assert study_tables.main([str(doc), "--summary", str(summary)]) == 2
+    assert "unknown study table 'nope'" in capsys.readouterr().err
+    assert doc.read_text() == "<!-- study table: nope -->\n"  # untouched
