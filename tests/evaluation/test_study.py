@@ -163,6 +163,8 @@ def test_a_rehearsal_runs_records_and_resumes(tmp_path):
     table = next(o.data["text/markdown"] for o in outputs if "| arm |" in o.get("data", {}).get(
         "text/markdown", ""))
     assert "| mla_dc32 |" in table
+    shown = [o.data["text/markdown"] for o in outputs if "text/markdown" in o.get("data", {})]
+    assert (tmp_path / "results" / "tables.md").read_text() in shown  # every table
     assert any("image/png" in o.get("data", {}) for o in outputs)
 
 
