@@ -333,13 +333,22 @@ def remake(run: Run, runs_dir: Path, kept: dict[str, Any], log) -> dict[str, Any
     """Train again a run known only from the record (its export is needed): the same command,
     so the same seed and data order; the record keeps the loss it had before."""
     log(f"{run.phase:9s} {run.name}: only in the record; trained again for its export")
-    return {**execute(run, runs_dir, log), "remade": {
-        "recorded_val_loss": kept["val_loss"], "recorded_git": kept.get("git"),
-        **({"recovered": kept["recovered"]} if "recovered" in kept else {})}}
+    return {**execute(run, runs_dir, log), **_before(kept, remade=True)}
 
 
-def _remade(r: dict[str, Any]) -> dict[str, Any]:
-    return {"remade": r["remade"]} if "remade" in r else {}
+def _before(kept: dict[str, Any] | None, remade: bool = False) -> dict[str, Any]:
+    """`remade`: what the record held before the run was trained again (its loss and git SHA,
+    and how it was recovered), for a run record built anew from its run directory. `remade`
+    says the run was just trained again; otherwise only a record that says so (or that was
+    recovered, so that its run directory can only be a remake's) carries it."""
+    if not kept:
+        return {}
+    if "remade" in kept:
+        return {"remade": kept["remade"]}
+    if not (remade or "recovered" in kept):
+        return {}
+    return {"remade": {"recorded_val_loss": kept["val_loss"], "recorded_git": kept.get("git"),
+                       **({"recovered": kept["recovered"]} if "recovered" in kept else {})}}
 
 
 def score(run: Run, runs_dir: Path, log, limit: int | None = None) -> None:
@@ -631,8 +640,8 @@ def _run(args, log) -> int:
                 if args.dry_run:
                     state = "done" if finished else "kept" if kept else "todo"
                     print(f"{state:4s}  {phase:9s} {run.name}")
-                if finished:
-                    records[directory] = record(run, directory)
+                if finished:  # what the record knew before a remake stays in it
+                    records[directory] = {**record(run, directory), **_before(kept)}
                 elif kept:
                     records[directory] = kept
                 elif phase in selected and train_here:
@@ -649,7 +658,7 @@ def _run(args, log) -> int:
                 records[directory] = remake(run, args.runs_dir, records[directory], log)
                 write_results(args.results, list(records.values()), setup)
             score(run, args.runs_dir, log, args.eval_limit)
-            records[directory] = {**record(run, directory), **_remade(records[directory])}
+            records[directory] = {**record(run, directory), **_before(records[directory])}
     chosen = choose_lrs(list(records.values()), setup)
     write_results(args.results, list(records.values()), setup)
     figures = write_figures(args.results, chosen, list(records.values()))

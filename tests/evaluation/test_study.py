@@ -216,6 +216,23 @@ def test_a_run_known_only_from_the_record_is_trained_again_to_be_scored(tmp_path
     record = json.loads((tmp_path / "results" / "runs" / "lr-mla_dc32-lr0.001-s0-3.json").read_text())
     assert record["remade"]["recorded_val_loss"] == pytest.approx(record["val_loss"], rel=1e-6)
     assert {k.split("/")[0] for k in record["lm_eval"]} == set(study.LM_EVAL_TASKS)
+    # the study invoked again builds the record anew from the run directory: it keeps both
+    for args in (("--summarize",), ("--phase", "eval", "--eval-limit", "3")):
+        rerun = study_cli(tmp_path, *args, *one)
+        assert rerun.returncode == 0 and " ..." not in rerun.stdout, rerun.stderr[-3000:]
+        kept = json.loads((tmp_path / "results" / "runs" / "lr-mla_dc32-lr0.001-s0-3.json").read_text())
+        assert kept["remade"] == record["remade"] and kept["lm_eval"] == record["lm_eval"], args
+
+
+def test_a_record_from_before_a_remake_is_carried_and_an_ordinary_one_is_not():
+    recovered = {"val_loss": 4.61, "git": None, "recovered": "from summary.json"}
+    assert study._before(recovered) == {"remade": {"recorded_val_loss": 4.61, "recorded_git": None,
+                                                   "recovered": "from summary.json"}}
+    assert study._before({"val_loss": 4.61, "remade": {"recorded_val_loss": 4.6}}) == {
+        "remade": {"recorded_val_loss": 4.6}}  # already remade: as it was, not the new loss
+    ordinary = {"val_loss": 4.61, "git": "abc"}
+    assert study._before(ordinary) == {} and study._before(None) == {}
+    assert study._before(ordinary, remade=True)["remade"]["recorded_git"] == "abc"
 
 
 def test_bad_arguments_are_one_clear_line():
