@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from eval.compare import interval, lm_eval_metrics, tokens_trained
+from eval.study_tables import render
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "study"
@@ -430,7 +431,10 @@ def summarize(records: list[dict[str, Any]], chosen: dict[str, float],
                     entry["paired_differences_lm_eval"][m][base] = paired(
                         *({s: v[m] for s, v in e["lm_eval_by_seed"].items() if m in v}
                           for e in (entry, other)))
-    return {"protocol": {"base_steps": BASE_STEPS, "tokens_per_step": 16 * 128,
+    return {"protocol": {"arms": [a.name for a in ARMS], "ablations": list(ABLATIONS),
+                         "baselines": list(BASELINES), "long_arms": list(LONG_ARMS),
+                         "lm_eval_metrics": list(LM_EVAL_METRICS),
+                         "base_steps": BASE_STEPS, "tokens_per_step": 16 * 128,
                          "long_factor": LONG_FACTOR, "mqar_steps": MQAR_STEPS,
                          "recipe": BASE, "lr_grid": list(setup.lrs),
                          "lr_extensions": setup.lr_extensions,
@@ -470,8 +474,6 @@ def write_results(results: Path, records: list[dict[str, Any]], setup: Setup) ->
     summary = {**summarize(records, chosen, setup), "chosen_lr": chosen, "provenance": provenance(),
                "runs": len(records)}
     _write_atomic(results / "summary.json", summary)
-    from eval.study_tables import render
-
     _write_bytes_atomic(results / "tables.md",
                         render(json.loads(json.dumps(summary))).encode())  # as read back
 

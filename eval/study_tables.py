@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eval.study import (ABLATIONS, ARMS, BASELINES, LM_EVAL_METRICS, LONG_ARMS, RESULTS, ROOT,
-                        mqar_mean)
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "study"
 
 LM_EVAL_NAMES = {"corpus_cloze/acc": "cloze acc", "corpus_cloze/acc_norm": "cloze acc_norm",
                  "corpus_perplexity/word_perplexity": "word ppl",
@@ -25,6 +25,21 @@ LEGEND = ("Losses are nats per token on the whole held-out split. Differences ar
           "interval that excludes zero. An accuracy's interval is cut at 0 and 1, the ends of its "
           "range. `(n=1)`: one seed so far, no interval.")
 PAIRED_LM_EVAL = ("corpus_cloze/acc", "corpus_perplexity/bits_per_byte", "mqar_recall/acc")
+
+
+def _plan(summary: dict[str, Any]) -> dict[str, Any]:
+    """The study's design as its summary records it: the arms (in order), the ablations, the
+    baselines, the long-budget arms and the lm-eval metrics."""
+    p = summary["protocol"]
+    return {"arms": [a for a in p["arms"] if a in summary["arms"]],
+            "ablations": [a for a in p["ablations"] if a in summary["arms"]],
+            "baselines": p["baselines"], "long_arms": p["long_arms"],
+            "lm_eval_metrics": p["lm_eval_metrics"]}
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
 
 
 def _table(header: list[str], rows: list[list[str]], right: int) -> str:
@@ -56,11 +71,12 @@ def _name(arm: str) -> str:
     return f"`{arm}`"
 
 
-def lr_table(arms: dict[str, Any]) -> str:
+def lr_table(summary: dict[str, Any]) -> str:
     """Each arm's grid, seed 0; bold: the chosen rate."""
+    arms, plan = summary["arms"], _plan(summary)
     rates = sorted({float(lr) for a in arms.values() for lr in a["lr_grid_val_loss"]})
     rows = []
-    for arm in [a.name for a in ARMS if a.name in arms]:
+    for arm in plan["arms"]:
         a = arms[arm]
         grid = {float(lr): loss for lr, loss in a["lr_grid_val_loss"].items()}
         cells = [("**{:.4f}**" if lr == a["lr"] else "{:.4f}").format(grid[lr]) if lr in grid
@@ -69,22 +85,24 @@ def lr_table(arms: dict[str, Any]) -> str:
     return _table(["arm", *(f"{lr:g}" for lr in rates), "chosen"], rows, 1)
 
 
-def seeds_table(arms: dict[str, Any]) -> str:
+def seeds_table(summary: dict[str, Any]) -> str:
     """Every arm at its rate, sorted by the mean loss, paired against the two baselines."""
-    names = sorted((a.name for a in ARMS if a.name in arms and arms[a.name]["val_loss_by_seed"]),
+    arms, plan = summary["arms"], _plan(summary)
+    names = sorted((n for n in plan["arms"] if arms[n]["val_loss_by_seed"]),
                    key=lambda n: arms[n]["val_loss"]["mean"])
     rows = [[_name(n), f"{arms[n]['lr']:g}", _seeds(arms[n]["val_loss_by_seed"]),
              ci(arms[n]["val_loss"]),
-             *(ci(arms[n]["paired_differences"].get(b), signed=True) for b in BASELINES)]
+             *(ci(arms[n]["paired_differences"].get(b), signed=True) for b in plan["baselines"])]
             for n in names]
     return _table(["arm", "LR", "seed 0 / 1 / 2", "mean [95% CI]",
-                   *(f"vs {_name(b)}" for b in BASELINES)], rows, 1)
+                   *(f"vs {_name(b)}" for b in plan["baselines"])], rows, 1)
 
 
-def long_table(arms: dict[str, Any]) -> str:
+def long_table(summary: dict[str, Any]) -> str:
     """The long runs (seed 0): their losses, the differences against the baselines' long runs,
     and, for comparison, the same seed's difference at the base budget."""
-    long = {n: arms[n]["long"][0] for n in LONG_ARMS if n in arms and arms[n]["long"]}
+    arms, plan = summary["arms"], _plan(summary)
+    long = {n: arms[n]["long"][0] for n in plan["long_arms"] if n in arms and arms[n]["long"]}
     if not long:
         return ""
     tokens = next(iter(long.values()))["tokens"]
@@ -94,21 +112,23 @@ def long_table(arms: dict[str, Any]) -> str:
 
     base = {n: arms[n]["val_loss_by_seed"].get("0", arms[n]["val_loss_by_seed"].get(0))
             for n in long}
+    baselines = plan["baselines"]
     rows = []
     for n in sorted(long, key=lambda n: long[n]["val_loss"]):
         rows.append([_name(n), f"{arms[n]['lr']:g}", f"{long[n]['val_loss']:.4f}",
                      *(diff(long[n]["val_loss"], long[b]["val_loss"] if b in long else None)
-                       if b != n else "-" for b in BASELINES),
-                     diff(base[n], base.get(BASELINES[0])) if n != BASELINES[0] else "-"])
+                       if b != n else "-" for b in baselines),
+                     diff(base[n], base.get(baselines[0])) if n != baselines[0] else "-"])
     return _table(["arm", "LR", f"val loss, {tokens / 1e6:.2f}M tokens",
-                   *(f"vs {_name(b)}" for b in BASELINES),
-                   f"vs {_name(BASELINES[0])} at the base budget (seed 0)"], rows, 1)
+                   *(f"vs {_name(b)}" for b in baselines),
+                   f"vs {_name(baselines[0])} at the base budget (seed 0)"], rows, 1)
 
 
-def ablations_table(arms: dict[str, Any]) -> str:
+def ablations_table(summary: dict[str, Any]) -> str:
     """egmla_kv and its ablations, by d_e then layers per table, paired against egmla_kv and
     the first baseline."""
-    names = [n for n in ("egmla_kv", *ABLATIONS) if n in arms]
+    arms, plan = summary["arms"], _plan(summary)
+    names = [n for n in ("egmla_kv", *plan["ablations"]) if n in arms]
     if len(names) < 2:
         return ""
     names.sort(key=lambda n: (arms[n]["attention"].get("gate_group_size", 1), arms[n]["d_e"]))
@@ -116,29 +136,30 @@ def ablations_table(arms: dict[str, Any]) -> str:
              f"{arms[n]['params']:,}", _seeds(arms[n]["val_loss_by_seed"]),
              ci(arms[n]["val_loss"]),
              *("-" if b == n else ci(arms[n]["paired_differences"].get(b), signed=True)
-               for b in ("egmla_kv", BASELINES[0]))] for n in names]
+               for b in ("egmla_kv", plan["baselines"][0]))] for n in names]
     return _table(["arm", "d_e", "layers per table", "params (tables incl.)", "seed 0 / 1 / 2",
-                   "mean [95% CI]", "vs `egmla_kv`", f"vs {_name(BASELINES[0])}"], rows, 1)
+                   "mean [95% CI]", "vs `egmla_kv`", f"vs {_name(plan['baselines'][0])}"], rows, 1)
 
 
-def mqar_table(arms: dict[str, Any]) -> str:
+def mqar_table(summary: dict[str, Any]) -> str:
     """MQAR recall (the mean over the slices) by seed, over seeds, and paired; the MQAR
     model's KV bytes and parameters."""
-    names = [a.name for a in ARMS if a.name in arms and arms[a.name]["mqar_mean_accuracy"]]
+    arms, plan = summary["arms"], _plan(summary)
+    names = [n for n in plan["arms"] if arms[n]["mqar_mean_accuracy"]]
     if not names:
         return ""
     names.sort(key=lambda n: -arms[n]["mqar_mean_accuracy"]["mean"])
     rows = []
     for n in names:
         model = arms[n].get("mqar_model") or {}
-        recall = {s: mqar_mean(acc) for s, acc in arms[n]["mqar_accuracy_by_seed"].items() if acc}
+        recall = {s: _mean(acc.values()) for s, acc in arms[n]["mqar_accuracy_by_seed"].items() if acc}
         rows.append([_name(n), f"{model.get('kv_bytes_per_token_bf16', '-')}",
                      f"{model['params']:,}" if "params" in model else "-", _seeds(recall, 3),
                      ci(arms[n]["mqar_mean_accuracy"], 3, fraction=True),
                      *("-" if b == n else ci(arms[n]["paired_differences_mqar"].get(b), 3,
-                                             signed=True) for b in BASELINES)])
+                                             signed=True) for b in plan["baselines"])])
     return _table(["arm", "KV bytes/token", "params", "recall, seed 0 / 1 / 2", "mean [95% CI]",
-                   *(f"vs {_name(b)}" for b in BASELINES)], rows, 1)
+                   *(f"vs {_name(b)}" for b in plan["baselines"])], rows, 1)
 
 
 def _lm_digits(metric: str) -> int:
@@ -146,33 +167,35 @@ def _lm_digits(metric: str) -> int:
         metric.endswith("acc_norm") else 4
 
 
-def lm_eval_table(arms: dict[str, Any]) -> str:
+def lm_eval_table(summary: dict[str, Any]) -> str:
     """Each arm's lm-eval scores (mean and interval over its seeds), sorted as the seeds table."""
-    names = [a.name for a in ARMS if a.name in arms and arms[a.name]["lm_eval"]]
+    arms, plan = summary["arms"], _plan(summary)
+    names = [n for n in plan["arms"] if arms[n]["lm_eval"]]
     if not names:
         return ""
     names.sort(key=lambda n: arms[n]["val_loss"]["mean"])
-    metrics = [m for m in LM_EVAL_METRICS if any(m in arms[n]["lm_eval"] for n in names)]
+    metrics = [m for m in plan["lm_eval_metrics"] if any(m in arms[n]["lm_eval"] for n in names)]
     rows = [[_name(n), str(max(e["n"] for e in arms[n]["lm_eval"].values())),
              *(ci(arms[n]["lm_eval"].get(m), _lm_digits(m), fraction=m.endswith(("acc", "acc_norm")))
                for m in metrics)] for n in names]
     return _table(["arm", "seeds", *(LM_EVAL_NAMES.get(m, m) for m in metrics)], rows, 1)
 
 
-def lm_eval_paired_table(arms: dict[str, Any]) -> str:
+def lm_eval_paired_table(summary: dict[str, Any]) -> str:
     """The paired differences of the main lm-eval scores against the two baselines."""
-    names = [a.name for a in ARMS if a.name in arms and arms[a.name]["lm_eval"]]
+    arms, plan = summary["arms"], _plan(summary)
+    names = [n for n in plan["arms"] if arms[n]["lm_eval"]]
     if not names:
         return ""
     names.sort(key=lambda n: arms[n]["val_loss"]["mean"])
     header, rows = ["arm"], []
     for m in PAIRED_LM_EVAL:
-        header += [f"{LM_EVAL_NAMES[m]} vs {_name(b)}" for b in BASELINES]
+        header += [f"{LM_EVAL_NAMES[m]} vs {_name(b)}" for b in plan["baselines"]]
     for n in names:
         pairs = arms[n]["paired_differences_lm_eval"]
         rows.append([_name(n), *("-" if b == n else ci(pairs.get(m, {}).get(b), _lm_digits(m),
                                                        signed=True)
-                                 for m in PAIRED_LM_EVAL for b in BASELINES)])
+                                 for m in PAIRED_LM_EVAL for b in plan["baselines"])])
     return _table(header, rows, 1)
 
 
@@ -194,7 +217,7 @@ def render(summary: dict[str, Any]) -> str:
     parts = ["# The study's tables\n", "Written by `python -m eval.study` from `summary.json`; "
              f"docs/study.md states the protocol and the reading. {LEGEND}\n"]
     for heading, table in SECTIONS.values():
-        text = table(summary["arms"])
+        text = table(summary)
         if text:
             parts.append(f"## {heading}\n\n{text}\n")
     return "\n".join(parts)
@@ -211,7 +234,7 @@ def quote(document: str, summary: dict[str, Any]) -> str:
         if match:
             if match[1] not in SECTIONS:
                 raise ValueError(f"unknown study table {match[1]!r}; tables: {', '.join(SECTIONS)}")
-            out.extend(SECTIONS[match[1]][1](summary["arms"]).split("\n"))
+            out.extend(SECTIONS[match[1]][1](summary).split("\n"))
             while i < len(lines) and lines[i].startswith("|"):
                 i += 1
     return "\n".join(out)

@@ -253,12 +253,12 @@ def test_the_tables_mark_intervals_that_exclude_zero_and_cut_an_accuracys_at_its
         records += [{**rows("mqar", arm, {(1e-3, s): 1.0})[0], "params": 100 + s,
                      "kv_bytes_per_token_bf16": 212, "mqar_accuracy": {"kv4": r, "kv8": r}}
                     for s, r in enumerate(recall)]
-    arms = json.loads(json.dumps(study.summarize(records, chosen)))["arms"]  # as read back
-    table = seeds_table(arms).split("\n")
+    summary = json.loads(json.dumps(study.summarize(records, chosen)))  # as read back
+    table = seeds_table(summary).split("\n")
     assert table[2].startswith("| `egmla_kv` | 0.001 | 4.6000 / 4.7100 / 4.4900 | 4.6000 [")
     assert table[2].endswith("| -0.1000 [-0.1248, -0.0752] * | - |")  # tight: excludes zero
     assert table[3].startswith("| `mla_dc32` |") and table[3].endswith("| - | - |")
-    recall = mqar_table(arms).split("\n")[2]
+    recall = mqar_table(summary).split("\n")[2]
     assert recall.startswith("| `egmla_kv` | 212 | 100 | 0.930 / 0.540 / 0.140 | 0.537 [0.000, 1.000] |")
     assert ci({"n": 1, "mean": 0.5, "low": None, "high": None}) == "0.5000 (n=1)"
     assert ci(None) == "-"
