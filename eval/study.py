@@ -661,6 +661,7 @@ def _run(args, log) -> int:
                 write_results(args.results, list(records.values()), setup)
             score(run, args.runs_dir, log, args.eval_limit)
             records[directory] = {**record(run, directory), **_before(records[directory])}
+            write_results(args.results, list(records.values()), setup)  # each score as it comes
     chosen = choose_lrs(list(records.values()), setup)
     write_results(args.results, list(records.values()), setup)
     figures = write_figures(args.results, chosen, list(records.values()))
