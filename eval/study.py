@@ -224,7 +224,14 @@ def lr_grid(losses: dict[float, float], setup: Setup = Setup()) -> tuple[list[fl
 
 
 def _lr_losses(records: list[dict[str, Any]], arm: str) -> dict[float, float]:
-    return {r["lr"]: r["val_loss"] for r in records if r["phase"] == "lr" and r["arm"] == arm}
+    return {r["lr"]: selection_loss(r) for r in records if r["phase"] == "lr" and r["arm"] == arm}
+
+
+def selection_loss(r: dict[str, Any]) -> float:
+    """The loss a run had when its phase used it: for a run trained again for its export (on
+    another machine its loss differs, by up to about 0.01 after 300 steps), the loss recorded
+    before. So a remake does not reopen a learning rate chosen against runs not remade."""
+    return r["remade"]["recorded_val_loss"] if "remade" in r else r["val_loss"]
 
 
 def plan(phase: str, records: list[dict[str, Any]], setup: Setup = Setup()) -> list[Run]:
@@ -383,7 +390,7 @@ def summarize(records: list[dict[str, Any]], chosen: dict[str, float],
         rows = [r for r in records if r["arm"] == arm]
         if not rows:
             continue
-        grid = {f"{r['lr']:g}": r["val_loss"] for r in rows if r["phase"] == "lr"}
+        grid = {f"{r['lr']:g}": selection_loss(r) for r in rows if r["phase"] == "lr"}
         lr = chosen.get(arm if arm in ARM else "egmla_kv")
         at_lr = {r["seed"]: r["val_loss"] for r in rows
                  if r["phase"] in ("lr", "seeds", "ablations") and r["lr"] == lr}

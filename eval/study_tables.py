@@ -67,6 +67,10 @@ def _seeds(by_seed: dict[str, float], digits: int = 4) -> str:
     return " / ".join(f"{by_seed[s]:.{digits}f}" for s in sorted(by_seed, key=int)) or "-"
 
 
+def _rate(lr: float | None) -> str:
+    return "-" if lr is None else f"{lr:g}"  # None: the arm's grid is not settled yet
+
+
 def _name(arm: str) -> str:
     return f"`{arm}`"
 
@@ -81,7 +85,7 @@ def lr_table(summary: dict[str, Any]) -> str:
         grid = {float(lr): loss for lr, loss in a["lr_grid_val_loss"].items()}
         cells = [("**{:.4f}**" if lr == a["lr"] else "{:.4f}").format(grid[lr]) if lr in grid
                  else "" for lr in rates]
-        rows.append([_name(arm), *cells, f"{a['lr']:g}" if a["lr"] else "-"])
+        rows.append([_name(arm), *cells, _rate(a["lr"])])
     return _table(["arm", *(f"{lr:g}" for lr in rates), "chosen"], rows, 1)
 
 
@@ -90,7 +94,7 @@ def seeds_table(summary: dict[str, Any]) -> str:
     arms, plan = summary["arms"], _plan(summary)
     names = sorted((n for n in plan["arms"] if arms[n]["val_loss_by_seed"]),
                    key=lambda n: arms[n]["val_loss"]["mean"])
-    rows = [[_name(n), f"{arms[n]['lr']:g}", _seeds(arms[n]["val_loss_by_seed"]),
+    rows = [[_name(n), _rate(arms[n]["lr"]), _seeds(arms[n]["val_loss_by_seed"]),
              ci(arms[n]["val_loss"]),
              *(ci(arms[n]["paired_differences"].get(b), signed=True) for b in plan["baselines"])]
             for n in names]
@@ -115,7 +119,7 @@ def long_table(summary: dict[str, Any]) -> str:
     baselines = plan["baselines"]
     rows = []
     for n in sorted(long, key=lambda n: long[n]["val_loss"]):
-        rows.append([_name(n), f"{arms[n]['lr']:g}", f"{long[n]['val_loss']:.4f}",
+        rows.append([_name(n), _rate(arms[n]["lr"]), f"{long[n]['val_loss']:.4f}",
                      *(diff(long[n]["val_loss"], long[b]["val_loss"] if b in long else None)
                        if b != n else "-" for b in baselines),
                      diff(base[n], base.get(baselines[0])) if n != baselines[0] else "-"])

@@ -293,3 +293,24 @@ def test_the_tables_command_rewrites_only_the_quoted_tables(tmp_path, capsys):
     assert study_tables.main([str(doc), "--summary", str(summary)]) == 2
     assert "unknown study table 'nope'" in capsys.readouterr().err
     assert doc.read_text() == "<!-- study table: nope -->\n"  # untouched
+
+
+def test_a_remade_run_does_not_reopen_the_learning_rate_it_was_chosen_at():
+    """Trained again on another machine, mla_dc32's best rate came out 0.008 worse, above the
+    next rate's loss recorded on the first machine: the choice stands (the grid shows the losses
+    that made it), and the seeds use the new loss, the model lm-eval scored."""
+    setup = study.Setup(arms=("mla_dc32",), lrs=(1e-3, 2e-3, 4e-3))
+    records = rows("lr", "mla_dc32", {(1e-3, 0): 4.66, (2e-3, 0): 4.61, (8e-3, 0): 4.5258})
+    records += [{**rows("lr", "mla_dc32", {(4e-3, 0): 4.5271})[0],
+                 "remade": {"recorded_val_loss": 4.5195, "recorded_git": None}}]
+    assert study.choose_lrs(records, setup) == {"mla_dc32": 4e-3}
+    assert [r.lr for r in study.plan("lr", records, setup)] == [1e-3, 2e-3, 4e-3, 8e-3]
+    arm = study.summarize(records, study.choose_lrs(records, setup), setup)["arms"]["mla_dc32"]
+    assert arm["lr_grid_val_loss"]["0.004"] == 4.5195 and arm["val_loss_by_seed"] == {0: 4.5271}
+    # an arm whose grid is not settled has no rate yet: its tables say so, they do not fail
+    from eval.study_tables import render
+
+    open_grid = study.summarize(records[:3], {}, setup)
+    (row,) = [line for line in render(json.loads(json.dumps(open_grid))).split("\n")
+              if line.startswith("| `mla_dc32` |")]  # the grid's row, and no seeds yet
+    assert row.endswith("| 4.5258 | - |")  # 8e-3 best, at the edge: no rate chosen
