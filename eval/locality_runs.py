@@ -1,17 +1,18 @@
 """Issue 19's measurements end to end, resumable: `python -m eval.locality_runs`.
 
-1. train: one model per MLP activation (swiglu, reglu, drelu, relu2) at seed 0 and two more
-   seeds of swiglu and drelu, all `experiment=locality` (equal tokens and parameters); each
-   finished run's record (final validation loss, tokens, parameters) goes to
-   `<results>/runs/<name>.json`, committed;
-2. losses: each activation's validation loss against SwiGLU's, mean and 95% interval over the
-   seeds it has, written to `<results>/losses.{json,md}`;
-3. profile and predictors of each seed-0 model, and of SmolLM2-135M-Instruct (the
+1. train: one model per MLP activation (swiglu, reglu, drelu, relu2) at seed 0, all
+   `experiment=locality` (equal tokens and parameters); each finished run's record (final
+   validation loss, tokens, parameters) goes to `<results>/runs/<name>.json`, committed;
+2. profile and predictors of each seed-0 model, and of SmolLM2-135M-Instruct (the
    training-free baseline): `python -m eval.locality profile|predictors`, SwiGLU models at a
    magnitude threshold of 0.05, the ReLU family at exact zeros; the reports are copied to
    `<results>/<name>/`;
-4. benchmark: `benchmarks/activation_locality.py` over the seed-0 models and SmolLM2, its
-   record `<results>/activation_locality.{json,md}`.
+3. benchmark: `benchmarks/activation_locality.py` over the seed-0 models and SmolLM2, its
+   record `<results>/activation_locality.{json,md}`;
+4. train the two more seeds of swiglu and drelu (only the loss table needs them, so they come
+   after the benchmark);
+5. losses: each activation's validation loss against SwiGLU's, mean and 95% interval over the
+   seeds it has, written to `<results>/losses.{json,md}`.
 
 Re-running skips what is done. A run known only from its record (a new machine: run
 directories are not committed) is not trained again unless a later step needs its model: the
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.locality_runs", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS),
-                   help="which steps to run (default: all, in order)")
+                   help="which steps to run (default: all, in the order above)")
     p.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "locality-runs",
                    help="where the runs train (default runs/locality-runs)")
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "locality",
@@ -189,17 +190,22 @@ def main(argv: list[str] | None = None) -> int:
     steps = set(args.steps)
     later = steps & {"profile", "predictors", "benchmark"}
     bench_done = benchmarked(args.results)
-    try:
+
+    def trained(runs: list[tuple[str, int]]) -> list[dict[str, Any]]:
         records = []
         if "train" in steps or "losses" in steps or later:
-            for ffn, seed in RUNS:
+            for ffn, seed in runs:
                 need = seed == 0 and bool(later) and not bench_done
                 if "train" not in steps and not (args.results / "runs" /
                                                  f"{run_name(ffn, seed)}.json").is_file():
                     continue
                 records.append(train(ffn, seed, args, log, need_model=need))
-        if "losses" in steps and records:
-            print((args.results / "losses.md").read_text() if losses(records, args.results) else "")
+        return records
+
+    try:
+        # the seed-0 models first and their measurements next, so that the benchmark is not
+        # kept waiting for the extra seeds, which only the loss table needs
+        records = trained([run for run in RUNS if run[1] == 0])
         models = [(run_name(f, 0), str(args.runs_dir / run_name(f, 0) / "export"),
                    SWIGLU_THRESHOLD if f == "swiglu" else 0.0) for f, s in RUNS if s == 0]
         if not args.no_smollm2:
@@ -214,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
             for _, model, _ in models:  # it finds their predictors where eval.locality wrote them
                 cmd += ["--model", model]
             _run(cmd, args.runs_dir / "benchmark.log", log)
+        records += trained([run for run in RUNS if run[1] != 0])
+        if "losses" in steps and records:
+            print((args.results / "losses.md").read_text() if losses(records, args.results) else "")
     except PipelineError as error:
         print(f"locality_runs: error: {error}", file=sys.stderr)
         return 1
