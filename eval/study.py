@@ -448,7 +448,17 @@ def summarize(records: list[dict[str, Any]], chosen: dict[str, float],
                          "selection": "best final validation loss over the LR grid, first seed "
                          "(best over LR); a best at an edge grows the grid by a factor of 2 "
                          "past it, at most lr_extensions times"},
-            "arms": arms}
+            "arms": arms, "remakes": remakes(records)}
+
+
+def remakes(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs trained again (for an export on a machine without their run directory): the
+    loss each had, the loss it has now, and the difference, largest first."""
+    rows = [{"run": f"{r['phase']}-{r['run']}", "arm": r["arm"], "seed": r["seed"],
+             "recorded_val_loss": r["remade"]["recorded_val_loss"], "val_loss": r["val_loss"],
+             "difference": r["val_loss"] - r["remade"]["recorded_val_loss"]}
+            for r in records if "remade" in r]
+    return sorted(rows, key=lambda row: -abs(row["difference"]))
 
 
 def paired(mine: dict[int, float], theirs: dict[int, float]) -> dict[str, Any]:

@@ -203,6 +203,21 @@ def lm_eval_paired_table(summary: dict[str, Any]) -> str:
     return _table(header, rows, 1)
 
 
+def remakes_table(summary: dict[str, Any]) -> str:
+    """How far the runs trained again moved: their number, the mean and largest change of the
+    loss, and the runs that moved most."""
+    rows = summary.get("remakes") or []
+    if not rows:
+        return ""
+    moved = [abs(r["difference"]) for r in rows]
+    top = "; ".join(f"`{r['run']}` {r['recorded_val_loss']:.4f} to {r['val_loss']:.4f}"
+                    for r in rows[:3])
+    return _table(["runs trained again", "mean signed change", "mean |change|", "largest |change|",
+                   "moved most (then, now)"],
+                  [[str(len(rows)), f"{_mean(r['difference'] for r in rows):+.4f}",
+                    f"{_mean(moved):.4f}", f"{max(moved):.4f}", top]], 0)
+
+
 SECTIONS = {  # name -> (heading, the table)
     "lr": ("Learning rate (seed 0; bold: the chosen rate)", lr_table),
     "seeds": ("Seeds (each arm at its rate)", seeds_table),
@@ -212,6 +227,7 @@ SECTIONS = {  # name -> (heading, the table)
              mqar_table),
     "lm_eval": ("lm-eval (each arm's seeds at its rate)", lm_eval_table),
     "lm_eval_paired": ("lm-eval, paired differences", lm_eval_paired_table),
+    "remakes": ("Runs trained again (loss then and now, nats per token)", remakes_table),
 }
 MARKER = re.compile(r"^<!-- study table: (\w+) -->$")
 

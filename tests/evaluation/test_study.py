@@ -314,3 +314,22 @@ def test_a_remade_run_does_not_reopen_the_learning_rate_it_was_chosen_at():
     (row,) = [line for line in render(json.loads(json.dumps(open_grid))).split("\n")
               if line.startswith("| `mla_dc32` |")]  # the grid's row, and no seeds yet
     assert row.endswith("| 4.5258 | - |")  # 8e-3 best, at the edge: no rate chosen
+
+
+def test_the_summary_says_how_far_the_runs_trained_again_moved():
+    """Each remade run with its loss then and now, largest change first; the table states their
+    number, mean and largest change, and names the runs that moved most."""
+    from eval.study_tables import remakes_table
+
+    records = rows("lr", "mla_dc32", {(4e-3, 0): 4.5271, (2e-3, 0): 4.61})
+    records[0]["remade"] = {"recorded_val_loss": 4.5195}
+    records += [{**rows("seeds", "mha", {(2e-3, 1): 4.6321})[0],
+                 "remade": {"recorded_val_loss": 4.6332}}]
+    for r in records:
+        r["run"] = f"{r['arm']}-lr{r['lr']:g}-s{r['seed']}-300"
+    summary = json.loads(json.dumps(study.summarize(records, {})))
+    assert [(r["run"], round(r["difference"], 4)) for r in summary["remakes"]] == [
+        ("lr-mla_dc32-lr0.004-s0-300", 0.0076), ("seeds-mha-lr0.002-s1-300", -0.0011)]
+    row = remakes_table(summary).split("\n")[2]
+    assert row.startswith("| 2 | +0.0032 | 0.0044 | 0.0076 | `lr-mla_dc32-lr0.004-s0-300` 4.5195 to 4.5271;")
+    assert remakes_table(study.summarize(records[1:2], {})) == ""  # none remade: no table
