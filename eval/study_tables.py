@@ -203,19 +203,18 @@ def lm_eval_paired_table(summary: dict[str, Any]) -> str:
     return _table(header, rows, 1)
 
 
-def remakes_table(summary: dict[str, Any]) -> str:
-    """How far the runs trained again moved: their number, the mean and largest change of the
-    loss, and the runs that moved most."""
+def remakes_table(summary: dict[str, Any], most: int = 3) -> str:
+    """How far the runs trained again moved: the `most` that moved most, then the mean change
+    over all of them (and the mean of its size)."""
     rows = summary.get("remakes") or []
     if not rows:
         return ""
-    moved = [abs(r["difference"]) for r in rows]
-    top = "; ".join(f"`{r['run']}` {r['recorded_val_loss']:.4f} to {r['val_loss']:.4f}"
-                    for r in rows[:3])
-    return _table(["runs trained again", "mean signed change", "mean |change|", "largest |change|",
-                   "moved most (then, now)"],
-                  [[str(len(rows)), f"{_mean(r['difference'] for r in rows):+.4f}",
-                    f"{_mean(moved):.4f}", f"{max(moved):.4f}", top]], 0)
+    table = [[_name(r["run"]), f"{r['recorded_val_loss']:.4f}", f"{r['val_loss']:.4f}",
+              f"{r['difference']:+.4f}"] for r in rows[:most]]
+    table.append([f"all {len(rows)}: mean (mean size)", "", "",
+                  f"{_mean(r['difference'] for r in rows):+.4f} "
+                  f"({_mean(abs(r['difference']) for r in rows):.4f})"])
+    return _table(["run trained again", "loss then", "loss now", "change"], table, 1)
 
 
 SECTIONS = {  # name -> (heading, the table)
@@ -227,7 +226,8 @@ SECTIONS = {  # name -> (heading, the table)
              mqar_table),
     "lm_eval": ("lm-eval (each arm's seeds at its rate)", lm_eval_table),
     "lm_eval_paired": ("lm-eval, paired differences", lm_eval_paired_table),
-    "remakes": ("Runs trained again (loss then and now, nats per token)", remakes_table),
+    "remakes": ("Runs trained again: the largest changes of the loss (nats per token)",
+                remakes_table),
 }
 MARKER = re.compile(r"^<!-- study table: (\w+) -->$")
 
