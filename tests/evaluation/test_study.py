@@ -83,6 +83,9 @@ def test_paired_differences_pair_the_same_seed_and_say_when_they_exclude_zero():
         (1e-3, 1): 4.90, (1e-3, 2): 4.40})
     assert not study.summarize(noisy, chosen)["arms"]["egmla_kv"]["paired_differences"][
         "mla_dc32"]["distinguishable_from_zero"]
+    # the same difference on every seed (one item of an accuracy): a zero-width interval
+    same = study.paired({0: 0.272, 1: 0.266}, {0: 0.270, 1: 0.264})
+    assert same["low"] == pytest.approx(same["high"]) and not same["distinguishable_from_zero"]
 
 
 def test_lm_eval_scores_and_mqar_recall_are_summarized_over_seeds_and_paired(tmp_path):
