@@ -337,3 +337,42 @@ def test_the_summary_says_how_far_the_runs_trained_again_moved():
     assert table[2:] == ["| `lr-mla_dc32-lr0.004-s0-300` | 4.5195 | 4.5271 | +0.0076 |",
                          "| all 2: mean (mean size) |  |  | +0.0032 (0.0044) |"]
     assert remakes_table(study.summarize(records[1:2], {})) == ""  # none remade: no table
+
+
+def test_the_docs_reading_quotes_the_record():
+    """The figures docs/study.md's prose quotes (the seeds reading, the longer budget, the
+    conclusion) are the committed record's: a re-run that moves one fails here until the text
+    follows (the tables are checked above)."""
+    arms = json.loads((ROOT / "benchmarks/results/study/summary.json").read_text())["arms"]
+    docs = " ".join((ROOT / "docs" / "study.md").read_text().split())  # lines joined
+
+    def section(start: str, end: str) -> str:
+        return docs.split(start, 1)[1].split(end, 1)[0]
+
+    def quoted(arm: str) -> str:
+        d = arms[arm]["paired_differences"]["mla_dc32"]
+        return f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+
+    seeds = section("What these runs support", "What they do not support yet")
+    kv = arms["egmla_kv"]["paired_differences"]
+    dc32, matched = kv["mla_dc32"], kv["mla_param_matched"]
+    assert f"{-dc32['mean']:.3f} nats below `mla_dc32`" in seeds
+    assert f"interval [{dc32['low']:.3f}, {dc32['high']:.3f}], and {-matched['mean']:.3f} below" in seeds
+    assert f"[{matched['low']:.3f}, {matched['high']:.3f}], which only just excludes zero" in seeds
+    assert dc32["distinguishable_from_zero"] and matched["distinguishable_from_zero"]
+    spread = arms["mla_param_matched"]["val_loss_by_seed"].values()
+    assert f"({min(spread):.3f} to {max(spread):.3f} at 8e-3)" in seeds
+    for arm in ("egmla_const_gate", "mla_value_embed", "egmla_latent", "egmla_hidden_gate", "mla"):
+        assert quoted(arm) in seeds, arm
+    long = section("### Longer budget", "### Ablations")
+    at_4x = {n: a["long"][0]["val_loss"] for n, a in arms.items() if a["long"]}
+    seed0 = {n: a["val_loss_by_seed"]["0"] for n, a in arms.items()}
+    gain = {n: (at_4x[n] - at_4x["mla_dc32"], seed0[n] - seed0["mla_dc32"])
+            for n in ("egmla_kv", "mla_value_embed")}
+    assert f"({gain['egmla_kv'][0]:+.3f}, against {gain['egmla_kv'][1]:+.3f} for the same seed" in long
+    assert f"({gain['mla_value_embed'][1]:+.3f} to {gain['mla_value_embed'][0]:+.3f})" in long
+    conclusion = section("## Conclusion", "### Provenance")
+    assert (f"{-dc32['mean']:.3f} nats below `mla_dc32` and {-matched['mean']:.3f} below "
+            "`mla_param_matched`") in conclusion
+    wide = arms["egmla_kv"]["val_loss"]["mean"] - arms["mla"]["val_loss"]["mean"]
+    assert f"it is {-wide:.3f} lower at 64% less cache" in conclusion
