@@ -376,3 +376,20 @@ def test_the_docs_reading_quotes_the_record():
             "`mla_param_matched`") in conclusion
     wide = arms["egmla_kv"]["val_loss"]["mean"] - arms["mla"]["val_loss"]["mean"]
     assert f"it is {-wide:.3f} lower at 64% less cache" in conclusion
+    scores = section("### lm-eval", "## Conclusion")
+    scored = {n: a["lm_eval"] for n, a in arms.items() if a["lm_eval"]}
+    for metric, low, high in (("corpus_cloze/acc", 0.26, 0.28), ("mqar_recall/acc", 0.05, 0.08)):
+        means = [s[metric]["mean"] for s in scored.values()]
+        assert f"between {low:.2f} and {high:.2f}" in scores
+        assert low - 0.005 <= min(means) and max(means) < high + 0.005, (metric, means)
+        assert not any(d["distinguishable_from_zero"] for n in scored for d in
+                       arms[n]["paired_differences_lm_eval"][metric].values()), metric
+    bits = {n: s["corpus_perplexity/bits_per_byte"]["mean"] for n, s in scored.items()}
+    assert f"`egmla_kv` lowest ({bits['egmla_kv']:.3f})" in scores and min(bits, key=bits.get) == "egmla_kv"
+    assert f"`mla_dc32` at {bits['mla_dc32']:.3f}" in scores
+    by_loss = sorted(bits, key=lambda n: arms[n]["val_loss"]["mean"])
+    assert set(sorted(bits, key=bits.get)[-2:]) == {"mha", "gqa2"}  # "MHA and GQA highest"
+    rank = {n: i for i, n in enumerate(sorted(bits, key=bits.get))}
+    shift = sum((rank[n] - i) ** 2 for i, n in enumerate(by_loss))
+    spearman = 1 - 6 * shift / (len(bits) * (len(bits) ** 2 - 1))
+    assert spearman > 0.9, spearman  # "orders the arms much as the loss does"
