@@ -14,8 +14,9 @@ from support import ROOT
 
 
 def rows(phase: str, arm: str, losses: dict[tuple[float, int], float]) -> list[dict]:
-    return [{"phase": phase, "arm": arm, "lr": lr, "seed": seed, "val_loss": loss, "tokens": 1,
-             "mqar_accuracy": None} for (lr, seed), loss in losses.items()]
+    return [{"phase": phase, "arm": arm, "run": f"{arm}-lr{lr:g}-s{seed}-300", "lr": lr,
+             "seed": seed, "val_loss": loss, "tokens": 1, "mqar_accuracy": None}
+            for (lr, seed), loss in losses.items()]
 
 
 def test_the_interval_is_students_t_over_the_seeds():
@@ -328,8 +329,6 @@ def test_the_summary_says_how_far_the_runs_trained_again_moved():
     records[0]["remade"] = {"recorded_val_loss": 4.5195}
     records += [{**rows("seeds", "mha", {(2e-3, 1): 4.6321})[0],
                  "remade": {"recorded_val_loss": 4.6332}}]
-    for r in records:
-        r["run"] = f"{r['arm']}-lr{r['lr']:g}-s{r['seed']}-300"
     summary = json.loads(json.dumps(study.summarize(records, {})))
     assert [(r["run"], round(r["difference"], 4)) for r in summary["remakes"]] == [
         ("lr-mla_dc32-lr0.004-s0-300", 0.0076), ("seeds-mha-lr0.002-s1-300", -0.0011)]
