@@ -37,7 +37,11 @@ our trained models have no llama.cpp architecture (their MLPs are not SwiGLU).
 
 Writes benchmarks/results/activation_locality.{json,md} (`*_quick.*` with --quick) with the
 command, git SHA, versions, machine and load; the JSON names every speedup with a key that
-contains `speedup`. Compare modes within one run, not across runs: the machine is shared.
+contains `speedup`. After each model its results are kept in `<out>/<stem>.json.partial`: a
+re-run with the same settings (after a stop: a session's end, a lost machine) keeps the models
+that one finished and measures the rest (`--fresh`: all again); each model records when, at
+which commit and under what load it was measured. Compare modes within one model, measured side
+by side, not across models or runs: the machine is shared.
 """
 
 from __future__ import annotations
@@ -316,8 +320,12 @@ def render(report: dict[str, Any]) -> str:
              "MLP neurons computed per step. Bytes: weight bytes a decode step reads per generated "
              "token. Perplexity: held-out corpus-b, each token's MLPs masked as the mode computes.", ""]
     for m in report["models"]:
-        lines += [f"## {m['model']} ({m['ffn']}, threshold {m['threshold']})", "",
-                  "| mode | batch | tok/s | min..max | speedup vs dense | density | MB/token |",
+        when = m.get("measured")
+        lines += [f"## {m['model']} ({m['ffn']}, threshold {m['threshold']})", ""]
+        if when:
+            lines += [f"Measured {when['time_utc']} at git {when['git']['sha']}, load "
+                      f"{when['load'][0]} -> {when['load'][1]}.", ""]
+        lines += ["| mode | batch | tok/s | min..max | speedup vs dense | density | MB/token |",
                   "|---|---:|---:|---|---:|---:|---:|"]
         for r in m["speed"]:
             lines.append(f"| {r['mode']} | {r['batch']} | {r['tok_s']:.1f} | {r['tok_s_min']:.1f}.."
@@ -343,6 +351,22 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def kept_models(partial: Path, settings: dict[str, Any], fresh: bool, log) -> dict[str, Any]:
+    """The models an interrupted run with these settings had finished, by name ({} with --fresh,
+    without such a run, or when its settings differ)."""
+    if fresh or not partial.is_file():
+        return {}
+    try:
+        kept = json.loads(partial.read_text())
+    except (OSError, ValueError) as error:
+        log(f"{partial}: unreadable ({error}); measuring every model")
+        return {}
+    if kept.get("settings") != settings:
+        log(f"{partial}: made with other settings; measuring every model")
+        return {}
+    return {m["model"]: m for m in kept.get("models", [])}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="See the module docstring for the method.")
@@ -364,10 +388,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=RESULTS,
                    help="where the JSON and markdown go (default benchmarks/results)")
+    p.add_argument("--fresh", action="store_true",
+                   help="measure every model again, ignoring what an interrupted run kept "
+                        "(by default a re-run with the same settings keeps the models it had "
+                        "finished: each model's speedups are its own modes side by side)")
     p.add_argument("--quick", action="store_true",
                    help="a smoke test: batch 1 and 4, 16 new tokens, one repeat, 3 documents a "
                         "task; writes *_quick.*")
     args = p.parse_args(argv)
+    if len(set(args.model)) != len(args.model):
+        p.error(f"--model: each model once (given {args.model})")
     if args.predictors and len(args.predictors) != len(args.model):
         p.error("--predictors: give one per --model, in the same order")
     for name in ("prompt_len", "new_tokens", "repeats", "held_out_tokens", "threads"):
@@ -395,10 +425,21 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "command": ["python", "benchmarks/activation_locality.py", *(argv or sys.argv[1:])],
         "provenance": provenance(), "load_before": round(os.getloadavg()[0], 2),
-        "settings": {k: v for k, v in vars(args).items()
-                     if k not in ("model", "predictors", "out")},
+        "settings": json.loads(json.dumps({k: v for k, v in vars(args).items()
+                                           if k not in ("model", "predictors", "out", "fresh")})),
         "models": []}
+    from eval.selfdebug.report import write_atomic
+
+    stem = "activation_locality_quick" if args.quick else "activation_locality"
+    args.out.mkdir(parents=True, exist_ok=True)
+    partial = args.out / f"{stem}.json.partial"  # the models an interrupted run had finished
+    kept = kept_models(partial, report["settings"], args.fresh, log)
     for i, name in enumerate(args.model):
+        if name in kept:
+            log(f"{name}: kept from an interrupted run ({partial}; --fresh measures it again)")
+            report["models"].append(kept[name])
+            continue
+        load_before = round(os.getloadavg()[0], 2)
         given = args.predictors[i] if args.predictors else None
         subject = Subject(name, given, args.swiglu_threshold, max(args.batch_sizes),
                           args.prompt_len + args.new_tokens + 8)
@@ -418,14 +459,16 @@ def main(argv: list[str] | None = None) -> int:
                 for r in speed:
                     if r["batch"] == 1:
                         r["speedup_vs_llamacpp_f32"] = r["tok_s"] / entry["llamacpp"]["tok_s"]
+        entry["measured"] = {"time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                             "git": report["provenance"]["git"],
+                             "load": [load_before, round(os.getloadavg()[0], 2)]}
         report["models"].append(entry)
+        write_atomic(partial, json.dumps({"settings": report["settings"],
+                                          "models": report["models"]}, default=str).encode())
     report["load_after"] = round(os.getloadavg()[0], 2)
-    stem = "activation_locality_quick" if args.quick else "activation_locality"
-    args.out.mkdir(parents=True, exist_ok=True)
-    from eval.selfdebug.report import write_atomic
-
     write_atomic(args.out / f"{stem}.json", (json.dumps(report, indent=2, default=str) + "\n").encode())
     write_atomic(args.out / f"{stem}.md", render(report).encode())
+    partial.unlink(missing_ok=True)
     print(render(report))
     return 0
 

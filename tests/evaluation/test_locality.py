@@ -4,7 +4,9 @@ export directory with its tokenizer (a real subprocess), refusing bad input in o
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 
@@ -269,3 +271,53 @@ def test_the_benchmark_measures_every_mode_of_a_relu_family_model(drelu_with_pre
     assert set(ppl["predicted"]["lm_eval"]) >= {"corpus_cloze/acc", "mqar_recall/acc"}
     assert 0 <= model["hot"]["hot_hit_rate"] <= 1 and 0 < model["hot"]["recall"] <= 1
     assert "speedup" in (tmp_path / "activation_locality_quick.md").read_text()
+
+
+@pytest.mark.slow
+def test_an_interrupted_benchmark_keeps_the_models_it_finished(drelu_with_predictors, tmp_path):
+    """Stopped while measuring its second model, the benchmark has kept the first (with when,
+    where and under what load it was measured); run again, it measures only the second."""
+    other = tmp_path / "other"
+    shutil.copytree(drelu_with_predictors, other)  # a second model, its predictors with it
+    out = tmp_path / "out"
+    cmd = [sys.executable, "benchmarks/activation_locality.py", "--model", str(drelu_with_predictors),
+           "--model", str(other), "--quick", "--skip-lm-eval", "--out", str(out)]
+    first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    for line in first.stdout:
+        if line.split(" ", 1)[-1].startswith(f"{other}:"):  # the second model has begun
+            first.kill()
+            break
+    first.wait(timeout=60)
+    partial = out / "activation_locality_quick.json.partial"
+    kept = json.loads(partial.read_text())
+    assert [m["model"] for m in kept["models"]] == [str(drelu_with_predictors)]
+    assert set(kept["models"][0]["measured"]) == {"time_utc", "git", "load"}
+    assert not (out / "activation_locality_quick.json").exists()  # nothing half-written
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"{drelu_with_predictors}: kept from an interrupted run" in again.stdout
+    assert f"{other}: drelu" in again.stdout  # measured
+    report = json.loads((out / "activation_locality_quick.json").read_text())
+    assert [m["model"] for m in report["models"]] == [str(drelu_with_predictors), str(other)]
+    assert report["models"][0] == kept["models"][0] and not partial.exists()
+    assert "Measured " in (out / "activation_locality_quick.md").read_text()
+
+
+def test_the_benchmark_keeps_nothing_made_with_other_settings(tmp_path):
+    spec = importlib.util.spec_from_file_location("activation_locality",
+                                                  ROOT / "benchmarks" / "activation_locality.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    partial = tmp_path / "activation_locality.json.partial"
+    partial.write_text(json.dumps({"settings": {"repeats": 3}, "models": [{"model": "m"}]}))
+    said = []
+    assert bench.kept_models(partial, {"repeats": 3}, False, said.append) == {"m": {"model": "m"}}
+    assert bench.kept_models(partial, {"repeats": 3}, True, said.append) == {}  # --fresh
+    assert bench.kept_models(partial, {"repeats": 5}, False, said.append) == {}
+    partial.write_text("{not json")
+    assert bench.kept_models(partial, {"repeats": 3}, False, said.append) == {}
+    assert "other settings" in said[0] and "unreadable" in said[1]
+    run = subprocess.run([sys.executable, "benchmarks/activation_locality.py", "--model", "a",
+                          "--model", "a"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "each model once" in run.stderr and "Traceback" not in run.stderr
