@@ -357,7 +357,7 @@ def test_the_docs_reading_quotes_the_record():
     dc32, matched = kv["mla_dc32"], kv["mla_param_matched"]
     assert f"{-dc32['mean']:.3f} nats below `mla_dc32`" in seeds
     assert f"interval [{dc32['low']:.3f}, {dc32['high']:.3f}], and {-matched['mean']:.3f} below" in seeds
-    assert f"[{matched['low']:.3f}, {matched['high']:.3f}], which only just excludes zero" in seeds
+    assert f"[{matched['low']:.3f}, {matched['high']:.3f}], which also excludes zero" in seeds
     assert dc32["distinguishable_from_zero"] and matched["distinguishable_from_zero"]
     spread = arms["mla_param_matched"]["val_loss_by_seed"].values()
     assert f"({min(spread):.3f} to {max(spread):.3f} at 8e-3)" in seeds
