@@ -381,8 +381,13 @@ def test_the_docs_reading_quotes_the_record():
         means = [s[metric]["mean"] for s in scored.values()]
         assert f"between {low:.2f} and {high:.2f}" in scores
         assert low - 0.005 <= min(means) and max(means) < high + 0.005, (metric, means)
-        assert not any(d["distinguishable_from_zero"] for n in scored for d in
-                       arms[n]["paired_differences_lm_eval"][metric].values()), metric
+        starred = [(n, b, d) for n in scored
+                   for b, d in arms[n]["paired_differences_lm_eval"][metric].items()
+                   if d["distinguishable_from_zero"]]
+        for n, b, d in starred:  # each named, with its interval
+            assert (f"`{n}`'s MQAR-task accuracy against `{b}`, {d['mean']:+.3f} "
+                    f"[{d['low']:+.3f}, {d['high']:+.3f}]") in scores, (metric, n, b)
+        assert len(starred) <= (1 if metric == "mqar_recall/acc" else 0), (metric, starred)
     bits = {n: s["corpus_perplexity/bits_per_byte"]["mean"] for n, s in scored.items()}
     assert f"`egmla_kv` lowest ({bits['egmla_kv']:.3f})" in scores and min(bits, key=bits.get) == "egmla_kv"
     assert f"`mla_dc32` at {bits['mla_dc32']:.3f}" in scores
