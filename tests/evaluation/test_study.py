@@ -397,3 +397,12 @@ def test_the_docs_reading_quotes_the_record():
     shift = sum((rank[n] - i) ** 2 for i, n in enumerate(by_loss))
     spearman = 1 - 6 * shift / (len(bits) * (len(bits) ** 2 - 1))
     assert spearman > 0.9, spearman  # "orders the arms much as the loss does"
+    assert "exclude zero are exactly the paired loss differences that do" in scores
+    for base in ("mla_dc32", "mla_param_matched"):
+        by_bits = {n for n in scored if arms[n]["paired_differences_lm_eval"][
+            "corpus_perplexity/bits_per_byte"].get(base, {}).get("distinguishable_from_zero")}
+        by_loss_diff = {n for n in scored if arms[n]["paired_differences"].get(base, {}).get(
+            "distinguishable_from_zero")}
+        assert by_bits == by_loss_diff, (base, by_bits, by_loss_diff)
+    remade = json.loads((ROOT / "benchmarks/results/study/summary.json").read_text())["remakes"]
+    assert f"average and {max(abs(r['difference']) for r in remade):.3f} at most" in docs
