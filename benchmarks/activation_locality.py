@@ -38,10 +38,12 @@ our trained models have no llama.cpp architecture (their MLPs are not SwiGLU).
 Writes benchmarks/results/activation_locality.{json,md} (`*_quick.*` with --quick) with the
 command, git SHA, versions, machine and load; the JSON names every speedup with a key that
 contains `speedup`. After each model its results are kept in `<out>/<stem>.json.partial`: a
-re-run with the same settings (after a stop: a session's end, a lost machine) keeps the models
+rerun with the same settings (after a stop: a session's end, a lost machine) keeps the models
 that one finished and measures the rest (`--fresh`: all again); each model records when, at
-which commit and under what load it was measured. Compare modes within one model, measured side
-by side, not across models or runs: the machine is shared.
+which commit and under what load it was measured. `--add` adds the models to the record in
+`--out` (same settings) instead of replacing it, as eval.locality_runs does model by model.
+Compare modes within one model, measured side by side, not across models or runs: the machine
+is shared.
 """
 
 from __future__ import annotations
@@ -367,6 +369,27 @@ def kept_models(partial: Path, settings: dict[str, Any], fresh: bool, log) -> di
     return {m["model"]: m for m in kept.get("models", [])}
 
 
+def recorded_models(record: Path, settings: dict[str, Any], measuring: list[str]
+                    ) -> tuple[list[dict[str, Any]], list[Any]]:
+    """For --add: the models of an earlier record that are not being measured again, and the
+    commands that made it ([], [] without one); ValueError when it cannot be added to."""
+    if not record.is_file():
+        return [], []
+    try:
+        old = json.loads(record.read_text())
+        models, old_settings = old["models"], old["settings"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"--add: {record} is not a benchmark record ({error}); move it away or "
+                         "run without --add") from None
+    if old_settings != settings:
+        differ = sorted(k for k in set(settings) | set(old_settings)
+                        if settings.get(k) != old_settings.get(k))
+        raise ValueError(f"--add: {record} was measured with other settings ({', '.join(differ)}"
+                         "); run without --add to measure anew")
+    commands = [*old.get("earlier_commands", []), old.get("command")]
+    return [m for m in models if m.get("model") not in measuring], commands
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="See the module docstring for the method.")
@@ -388,6 +411,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=RESULTS,
                    help="where the JSON and markdown go (default benchmarks/results)")
+    p.add_argument("--add", action="store_true",
+                   help="add the models to the record already in --out (made with the same "
+                        "settings; a model it holds is measured again and replaced) instead of "
+                        "writing it anew: a pipeline measures its models as each is ready")
     p.add_argument("--fresh", action="store_true",
                    help="measure every model again, ignoring what an interrupted run kept "
                         "(by default a re-run with the same settings keeps the models it had "
@@ -426,12 +453,22 @@ def main(argv: list[str] | None = None) -> int:
         "command": ["python", "benchmarks/activation_locality.py", *(argv or sys.argv[1:])],
         "provenance": provenance(), "load_before": round(os.getloadavg()[0], 2),
         "settings": json.loads(json.dumps({k: v for k, v in vars(args).items()
-                                           if k not in ("model", "predictors", "out", "fresh")})),
+                                           if k not in ("model", "predictors", "out", "fresh",
+                                                        "add")})),
         "models": []}
     from eval.selfdebug.report import write_atomic
 
     stem = "activation_locality_quick" if args.quick else "activation_locality"
     args.out.mkdir(parents=True, exist_ok=True)
+    earlier: list[dict[str, Any]] = []  # with --add: the record's models not measured now
+    if args.add:
+        try:
+            earlier, commands = recorded_models(args.out / f"{stem}.json", report["settings"],
+                                                args.model)
+        except ValueError as error:
+            print(f"activation_locality: error: {error}", file=sys.stderr)
+            return 2
+        report["earlier_commands"] = commands
     partial = args.out / f"{stem}.json.partial"  # the models an interrupted run had finished
     kept = kept_models(partial, report["settings"], args.fresh, log)
     for i, name in enumerate(args.model):
@@ -465,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         report["models"].append(entry)
         write_atomic(partial, json.dumps({"settings": report["settings"],
                                           "models": report["models"]}, default=str).encode())
+    report["models"] = earlier + report["models"]
     report["load_after"] = round(os.getloadavg()[0], 2)
     write_atomic(args.out / f"{stem}.json", (json.dumps(report, indent=2, default=str) + "\n").encode())
     write_atomic(args.out / f"{stem}.md", render(report).encode())

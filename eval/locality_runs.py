@@ -1,22 +1,25 @@
 """Issue 19's measurements end to end, resumable: `python -m eval.locality_runs`.
 
-1. train: one model per MLP activation (swiglu, reglu, drelu, relu2) at seed 0, all
-   `experiment=locality` (equal tokens and parameters); each finished run's record (final
-   validation loss, tokens, parameters) goes to `<results>/runs/<name>.json`, committed;
-2. profile and predictors of each seed-0 model, and of SmolLM2-135M-Instruct (the
-   training-free baseline): `python -m eval.locality profile|predictors`, SwiGLU models at a
+Model by model (drelu, swiglu, reglu, relu2 at seed 0, then SmolLM2-135M-Instruct, the
+training-free baseline), so that each figure comes as soon as its model is ready:
+
+1. train: the model, `experiment=locality` (equal tokens and parameters across activations);
+   the finished run's record (final validation loss, tokens, parameters) goes to
+   `<results>/runs/<name>.json`, committed;
+2. profile and predictors: `python -m eval.locality profile|predictors`, SwiGLU models at a
    magnitude threshold of 0.05, the ReLU family at exact zeros; the reports are copied to
    `<results>/<name>/`;
-3. benchmark: `benchmarks/activation_locality.py` over the seed-0 models and SmolLM2, its
+3. benchmark: `benchmarks/activation_locality.py --add --model M`, which adds the model to the
    record `<results>/activation_locality.{json,md}`;
-4. train the two more seeds of swiglu and drelu (only the loss table needs them, so they come
-   after the benchmark);
-5. losses: each activation's validation loss against SwiGLU's, mean and 95% interval over the
+
+then train the two more seeds of swiglu and drelu (only the loss table needs them), and
+
+4. losses: each activation's validation loss against SwiGLU's, mean and 95% interval over the
    seeds it has, written to `<results>/losses.{json,md}`.
 
 Re-running skips what is done. A run known only from its record (a new machine: run
-directories are not committed) is not trained again unless a later step needs its model: the
-seed-0 models are, until the benchmark has run.
+directories are not committed) is not trained again unless a later step needs its model: a
+seed-0 model is, until the benchmark's record holds it.
 
     python -m eval.locality_runs                       # everything, in the background
     python -m eval.locality_runs --steps train losses  # only some steps
@@ -36,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = [("swiglu", 0), ("reglu", 0), ("drelu", 0), ("relu2", 0),
+# drelu first: the acceptance figure (its predicted-sparse speedup) is the one to have soonest
+RUNS = [("drelu", 0), ("swiglu", 0), ("reglu", 0), ("relu2", 0),
         ("swiglu", 1), ("drelu", 1), ("swiglu", 2), ("drelu", 2)]
 SMOLLM2 = "SmolLM2-135M-Instruct"
 # SwiGLU has no exact zeros: its neurons fire above a TEAL/CATS-style magnitude threshold
@@ -138,8 +142,14 @@ def losses(records: list[dict[str, Any]], results: Path) -> dict[str, Any]:
     return report
 
 
-def benchmarked(results: Path) -> bool:
-    return any(results.glob("activation_locality*.json"))
+def benchmarked(results: Path) -> set[str]:
+    """The models the benchmark's records in `results` hold: a run's name (its export's
+    directory) or a known model's."""
+    names = set()
+    for record in results.glob("activation_locality*.json"):
+        for m in json.loads(record.read_text()).get("models", []):
+            names.add(m["model"] if m["model"] == SMOLLM2 else Path(m["model"]).parent.name)
+    return names
 
 
 def locality(command: str, model: str, name: str, args, log, threshold: float = 0.0) -> None:
@@ -152,7 +162,7 @@ def locality(command: str, model: str, name: str, args, log, threshold: float = 
     report = out / f"{command}.json"
     # the benchmark reads the predictors' file, which is not committed: remade while it is
     # needed, if a rank was chosen (else there is none to make)
-    missing = (command == "predictors" and not benchmarked(args.results)
+    missing = (command == "predictors" and name not in benchmarked(args.results)
                and report.is_file() and json.loads(report.read_text())["chosen_rank"] is not None
                and not (work / "predictors.safetensors").is_file())
     if report.is_file() and not missing:
@@ -189,37 +199,37 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda message: print(time.strftime("%H:%M:%S"), message, flush=True)  # noqa: E731
     steps = set(args.steps)
     later = steps & {"profile", "predictors", "benchmark"}
-    bench_done = benchmarked(args.results)
 
     def trained(runs: list[tuple[str, int]]) -> list[dict[str, Any]]:
         records = []
         if "train" in steps or "losses" in steps or later:
             for ffn, seed in runs:
-                need = seed == 0 and bool(later) and not bench_done
-                if "train" not in steps and not (args.results / "runs" /
-                                                 f"{run_name(ffn, seed)}.json").is_file():
+                name = run_name(ffn, seed)
+                need = seed == 0 and bool(later) and name not in benchmarked(args.results)
+                if "train" not in steps and not (args.results / "runs" / f"{name}.json").is_file():
                     continue
                 records.append(train(ffn, seed, args, log, need_model=need))
         return records
 
-    try:
-        # the seed-0 models first and their measurements next, so that the benchmark is not
-        # kept waiting for the extra seeds, which only the loss table needs
-        records = trained([run for run in RUNS if run[1] == 0])
-        models = [(run_name(f, 0), str(args.runs_dir / run_name(f, 0) / "export"),
-                   SWIGLU_THRESHOLD if f == "swiglu" else 0.0) for f, s in RUNS if s == 0]
-        if not args.no_smollm2:
-            models.append((SMOLLM2, SMOLLM2, SWIGLU_THRESHOLD))
+    def measure(name: str, model: str, threshold: float) -> None:
         for command in ("profile", "predictors"):
             if command in steps:
-                for name, model, threshold in models:
-                    locality(command, model, name, args, log, threshold)
-        if "benchmark" in steps and not bench_done:
+                locality(command, model, name, args, log, threshold)
+        if "benchmark" in steps and name not in benchmarked(args.results):
+            # it finds the predictors where eval.locality wrote them
             cmd = [sys.executable, str(ROOT / "benchmarks" / "activation_locality.py"),
-                   "--out", str(args.results), *args.benchmark_args]
-            for _, model, _ in models:  # it finds their predictors where eval.locality wrote them
-                cmd += ["--model", model]
-            _run(cmd, args.runs_dir / "benchmark.log", log)
+                   "--out", str(args.results), "--add", "--model", model, *args.benchmark_args]
+            _run(cmd, args.runs_dir / f"{name}-benchmark.log", log)
+
+    try:
+        records = []
+        for ffn, seed in [run for run in RUNS if run[1] == 0]:
+            records += trained([(ffn, seed)])
+            if records and records[-1]["name"] == run_name(ffn, seed):  # its model is there
+                measure(run_name(ffn, seed), str(args.runs_dir / run_name(ffn, seed) / "export"),
+                        SWIGLU_THRESHOLD if ffn == "swiglu" else 0.0)
+        if not args.no_smollm2:
+            measure(SMOLLM2, SMOLLM2, SWIGLU_THRESHOLD)
         records += trained([run for run in RUNS if run[1] != 0])
         if "losses" in steps and records:
             print((args.results / "losses.md").read_text() if losses(records, args.results) else "")

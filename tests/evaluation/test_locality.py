@@ -302,13 +302,27 @@ def test_an_interrupted_benchmark_keeps_the_models_it_finished(drelu_with_predic
     assert [m["model"] for m in report["models"]] == [str(drelu_with_predictors), str(other)]
     assert report["models"][0] == kept["models"][0] and not partial.exists()
     assert "Measured " in (out / "activation_locality_quick.md").read_text()
+    # --add: the second model measured again into the same record, the first kept as it was
+    added = subprocess.run([*cmd[:2], "--model", str(other), *cmd[6:], "--add"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=900)
+    assert added.returncode == 0, added.stderr[-3000:]
+    record = json.loads((out / "activation_locality_quick.json").read_text())
+    assert [m["model"] for m in record["models"]] == [str(drelu_with_predictors), str(other)]
+    assert record["models"][0] == report["models"][0]
+    assert record["models"][1]["measured"] != report["models"][1]["measured"]
+    assert record["earlier_commands"] == [report["command"]]
 
 
-def test_the_benchmark_keeps_nothing_made_with_other_settings(tmp_path):
+def load_benchmark():
     spec = importlib.util.spec_from_file_location("activation_locality",
                                                   ROOT / "benchmarks" / "activation_locality.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_benchmark_keeps_nothing_made_with_other_settings(tmp_path):
+    bench = load_benchmark()
     partial = tmp_path / "activation_locality.json.partial"
     partial.write_text(json.dumps({"settings": {"repeats": 3}, "models": [{"model": "m"}]}))
     said = []
@@ -321,3 +335,27 @@ def test_the_benchmark_keeps_nothing_made_with_other_settings(tmp_path):
     run = subprocess.run([sys.executable, "benchmarks/activation_locality.py", "--model", "a",
                           "--model", "a"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "each model once" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_add_keeps_the_records_other_models_and_refuses_other_settings(tmp_path):
+    """--add: the record's models not measured now are kept, in order, those measured now are
+    dropped (to be replaced), and a record made with other settings, or not a record, is refused
+    with a one-line error that names what differs, leaving it as it was."""
+    bench = load_benchmark()
+    record = tmp_path / "activation_locality.json"
+    assert bench.recorded_models(record, {"repeats": 3}, ["a"]) == ([], [])  # none yet
+    record.write_text(json.dumps({"settings": {"repeats": 3}, "command": ["first"],
+                                  "models": [{"model": "a"}, {"model": "b"}, {"model": "c"}]}))
+    kept, commands = bench.recorded_models(record, {"repeats": 3}, ["b"])
+    assert kept == [{"model": "a"}, {"model": "c"}] and commands == [["first"]]
+    with pytest.raises(ValueError, match=r"other settings \(repeats\)"):
+        bench.recorded_models(record, {"repeats": 5}, ["b"])
+    before = record.read_text()
+    run = subprocess.run([sys.executable, "benchmarks/activation_locality.py", "--model", "b",
+                          "--add", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and "other settings" in run.stderr and "Traceback" not in run.stderr
+    assert record.read_text() == before
+    record.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a benchmark record"):
+        bench.recorded_models(record, {"repeats": 3}, ["b"])
