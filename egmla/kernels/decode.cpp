@@ -67,6 +67,24 @@ inline float dot(const float* q, const P* k, int64_t D) {
   return s;
 }
 
+// dot over a long row (a neuron's D weights): four independent accumulators, so that the
+// FMAs overlap instead of each waiting for the one before (one chain is latency-bound).
+template <typename P>
+inline float dot_long(const float* q, const P* k, int64_t D) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(k + d + 8), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 16), load8(k + d + 16), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 24), load8(k + d + 24), a3);
+  }
+  for (; d + 8 <= D; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a0);
+  float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; d < D; ++d) s += q[d] * static_cast<float>(k[d]);
+  return s;
+}
+
 // Rows [r0, r0 + R) of w against rows [m0, m0 + B) of x (fp32, K floats each): y[m][r] = dot.
 template <int R, int B, typename W>
 inline void dot_block(const float* x, const W* w, float* acc_out, int64_t K, int64_t r0) {
@@ -507,11 +525,11 @@ int64_t mlp_sparse(const float* n, float* y, int64_t B, int64_t D, int64_t F, in
       const int64_t i = idx[a];
       for (int64_t b = 0; b < B; ++b) {
         const float* nb = n + b * D;
-        const float dec = pre.empty() ? dot(nb, deciding + i * D, D) : pre[b * F + i];
+        const float dec = pre.empty() ? dot_long(nb, deciding + i * D, D) : pre[b * F + i];
         if (sp.threshold > 0.f && !(firing_score(act, dec) > sp.threshold)) continue;
         if (act != kSwiGLU && dec <= 0.f) continue;  // a ReLU of it is 0: h is 0 whatever up is
         const float h = act == kReLU2 ? activate(act, 0.f, dec)
-                                      : activate(act, dec, dot(nb, w_up + i * D, D));
+                                      : activate(act, dec, dot_long(nb, w_up + i * D, D));
         if (h != 0.f) axpy(mine + b * D, h, down_t + i * D, D);
       }
     }
