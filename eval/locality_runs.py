@@ -224,8 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         records = []
         for ffn, seed in [run for run in RUNS if run[1] == 0]:
-            records += trained([(ffn, seed)])
-            if records and records[-1]["name"] == run_name(ffn, seed):  # its model is there
+            done = trained([(ffn, seed)])
+            records += done
+            if done:  # its record is there (and its model, while the benchmark needs it)
                 measure(run_name(ffn, seed), str(args.runs_dir / run_name(ffn, seed) / "export"),
                         SWIGLU_THRESHOLD if ffn == "swiglu" else 0.0)
         if not args.no_smollm2:
