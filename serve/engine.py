@@ -772,18 +772,19 @@ class LLMEngine:
     def _forward(self, rows: list[ScheduledRow], every: bool = False) -> torch.Tensor:
         """One ragged forward over the paged cache -> (rows, vocab) logits of each row's last
         new token, or (`every`) (rows, new tokens, vocab) at every position."""
-        B, T = len(rows), max(r.num_new_tokens for r in rows)
-        tokens = torch.zeros(B, T, dtype=torch.long)
-        positions = torch.zeros(B, T, dtype=torch.long)  # padding queries sit at position 0
-        for b, r in enumerate(rows):
-            start, n = r.start, r.num_new_tokens
-            tokens[b, :n] = torch.tensor(r.seq.tokens[start : start + n])
-            positions[b, :n] = torch.arange(start, start + n)
+        T = max(r.num_new_tokens for r in rows)
+        pad = [[0] * (T - r.num_new_tokens) for r in rows]  # padding queries sit at position 0
+        tokens = torch.tensor([r.seq.tokens[r.start : r.start + r.num_new_tokens] + p
+                               for r, p in zip(rows, pad)], dtype=torch.long)
+        positions = torch.tensor([[*range(r.start, r.start + r.num_new_tokens), *p]
+                                  for r, p in zip(rows, pad)], dtype=torch.long)
         step = self.cache.step([self.blocks.block_table(r.seq.seq_id) for r in rows],
                                [r.start for r in rows], [r.num_new_tokens for r in rows])
         device = self.model.tok_emb.weight.device
-        last = None if every else torch.tensor([r.num_new_tokens - 1 for r in rows], device=device)
         model = self._decode_model if step.decode_only else self.model
+        if T == 1 and not every:  # one token per row: its logits are the step's only ones
+            return model(tokens.to(device), positions.to(device), cache=step)[:, 0]
+        last = None if every else torch.tensor([r.num_new_tokens - 1 for r in rows], device=device)
         return model(tokens.to(device), positions.to(device), cache=step, logits_at=last)
 
     def _sample(self, seq: Sequence, logits: torch.Tensor, greedy: int | None = None) -> bool:

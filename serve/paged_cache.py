@@ -89,34 +89,51 @@ class PagedStep:
             raise ValueError("block_tables, context_lens and new_lens need one entry per row")
         self.cache = cache
         bs, device = cache.block_size, cache.device
-        for b, (table, ctx, new) in enumerate(zip(block_tables, context_lens, new_lens)):
-            if ctx + new > len(table) * bs:
-                raise ValueError(f"row {b}: {ctx + new} tokens do not fit {len(table)} blocks of {bs}")
+        totals = [ctx + new for ctx, new in zip(context_lens, new_lens)]
+        for b, (table, total) in enumerate(zip(block_tables, totals)):
+            if total > len(table) * bs:
+                raise ValueError(f"row {b}: {total} tokens do not fit {len(table)} blocks of {bs}")
+        self._context_lens, self._new_lens = list(context_lens), list(new_lens)
+        self.decode_only = all(n == 1 for n in new_lens)  # each row's query is its newest key
         # The slot tables, built with tensor ops over all rows at once (no per-row tensors).
         width = max(1, max(len(t) for t in block_tables))
         tables = torch.tensor([[*t, *[0] * (width - len(t))] for t in block_tables], dtype=torch.long)
-        context = torch.tensor(context_lens, dtype=torch.long)
-        added = torch.tensor(new_lens, dtype=torch.long)
-        total = context + added
-        T, S = int(added.max()), int(total.max())
+        total = torch.tensor(totals, dtype=torch.long)
+        S = max(totals)
         pos = torch.arange(S)
-        held = pos < total[:, None]  # (B, S): positions each row has, the new ones included
-        slots = (tables[:, (pos // bs).clamp(max=width - 1)] * bs + pos % bs).where(held, 0)
-        key_positions = pos.expand(len(new_lens), S).where(held, PAD_POSITION)
-        new_pos = context[:, None] + torch.arange(T)  # (B, T): where new tokens go, -1 for padding
-        new_slots = slots.gather(1, new_pos.clamp(max=S - 1)).where(new_pos < total[:, None], -1)
+        self._held = pos < total[:, None]  # (B, S): positions each row has, the new ones included
+        slots = (tables[:, (pos // bs).clamp(max=width - 1)] * bs + pos % bs).where(self._held, 0)
+        if self.decode_only:  # a row's one new token is its last: its slot, read off its table
+            new_slots = torch.tensor([[t[(n - 1) // bs] * bs + (n - 1) % bs]
+                                      for t, n in zip(block_tables, totals)], dtype=torch.long)
+        else:  # (B, T): where new tokens go, -1 for padding
+            new_pos = torch.tensor(context_lens, dtype=torch.long)[:, None] + torch.arange(max(new_lens))
+            new_slots = slots.gather(1, new_pos.clamp(max=S - 1)).where(new_pos < total[:, None], -1)
         self.slots, self.new_slots = slots.to(device), new_slots.to(device)
-        self._tables, self._context, self._added = tables, context, added
+        self._tables = tables
         self.flex_mask = None  # the FlexAttention backend's block mask (build_flex_mask)
-        self.decode_only = all(n == 1 for n in new_lens)  # each row's query is its newest key
         self.lengths = total.to(device)
-        self.flat_slots = self.slots.flatten()
-        self.key_positions = key_positions.to(device)
-        valid = (self.new_slots >= 0).flatten()  # real new tokens (the rest is padding)
-        self._rows = valid.nonzero().squeeze(1)  # their indices in the flattened (B * T)
-        self._targets = self.new_slots.flatten().index_select(0, self._rows)  # and their slots
+        # the real new tokens' slots, in the flattened (B * T) order (a decode step has no padding)
+        self._targets = (self.new_slots.flatten() if self.decode_only
+                         else self.new_slots.flatten().index_select(0, self._rows))
         if cache.kv_layers:  # what the backend's layers share (FlexAttention's mask)
             cache.attention.prepare(self)
+
+    @functools.cached_property
+    def _rows(self) -> torch.Tensor:
+        """The real new tokens' indices in the flattened (B * T) new tokens (the rest is padding)."""
+        return (self.new_slots >= 0).flatten().nonzero().squeeze(1)
+
+    @functools.cached_property
+    def flat_slots(self) -> torch.Tensor:
+        return self.slots.flatten()
+
+    @functools.cached_property
+    def key_positions(self) -> torch.Tensor:
+        """(B, S): each history slot's position, padding past any query (see the module doc)."""
+        B, S = self.slots.shape
+        pos = torch.arange(S).expand(B, S).where(self._held, PAD_POSITION)
+        return pos.to(self.cache.device)
 
     @functools.cached_property
     def flash_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,8 +148,9 @@ class PagedStep:
         the pools' slot i, seen where slot i's block is one of row b's at a logical position
         <= the query's."""
         bs, device = self.cache.block_size, self.cache.device
-        tables, total = self._tables, self._context + self._added
-        B, T = len(total), int(self._added.max())
+        context, added = (torch.tensor(n, dtype=torch.long) for n in (self._context_lens, self._new_lens))
+        tables, total = self._tables, context + added
+        B, T = len(total), int(added.max())
         held = torch.arange(tables.shape[1]) < ((total + bs - 1) // bs)[:, None]
         used = int(tables.where(held, 0).max()) + 1  # blocks 0..used-1 cover every row
         logical = torch.full((B, used + 1), -1, dtype=torch.long)  # column `used`: padding
@@ -140,7 +158,7 @@ class PagedStep:
         logical.scatter_(1, tables.where(held, used), order)
         logical = logical[:, :used].to(device)  # (B, physical block) -> logical, or -1
         t = torch.arange(T)
-        query_pos = (self._context[:, None] + t).where(t < self._added[:, None], -1).to(device)
+        query_pos = (context[:, None] + t).where(t < added[:, None], -1).to(device)
 
         def mask_mod(b, h, q, k):
             block = logical[b, k // bs]

@@ -20,9 +20,10 @@ widen the weight to fp32 for the product and round the result once: the same ari
 pools (serve/paged_cache.py), instead of gathering every row's history into a padded copy per
 layer and masking it.
 
-`decode_block(...)` is a whole pre-norm Llama block (RMSNorm, RoPE attention over the paged
-cache, the MLP) for a decode step in one call: at one token a layer's ~40 PyTorch operator calls
-cost more than their arithmetic, and this is the same arithmetic without them. The MLP is any
+`decode_blocks(...)` runs pre-norm Llama blocks (RMSNorm, RoPE attention over the paged cache,
+the MLP) for a decode step, one kernel call per block: at one token a layer's ~40 PyTorch
+operator calls cost more than their arithmetic, and this is the same arithmetic without them.
+The blocks' weights are checked once (`block_weights`), not on every step. The MLP is any
 of the model's activations (SwiGLU, ReGLU, dReLU, squared ReLU), dense or sparse.
 
 `sparse_mlp(x, mlp)` is a decode step's MLP over only the neurons that fire (activation
@@ -320,31 +321,66 @@ class MLP:
         return (ACTIVATIONS[self.activation], self.gate, self.up, self.down)
 
 
-def decode_block(x: torch.Tensor, norms: Sequence[torch.nn.Module],
-                 attention: Sequence[torch.Tensor], mlp: MLP,
-                 cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                 new_slots: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
-                 scale: float) -> tuple[torch.Tensor, int] | None:
-    """A pre-norm block `h = x + attn(norm1(x)); out = h + mlp(norm2(h))` for a decode step in
-    one kernel call, with the number of MLP neurons it computed (all of them, when dense), or
-    None (nothing written) where the kernel cannot take it; the caller then runs its modules.
+@dataclass(frozen=True)
+class BlockWeights:
+    """A pre-norm block's weights as `decode_blocks` hands them to the kernel, checked once by
+    `block_weights` (a model keeps them while its parameters stand): `args`, the kernel's
+    arguments from the attention norm's weight to the MLP's down projection; `scale`, the
+    attention's; `dtype`, every weight's."""
 
-    x (B, 1, D) with B <= MAX_ROWS[x.dtype]; norms: the two RMSNorm modules (`weight`, `eps`);
-    attention: wq, wk, wv, wo of RoPE attention whose K/V heads are the pools' (GQA when fewer);
-    mlp: the MLP (any activation; dense, or sparse in "gate" or "predicted" mode); cos, sin
-    (B, 1, Dh) float32 at the rows' positions; k_pool, v_pool (slots, G, Dh): the paged cache's
-    pools, into which each row's new K and V go at new_slots (B,) before it attends over its
-    first lengths[b] slots of slots (B, S)."""
-    B, T, _ = x.shape
-    weights = (*(n.weight for n in norms), *attention, *mlp.weights())
-    if T != 1 or not _rows_for_kernel(x, weights) or not paged_attention_runs(x, k_pool, v_pool):
-        return None
+    args: tuple
+    scale: float
+    dtype: torch.dtype
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(a for a in self.args if isinstance(a, torch.Tensor))
+
+
+def block_weights(norms: Sequence[torch.nn.Module], attention: Sequence[torch.Tensor], mlp: MLP,
+                  scale: float) -> BlockWeights | None:
+    """The weights of a block `h = x + attn(norm1(x)); out = h + mlp(norm2(h))` for
+    `decode_blocks`, or None where the kernel cannot take them (not one float32 or bfloat16
+    dtype, not contiguous, not on the CPU, or no kernels here). norms: the two RMSNorm modules
+    (`weight`, `eps`); attention: wq, wk, wv, wo of RoPE attention; mlp: its dense weights (a
+    sparse decoding rides with each step, see `decode_blocks`)."""
     attn_norm, mlp_norm = norms
-    out, computed = torch.ops.egmla.decode_block(
-        x.view(B, -1), attn_norm.weight, attn_norm.eps, *attention, mlp_norm.weight, mlp_norm.eps,
-        *mlp.args(), cos.reshape(B, -1), sin.reshape(B, -1), k_pool, v_pool, new_slots, slots,
-        lengths, float(scale), *(mlp.sparse.args() if mlp.sparse else ()))
-    return out.view(x.shape), computed
+    weights = (attn_norm.weight, *attention, mlp_norm.weight, *mlp.weights())
+    dtype = weights[0].dtype
+    if dtype not in DTYPES or not all(w.dtype == dtype and w.device.type == "cpu" and w.is_contiguous()
+                                      for w in weights) or not load():
+        return None
+    return BlockWeights((attn_norm.weight, attn_norm.eps, *attention, mlp_norm.weight, mlp_norm.eps,
+                         *mlp.args()), float(scale), dtype)
+
+
+def decode_blocks(x: torch.Tensor, blocks: Sequence[tuple[BlockWeights, Sparse | None]],
+                  cos: Sequence[torch.Tensor], sin: Sequence[torch.Tensor],
+                  pools: Sequence[tuple[torch.Tensor, torch.Tensor]], new_slots: torch.Tensor,
+                  slots: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, list[int]] | None:
+    """Consecutive pre-norm blocks over a decode step, one kernel call each, with the number of
+    MLP neurons each computed (all of them, when dense), or None (nothing written) where the
+    kernel cannot take the step; the caller then runs its modules.
+
+    x (B, 1, D) with B <= MAX_ROWS[x.dtype]; blocks: each block's weights (`block_weights`) and
+    its MLP's sparse decoding for this step (None: dense); cos[i], sin[i] (B, Dh) float32 at
+    the rows' positions for block i; pools[i]: block i's (k_pool, v_pool) (slots, G, Dh) from
+    the paged cache, into which each row's new K and V go at new_slots (B,) before it attends
+    over its first lengths[b] slots of slots (B, S)."""
+    B, T, D = x.shape
+    if (T != 1 or not blocks or x.device.type != "cpu" or x.dtype not in DTYPES
+            or not 0 < B <= MAX_ROWS[x.dtype] or any(w.dtype != x.dtype for w, _ in blocks)):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(
+            t.requires_grad for w, _ in blocks for t in w.tensors())):
+        return None
+    if not all(paged_attention_runs(x, k, v) for k, v in pools):
+        return None
+    op, h, computed = torch.ops.egmla.decode_block, x.view(B, D), []
+    for (weights, sparse), c, s, (k_pool, v_pool) in zip(blocks, cos, sin, pools):
+        h, n = op(h, *weights.args, c, s, k_pool, v_pool, new_slots, slots, lengths, weights.scale,
+                  *(sparse.args() if sparse else ()))
+        computed.append(n)
+    return h.view(x.shape), computed
 
 
 def sparse_mlp(x: torch.Tensor, mlp: MLP) -> tuple[torch.Tensor, int] | None:

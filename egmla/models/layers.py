@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -68,6 +69,7 @@ class Rotary:
             raise ValueError(f"RoPE dim must be even, got {dim}")
         self.dim, self.theta = dim, theta
         self._last: tuple | None = None  # (positions, its version, dtype, cos, sin)
+        self._freqs: dict[tuple, torch.Tensor] = {}  # (device, dtype) -> inverse frequencies
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (B, T) integer -> cos, sin (B, T, dim) in `dtype`."""
@@ -77,14 +79,26 @@ class Rotary:
                 and last[1] == version(positions) and last[2] == dtype):
             return last[3], last[4]
         work = _compute_dtype(dtype)
-        exponent = torch.arange(0, self.dim, 2, device=positions.device, dtype=torch.int64).to(work)
-        inv_freq = 1.0 / (self.theta ** (exponent / self.dim))  # (dim/2,)
-        angles = positions.to(work)[..., None] * inv_freq  # (B, T, dim/2)
+        angles = positions.to(work)[..., None] * self._inv_freq(positions.device, work)  # (B, T, dim/2)
         angles = torch.cat((angles, angles), dim=-1)  # (B, T, dim)
         cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
         if not compiling:
             self._last = (positions, version(positions), dtype, cos, sin)
         return cos, sin
+
+    def _inv_freq(self, device: torch.device, work: torch.dtype) -> torch.Tensor:
+        """theta^(-2i/dim) for i < dim/2, (dim/2,) in `work`: made once per device and dtype
+        (a traced forward computes it in its graph)."""
+        def compute() -> torch.Tensor:
+            exponent = torch.arange(0, self.dim, 2, device=device, dtype=torch.int64).to(work)
+            return 1.0 / (self.theta ** (exponent / self.dim))
+
+        if torch.compiler.is_compiling():
+            return compute()
+        if (device, work) not in self._freqs:
+            with torch.inference_mode(False):  # a plain tensor, usable by any later forward
+                self._freqs[device, work] = compute()
+        return self._freqs[device, work]
 
 
 def version(t: torch.Tensor) -> int:
@@ -157,14 +171,21 @@ class FeedForward(nn.Module):
             return self.sparse(x)
         return self.w_down(self.hidden(x))
 
-    def kernel(self, rows: int) -> kernels.MLP | None:
-        """This MLP as egmla.kernels.decode_block computes it for a decode step of `rows` rows:
-        dense, or sparse where sparse decoding is attached and takes that step; None where the
-        kernel cannot compute it (the oracle mode's dense pass)."""
-        sparse = None
-        if self.sparse is not None and 0 < rows <= self.sparse.max_rows:
-            sparse = self.sparse.kernel()
-            if sparse is None:
-                return None
+    def decodes_sparse(self, rows: int) -> bool:
+        """Whether a decode step of `rows` rows runs this MLP sparse (decoding attached, and
+        taking that many rows)."""
+        return self.sparse is not None and 0 < rows <= self.sparse.max_rows
+
+    def dense_kernel(self) -> kernels.MLP:
+        """This MLP's weights as the kernels take them, dense."""
         gate = None if self.w_gate is None else self.w_gate.weight
-        return kernels.MLP(self.activation, gate, self.w_up.weight, self.w_down.weight, sparse)
+        return kernels.MLP(self.activation, gate, self.w_up.weight, self.w_down.weight)
+
+    def kernel(self, rows: int) -> kernels.MLP | None:
+        """This MLP as egmla.kernels computes it for a decode step of `rows` rows: dense, or
+        sparse where sparse decoding is attached and takes that step; None where the kernel
+        cannot compute it (the oracle mode's dense pass)."""
+        if not self.decodes_sparse(rows):
+            return self.dense_kernel()
+        sparse = self.sparse.kernel()
+        return None if sparse is None else dataclasses.replace(self.dense_kernel(), sparse=sparse)

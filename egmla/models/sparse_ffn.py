@@ -149,8 +149,10 @@ class SparseDecode:
     def refresh(self) -> None:
         self.down_t = self.mlp.w_down.weight.detach().t().contiguous()  # (d_ff, d_model)
         p = self.predictor  # the kernels take the predictor in float32, contiguous
-        self._kernel_predictor = None if p is None else tuple(
+        predictor = None if p is None else tuple(
             t.detach().float().contiguous() for t in (p.w1, p.w2, p.bias))
+        self._kernel = kernels.Sparse(self.down_t, self.threshold,
+                                      self.hot if self.mode == "predicted" else 0, predictor)
 
     def _fresh(self) -> None:
         w = self.mlp.w_down.weight
@@ -163,8 +165,7 @@ class SparseDecode:
         if self.mode == "oracle":
             return None
         self._fresh()
-        return kernels.Sparse(self.down_t, self.threshold,
-                              self.hot if self.mode == "predicted" else 0, self._kernel_predictor)
+        return self._kernel
 
     def record(self, rows: int, computed: int) -> None:
         """Count a step of `rows` rows that computed `computed` neurons (see `density`)."""

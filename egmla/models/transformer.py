@@ -10,16 +10,34 @@ The attention variant is chosen by `config.attention.type`; every variant implem
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 from egmla import kernels
-from egmla.cache import TOKEN_IDS, CacheSpec, CacheStep, ContiguousCache
+from egmla.cache import TOKEN_IDS, CacheSpec, CacheStep, ContiguousCache, LayerView
 from egmla.config import ModelConfig
 from egmla.models.attention import build_attention
 from egmla.models.attention.common import TOKEN_IDS_FIELD
-from egmla.models.layers import FeedForward, Linear, RMSNorm
+from egmla.models.layers import FeedForward, Linear, RMSNorm, Rotary
+
+
+# Parameters and submodules assigned on any module, counted (torch's global registration hooks):
+# a block's weights, checked once for the decode kernel, are checked again after any is replaced.
+_assignments = [0]
+
+
+def _count_assignment(*_) -> None:
+    _assignments[0] += 1
+
+
+register_module_parameter_registration_hook(_count_assignment)
+register_module_module_registration_hook(_count_assignment)
 
 
 class Block(nn.Module):
@@ -29,31 +47,64 @@ class Block(nn.Module):
         self.attn = attention
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = FeedForward(config.d_model, config.d_ff, config.ffn)
+        self._kernel: tuple | None = None  # (key, what kernel_weights returns)
 
     def forward(self, x, positions, cache=None, token_ids=None) -> torch.Tensor:
-        if cache is not None and (fused := self._decode(x, positions, cache)) is not None:
-            return fused
         x = x + self.attn(self.attn_norm(x), positions, cache, token_ids)
         return x + self.mlp(self.mlp_norm(x))
 
-    def _decode(self, x, positions, cache) -> torch.Tensor | None:
-        """The whole block in one kernel call (egmla.kernels.decode_block) for a decode step over
-        a paged cache, where the attention is plain RoPE attention over K and V and the kernel
-        can compute the MLP (dense, or sparse as attached); else None."""
-        attn, mlp = self.attn.rope_kv_attention(), self.mlp.kernel(x.shape[0] * x.shape[1])
-        where = cache.decode_slots() if attn is not None and mlp is not None else None
+    def kernel_weights(self, x: torch.Tensor) -> tuple[kernels.BlockWeights, Rotary] | None:
+        """This block's weights as egmla.kernels.decode_blocks takes them, with its RoPE, for
+        steps on x's dtype and device; None where the kernel cannot compute the block (its
+        attention is not plain RoPE attention over K and V, or its weights do not suit). Checked
+        once, and again after the dtype or device changes or any parameter is assigned."""
+        key = (x.dtype, x.device, _assignments[0])
+        if self._kernel is None or self._kernel[0] != key:
+            attn = self.attn.rope_kv_attention()
+            weights = None if attn is None else kernels.block_weights(
+                (self.attn_norm, self.mlp_norm), (attn.wq, attn.wk, attn.wv, attn.wo),
+                self.mlp.dense_kernel(), attn.scale)
+            self._kernel = (key, None if weights is None else (weights, attn.rope))
+        return self._kernel[1]
+
+
+def fused_decode(blocks: Sequence[Block], x: torch.Tensor, positions: torch.Tensor,
+                 views: Sequence[LayerView]) -> torch.Tensor | None:
+    """`blocks` applied in turn to x (B, 1, D) for a decode step over a paged cache (`views`, one
+    per block), one kernel call each (egmla.kernels.decode_blocks), where every block is plain
+    RoPE attention over K and V and an MLP the kernel computes (dense, or sparse as attached);
+    else None, with nothing run or written."""
+    rows = x.shape[0] * x.shape[1]
+    plan, pools, cos, sin, angles, where = [], [], [], [], {}, None
+    for block, view in zip(blocks, views):
+        where = view.decode_slots()
         if where is None or set(where.pools) != {"k", "v"}:
             return None
-        cos, sin = attn.rope.cos_sin(positions, torch.float32)
-        done = kernels.decode_block(
-            x, (self.attn_norm, self.mlp_norm), (attn.wq, attn.wk, attn.wv, attn.wo), mlp, cos, sin,
-            where.pools["k"], where.pools["v"], where.new, where.slots, where.lengths, attn.scale)
-        if done is None:
+        found = block.kernel_weights(x)
+        if found is None:
             return None
-        out, computed = done
-        if mlp.sparse is not None:
-            self.mlp.sparse.record(x.shape[0], computed)
-        return out
+        weights, rope = found
+        sparse = None
+        if block.mlp.decodes_sparse(rows):
+            sparse = block.mlp.sparse.kernel()
+            if sparse is None:  # a dense pass decides (the oracle): the modules run
+                return None
+        if rope not in angles:  # the step's RoPE angles, computed once for the blocks sharing it
+            angles[rope] = [t.view(x.shape[0], -1) for t in rope.cos_sin(positions, torch.float32)]
+        plan.append((weights, sparse))
+        pools.append((where.pools["k"], where.pools["v"]))
+        cos.append(angles[rope][0])
+        sin.append(angles[rope][1])
+    if where is None:
+        return None
+    done = kernels.decode_blocks(x, plan, cos, sin, pools, where.new, where.slots, where.lengths)
+    if done is None:
+        return None
+    out, computed = done
+    for block, (_, sparse), n in zip(blocks, plan, computed):
+        if sparse is not None:
+            block.mlp.sparse.record(rows, n)
+    return out
 
 
 class Transformer(nn.Module):
@@ -139,8 +190,13 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.begin({TOKEN_IDS_FIELD: token_ids}, positions)
         x = self.tok_emb(token_ids)  # (B, T, d)
-        for i, block in enumerate(self.layers):
-            x = block(x, positions, cache.layer(i) if cache is not None else None, token_ids)
+        views = [cache.layer(i) for i in range(len(self.layers))] if cache is not None else None
+        fused = None if views is None else fused_decode(self.layers, x, positions, views)
+        if fused is not None:
+            x = fused
+        else:
+            for i, block in enumerate(self.layers):
+                x = block(x, positions, views[i] if views is not None else None, token_ids)
         if cache is not None:
             cache.advance()
         if logits_at is not None:

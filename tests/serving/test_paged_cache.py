@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from egmla.models import Transformer, cache_spec_for
+from egmla.models.transformer import fused_decode
 from egmla.presets import PRESETS, preset
 from serve.paged_cache import PagedKVCache
 from support.engine import run_ragged
@@ -119,7 +120,7 @@ SPARSE = [("swiglu", "gate"), ("reglu", "gate"), ("relu2", "gate"), ("drelu", "p
     *[(torch.float32, torch.bfloat16, *case) for case in DENSE[:1] + SPARSE[:1]],
     *[(torch.bfloat16, torch.bfloat16, *case) for case in DENSE]], ids=str)
 def test_a_decode_block_in_one_kernel_call_equals_its_modules(dtype, cache_dtype, ffn, sparse):
-    """A decode step's block in one call (Block._decode, egmla.kernels.decode_block) computes
+    """A decode step's block in one call (fused_decode, egmla.kernels.decode_blocks) computes
     what the block's modules compute and writes the same K/V into the pools, for a GQA model
     over ragged rows, with each MLP activation, dense or sparse (SwiGLU thresholded at 0.05; the
     ReLU family with an exact predictor and a hot block); a prefill step declines and writes
@@ -153,7 +154,7 @@ def test_a_decode_block_in_one_kernel_call_equals_its_modules(dtype, cache_dtype
     positions = torch.tensor(context)[:, None]
     fused_step, plain_step = (c.step(tables, context, [1, 1, 1]) for c in caches)
     with torch.no_grad():
-        fused = block._decode(x, positions, fused_step.layer(1))
+        fused = fused_decode([block], x, positions, [fused_step.layer(1)])
         plain = block_by_modules(block, x, positions, plain_step.layer(1), threshold)
     if kernels.unsupported() is not None:
         assert fused is None
@@ -172,8 +173,63 @@ def test_a_decode_block_in_one_kernel_call_equals_its_modules(dtype, cache_dtype
     before = [t.clone() for t in caches[0].tensors()]
     two = torch.randn(1, 2, model.config.d_model).to(dtype)
     with torch.no_grad():
-        assert block._decode(two, torch.arange(2)[None], prefill.layer(1)) is None
+        assert fused_decode([block], two, torch.arange(2)[None], [prefill.layer(1)]) is None
     assert all(torch.equal(a, b) for a, b in zip(caches[0].tensors(), before))
+
+
+def test_the_fused_decode_follows_changes_to_the_model_between_steps():
+    """A block's weights are checked for the kernel once and kept (Block.kernel_weights), yet
+    every change a user can make between steps shows at the next one: weights edited in place,
+    a parameter assigned anew, sparse decoding attached and then detached, and the model cast to
+    another dtype. After each, the fused step equals the block's modules (fp32 to 1e-5; bf16
+    within one bf16 ulp of the largest output)."""
+    from egmla import kernels
+    from egmla.models.sparse_ffn import attach, detach
+
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny-gqa2", ffn="reglu")).eval()
+    block = model.layers[0]
+    tables, context = [[5, 2, 9], [0, 7]], [9, 6]
+    positions = torch.tensor(context)[:, None]
+    supported = kernels.unsupported() is None
+
+    def fused_and_modules(dtype=torch.float32):
+        caches = [PagedKVCache(model.cache_spec(), num_blocks=12, block_size=4, dtype=dtype)
+                  for _ in range(2)]
+        for cache in caches:
+            torch.manual_seed(1)
+            for pool in cache.tensors():
+                pool.copy_(torch.randn(pool.shape))
+        x = torch.randn(2, 1, model.config.d_model, generator=torch.Generator().manual_seed(2))
+        x = x.to(dtype)
+        fused_step, plain_step = (c.step(tables, context, [1, 1]) for c in caches)
+        with torch.no_grad():
+            fused = fused_decode([block], x, positions, [fused_step.layer(0)])
+            plain = block_by_modules(block, x, positions, plain_step.layer(0))
+        assert (fused is not None) == supported
+        return (fused if supported else plain).float(), plain.float()
+
+    def check(dtype=torch.float32):
+        fused, plain = fused_and_modules(dtype)
+        tolerance = 1e-5 if dtype == torch.float32 else 2**-7 * plain.abs().max()
+        assert (fused - plain).abs().max() <= tolerance
+        return fused
+
+    before = check()
+    with torch.no_grad():
+        block.attn.wq.weight.mul_(1.5)  # in place: the kept weights are the same tensors
+    edited = check()
+    block.mlp.w_up.weight = torch.nn.Parameter(torch.randn_like(block.mlp.w_up.weight) * 0.05)
+    assigned = check()
+    assert (edited - before).abs().max() > 1e-3 and (assigned - edited).abs().max() > 1e-3
+    attached = attach(block.mlp, "gate")  # exact for ReGLU: the same output, fewer neurons
+    check()
+    assert not supported or 0 < attached.stats["active"] < attached.stats["neurons"]
+    detach(block.mlp)
+    check()
+    assert attached.stats["steps"] == supported  # the dense step after detaching counted nothing
+    model.to(torch.bfloat16)
+    check(torch.bfloat16)
 
 
 def test_an_engine_decode_step_runs_one_kernel_call_per_mha_block():

@@ -31,7 +31,7 @@ def test_the_fake_model_equals_its_reference_without_a_cache():
     model, prompt = HistorySumModel(VOCAB), [5, 90, 13, 2]
     ids = torch.tensor([prompt])
     for _ in range(6):
-        nxt = model(ids, torch.arange(ids.shape[1])).argmax(-1, keepdim=True)
+        nxt = model(ids, torch.arange(ids.shape[1]))[:, -1].argmax(-1, keepdim=True)
         ids = torch.cat((ids, nxt), 1)
     assert ids[0, len(prompt):].tolist() == history_sum_greedy(prompt, 6, VOCAB)
 

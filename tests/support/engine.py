@@ -48,10 +48,9 @@ class HistorySumModel(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None,
                 logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, vocab) logits at `logits_at`, or (B, T, vocab) at every position, as the real
+        model returns them."""
         B, T = tokens.shape
-        rows = torch.arange(B)
-        last = logits_at if logits_at is not None else torch.full((B,), T - 1)
-        query = positions.expand(B, T)[rows, last]  # (B,) the position each row predicts from
         if cache is None:
             history, keys = tokens.double(), positions.expand(B, T)
         else:
@@ -60,6 +59,14 @@ class HistorySumModel(torch.nn.Module):
             history = view.update(token=tokens.double()[..., None])["token"][..., 0]
             keys = view.key_positions.expand(B, -1)
             cache.advance()
+        if logits_at is None:
+            return torch.stack([self._logits(positions, history, keys, torch.full((B,), t))
+                                for t in range(T)], 1)
+        return self._logits(positions, history, keys, logits_at)
+
+    def _logits(self, positions, history, keys, last) -> torch.Tensor:
+        B = last.shape[0]
+        query = positions.expand(B, -1)[torch.arange(B), last]  # (B,) the position each row predicts from
         seen = (keys <= query[:, None]) & (keys >= 0)
         nxt = ((history * seen).sum(1).long() + query) % self.config.vocab_size
         return torch.nn.functional.one_hot(nxt, self.config.vocab_size).double() * 50.0
