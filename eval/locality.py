@@ -343,14 +343,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=positive(int), nargs="+", default=[32, 64, 128],
                    help="predictor ranks to try, in order (default 32 64 128)")
     hot = p.add_mutually_exclusive_group()
-    hot.add_argument("--hot", type=share, default=0.1,
+    hot.add_argument("--hot", type=share, nargs="+", default=[0.1],
                      help="share of each layer's neurons, most frequent first, always computed "
-                          "(default 0.1)")
+                          "(default 0.1); several: each is tried (see above)")
     hot.add_argument("--hot-budget", type=parse_bytes, metavar="BYTES",
                      help="instead of --hot: a memory budget for the hot tier (512KiB, 8MiB): the "
                           "most often firing neurons of the whole model whose weights fit in it")
-    p.add_argument("--recall", type=share, default=0.95,
-                   help="recall of the cold neurons' firings the bias is calibrated to (0.95)")
+    p.add_argument("--recall", type=share, nargs="+", default=[0.95],
+                   help="recall of the cold neurons' firings the bias is calibrated to (0.95); "
+                        "several: each is tried (see above)")
     p.add_argument("--tolerance", type=non_negative_float, default=0.01,
                    help="relative perplexity increase over dense that is accepted (0.01: 1%%)")
     p.add_argument("--steps", type=positive(int), default=400,
@@ -436,16 +437,19 @@ def build_predictors(model, tokenizer, args
     held = P.collect(model, held_ids.split(BATCH), args.threshold)
     held_x, held_fired = [x for x, _ in held], [f for _, f in held]
     dense = P.perplexity(model, held_ids.split(BATCH))
-    tried, chosen, tensors, metadata = [], None, {}, {}
     if args.hot_budget is not None:
         cfg = model.config
         neuron_bytes = cfg.ffn_matrices * cfg.d_model * model.layers[0].mlp.w_up.weight.element_size()
-        hots = P.hot_under_budget([f.sum(0) for _, f in train], neuron_bytes, args.hot_budget)
+        hot_options = {None: P.hot_under_budget([f.sum(0) for _, f in train], neuron_bytes,
+                                                args.hot_budget)}
     else:
-        hots = P.hot_by_share(train, args.hot)
-    for rank, preds, rows in P.fit(model, train, held_x, held_fired, args.ranks, hots,
-                                   args.recall, args.steps):
-        hots = [r["hot"] for r in rows]
+        hot_options = {share: P.hot_by_share(train, share) for share in dict.fromkeys(args.hot)}
+    tried, chosen, best = [], None, None
+    for rank, hots, recall, preds, rows in P.fit(model, train, held_x, held_fired, args.ranks,
+                                                 list(hot_options.values()),
+                                                 list(dict.fromkeys(args.recall)), args.steps):
+        if chosen is not None and rank != chosen:
+            break  # a smaller rank had a setting within the tolerance
 
         def keep(i, mlp, x, preds=preds, hots=hots):
             mask = preds[i](x)
@@ -453,48 +457,57 @@ def build_predictors(model, tokenizer, args
             return mask & firing(mlp, x, args.threshold)
 
         ppl = P.perplexity(model, held_ids.split(BATCH), keep)
-        entry = {"rank": rank, "perplexity": ppl, "relative_increase": ppl / dense - 1,
-                 "layers": rows,
+        share = next(s for s, h in hot_options.items() if h is hots)
+        entry = {"rank": rank, "hot_share": share, "hot": hots, "recall_target": recall,
+                 "perplexity": ppl, "relative_increase": ppl / dense - 1,
+                 "density": sum(r["density"] for r in rows) / len(rows), "layers": rows,
                  "params_share_of_model": sum(p.params() for p in preds) / model.num_params()}
         tried.append(entry)
-        print(f"rank {rank}: perplexity {ppl:.3f} (dense {dense:.3f}, "
-              f"{entry['relative_increase']:+.2%}), recall "
-              f"{sum(r['recall'] or 0 for r in rows) / len(rows):.3f}, density "
-              f"{sum(r['density'] for r in rows) / len(rows):.3f}", file=sys.stderr, flush=True)
-        if entry["relative_increase"] <= args.tolerance:
-            chosen = rank
-            tensors, metadata = predictors_to_tensors(
-                [LayerPredictor(*layer) for layer in zip(preds, orders, hots)], args.threshold)
-            break
+        print(f"rank {rank}, hot {'budget' if share is None else share}, recall target {recall}: "
+              f"perplexity {ppl:.3f} (dense {dense:.3f}, {entry['relative_increase']:+.2%}), "
+              f"recall {sum(r['recall'] or 0 for r in rows) / len(rows):.3f}, "
+              f"density {entry['density']:.3f}", file=sys.stderr, flush=True)
+        if entry["relative_increase"] <= args.tolerance and (
+                best is None or entry["density"] < best[0]["density"]):
+            chosen, best = rank, (entry, preds)
     report = {"dense_perplexity": dense, "tried": tried, "chosen_rank": chosen,
-              "tolerance": args.tolerance, "recall_target": args.recall,
-              "hot_share": None if args.hot_budget is not None else args.hot,
-              "hot_budget_bytes": args.hot_budget, "hot": hots,
+              "tolerance": args.tolerance, "hot_budget_bytes": args.hot_budget,
+              "recall_target": None, "hot_share": None, "hot": None,
               "train_tokens": train_ids.numel(), "held_out_tokens": held_ids.numel()}
-    if chosen is None:
+    if best is None:
         report["note"] = (f"no rank in {args.ranks} kept perplexity within {args.tolerance:.1%} "
                           "of dense; nothing saved")
+        return report, {}, {}
+    entry, preds = best
+    report.update(recall_target=entry["recall_target"], hot_share=entry["hot_share"],
+                  hot=entry["hot"])
+    tensors, metadata = predictors_to_tensors(
+        [LayerPredictor(*layer) for layer in zip(preds, orders, entry["hot"])], args.threshold)
     return report, tensors, metadata
 
 
 def predictors_markdown(report: dict[str, Any]) -> str:
     meta = report["meta"]
+    budget = report["hot_budget_bytes"]
+    chosen = ("none chosen" if report["chosen_rank"] is None else
+              f"chosen: rank {report['chosen_rank']}, hot block "
+              + (f"share {report['hot_share']}" if budget is None else f"under a {budget:,}-byte budget")
+              + f" ({', '.join(map(str, report['hot']))} neurons by layer), recall target "
+              f"{report['recall_target']}")
     lines = [f"# Predictors: {meta['model']}", "",
              (f"ffn {meta['ffn']}; {report['train_tokens']} training tokens (corpus-a), "
-              f"{report['held_out_tokens']} held out (corpus-b); hot block "
-              + (f"share {report['hot_share']}" if report["hot_budget_bytes"] is None else
-                 f"under a {report['hot_budget_bytes']:,}-byte budget")
-              + f" ({', '.join(map(str, report['hot']))} neurons by layer), "
-              f"recall target {report['recall_target']}; dense perplexity "
-              f"{report['dense_perplexity']:.3f}; git {str(meta['git'].get('sha'))[:10]}."), "",
-             ("| rank | perplexity | vs dense | mean recall | mean density | mean firing | "
-              "predictor params / model |"), "|---:|---:|---:|---:|---:|---:|---:|"]
+              f"{report['held_out_tokens']} held out (corpus-b); dense perplexity "
+              f"{report['dense_perplexity']:.3f}, tolerance {report['tolerance']:.1%}; {chosen}; "
+              f"git {str(meta['git'].get('sha'))[:10]}."), "",
+             ("| rank | hot share | recall target | perplexity | vs dense | mean recall | "
+              "mean density | mean firing | predictor params / model |"),
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for t in report["tried"]:
         n = len(t["layers"])
         lines.append(
-            f"| {t['rank']} | {t['perplexity']:.3f} | {t['relative_increase']:+.2%} | "
-            f"{sum(r['recall'] or 0 for r in t['layers']) / n:.3f} | "
-            f"{sum(r['density'] for r in t['layers']) / n:.1%} | "
+            f"| {t['rank']} | {'budget' if t['hot_share'] is None else t['hot_share']} | "
+            f"{t['recall_target']} | {t['perplexity']:.3f} | {t['relative_increase']:+.2%} | "
+            f"{sum(r['recall'] or 0 for r in t['layers']) / n:.3f} | {t['density']:.1%} | "
             f"{sum(r['firing_density'] for r in t['layers']) / n:.1%} | "
             f"{t['params_share_of_model']:.1%} |")
     lines += ["", f"Chosen rank: {report['chosen_rank']}" + (

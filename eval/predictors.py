@@ -20,9 +20,12 @@ neurons that fire for them (eval.locality.firing), for each layer:
    precision, and its parameters and multiply-adds against the MLP's.
 
 Then the whole model's perplexity on the held-out tokens when every token's MLPs keep only the
-neurons computed for it, against dense. Ranks are tried in the given order and the first whose
-perplexity is within `--tolerance` of dense is chosen (PowerInfer widens its predictors until
-WikiText-2 perplexity is within 0.1%); every rank tried is reported.
+neurons computed for it, against dense. Ranks are tried in the given order and the first with a
+setting whose perplexity is within `--tolerance` of dense is chosen (PowerInfer widens its
+predictors until WikiText-2 perplexity is within 0.1%). `--hot` and `--recall` may each name
+several values: at each rank every pair is tried (a calibration, not a new training), and the
+pair within the tolerance that computes the fewest neurons (the lowest mean density on the
+held-out tokens) is chosen. Every setting tried is reported.
 """
 
 from __future__ import annotations
@@ -176,19 +179,27 @@ def hot_under_budget(counts: list[torch.Tensor], neuron_bytes: int, budget: int)
 
 
 def fit(model, train: list[tuple[torch.Tensor, torch.Tensor]], held_out_x, held_out_fired,
-        ranks: list[int], hots: list[int], recall: float, steps: int, seed: int = 0):
-    """Train, calibrate and measure one predictor per layer at each rank, with each layer's
-    hot block of `hots` neurons; yield (rank, predictors, per-layer measurements). `train` and
-    `held_out_*` are in reordered neuron order already."""
+        ranks: list[int], hot_options: list[list[int]], recalls: list[float], steps: int,
+        seed: int = 0):
+    """Train one predictor per layer at each rank, then calibrate and measure it for each hot
+    block (`hot_options`: each layer's hot neurons, one list per option) and each recall
+    target; yield (rank, hots, recall, predictors, per-layer measurements) in that order. A
+    predictor scores every neuron, so the hot block and the recall target change only its
+    calibration: one training per layer and rank. `train` and `held_out_*` are in reordered
+    neuron order already."""
     matrices = model.config.ffn_matrices
     for rank in ranks:
-        predictors, rows = [], []
+        trained = []
         for i, (x, fired) in enumerate(train):
-            hot = hots[i]
             cut = max(1, round(CALIBRATION * x.shape[0]))
-            p = train_predictor(x[cut:], fired[cut:], rank, steps=steps, seed=seed + i)
-            p = calibrate(p, x[:cut], fired[:cut], hot, recall)
-            predictors.append(p)
-            rows.append({"layer": i, "hot": hot,
-                         **measure(p, held_out_x[i], held_out_fired[i], hot, matrices)})
-        yield rank, predictors, rows
+            trained.append(train_predictor(x[cut:], fired[cut:], rank, steps=steps, seed=seed + i))
+        for hots in hot_options:
+            for recall in recalls:
+                predictors, rows = [], []
+                for i, ((x, fired), p) in enumerate(zip(train, trained)):
+                    cut = max(1, round(CALIBRATION * x.shape[0]))
+                    p = calibrate(p, x[:cut], fired[:cut], hots[i], recall)
+                    predictors.append(p)
+                    rows.append({"layer": i, "hot": hots[i],
+                                 **measure(p, held_out_x[i], held_out_fired[i], hots[i], matrices)})
+                yield rank, hots, recall, predictors, rows

@@ -211,6 +211,31 @@ def test_the_predictors_command_trains_chooses_and_saves(relu2_export, tmp_path)
     assert [s.hot for s in sparse] == [r["hot"] for r in layers]
 
 
+def test_the_predictors_search_keeps_the_fewest_neurons_within_the_tolerance(relu2_export, tmp_path):
+    """Several hot shares and recall targets: every pair is tried at the first rank (one
+    training, several calibrations), the pair within the tolerance that computes the fewest
+    neurons is chosen and saved, and no wider rank is tried once one was chosen."""
+    from eval import locality
+
+    out = tmp_path / "pred"
+    assert locality.main(["predictors", "--model", str(relu2_export), "--tokens", "1024",
+                          "--held-out-tokens", "512", "--seq-len", "32", "--ranks", "4", "8",
+                          "--steps", "20", "--tolerance", "10", "--hot", "0.05", "0.25",
+                          "--recall", "0.5", "0.99", "--out", str(out)]) == 0
+    report = json.loads((out / "predictors.json").read_text())
+    tried = report["tried"]
+    assert [(t["rank"], t["hot_share"], t["recall_target"]) for t in tried] == [
+        (4, 0.05, 0.5), (4, 0.05, 0.99), (4, 0.25, 0.5), (4, 0.25, 0.99)]
+    densities = [t["density"] for t in tried]
+    assert len(set(densities)) > 1  # the settings differ in what they compute
+    best = tried[densities.index(min(densities))]
+    assert report["chosen_rank"] == 4
+    assert (report["hot_share"], report["recall_target"]) == (best["hot_share"], best["recall_target"])
+    saved = safetensors.torch.load_file(out / "predictors.safetensors")
+    assert [int(saved[f"layer{i}.hot"]) for i in range(2)] == best["hot"] == report["hot"]
+    assert "| 0.25 | 0.99 |" in (out / "predictors.md").read_text()
+
+
 def test_predictors_that_miss_the_tolerance_are_not_saved(relu2_export, tmp_path, monkeypatch):
     """No rank within the tolerance: the report says so, and no predictors file is left, not
     even an older one, for serving or the benchmark to load as if it were chosen. (A model
