@@ -188,16 +188,14 @@ def fit(model, train: list[tuple[torch.Tensor, torch.Tensor]], held_out_x, held_
     calibration: one training per layer and rank. `train` and `held_out_*` are in reordered
     neuron order already."""
     matrices = model.config.ffn_matrices
+    cuts = [max(1, round(CALIBRATION * x.shape[0])) for x, _ in train]  # calibration | training
     for rank in ranks:
-        trained = []
-        for i, (x, fired) in enumerate(train):
-            cut = max(1, round(CALIBRATION * x.shape[0]))
-            trained.append(train_predictor(x[cut:], fired[cut:], rank, steps=steps, seed=seed + i))
+        trained = [train_predictor(x[cut:], fired[cut:], rank, steps=steps, seed=seed + i)
+                   for i, ((x, fired), cut) in enumerate(zip(train, cuts))]
         for hots in hot_options:
             for recall in recalls:
                 predictors, rows = [], []
-                for i, ((x, fired), p) in enumerate(zip(train, trained)):
-                    cut = max(1, round(CALIBRATION * x.shape[0]))
+                for i, ((x, fired), p, cut) in enumerate(zip(train, trained, cuts)):
                     p = calibrate(p, x[:cut], fired[:cut], hots[i], recall)
                     predictors.append(p)
                     rows.append({"layer": i, "hot": hots[i],

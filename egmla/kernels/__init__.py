@@ -367,11 +367,10 @@ def decode_blocks(x: torch.Tensor, blocks: Sequence[tuple[BlockWeights, Sparse |
     the paged cache, into which each row's new K and V go at new_slots (B,) before it attends
     over its first lengths[b] slots of slots (B, S)."""
     B, T, D = x.shape
-    if (T != 1 or not blocks or x.device.type != "cpu" or x.dtype not in DTYPES
-            or not 0 < B <= MAX_ROWS[x.dtype] or any(w.dtype != x.dtype for w, _ in blocks)):
+    if (T != 1 or not blocks or not _rows_for_kernel(x, ())
+            or any(w.dtype != x.dtype for w, _ in blocks)):
         return None
-    if torch.is_grad_enabled() and (x.requires_grad or any(
-            t.requires_grad for w, _ in blocks for t in w.tensors())):
+    if torch.is_grad_enabled() and any(t.requires_grad for w, _ in blocks for t in w.tensors()):
         return None
     if not all(paged_attention_runs(x, k, v) for k, v in pools):
         return None
