@@ -5,8 +5,9 @@ modes of egmla.models.sparse_ffn that apply to it:
 
 - `dense`: every neuron (the fused decode kernel, as served by default);
 - `gate`: the deciding projection for every neuron, the rest of the MLP where it fires: exact
-  for the ReLU family; for SwiGLU a magnitude threshold (TEAL/CATS-style, `--swiglu-threshold`,
-  or the one the predictors were trained for), an approximation;
+  for the ReLU family; for SwiGLU a magnitude threshold (TEAL/CATS-style), an approximation:
+  the predictors' own (one, or one per layer) where the model has predictors, else one per
+  layer calibrated for `--swiglu-sparsity` (CATS), else `--swiglu-threshold`;
 - `oracle`: the firing set from a dense pass, then the sparse arithmetic (exact; a check that
   the sparse path is what it should be, slower than dense by design);
 - `predicted`: the hot block and what the per-layer predictors mark, when the model has
@@ -32,7 +33,7 @@ For SmolLM2 also llama.cpp F32 through cyllama (the `bench` extra) at batch 1, t
 our trained models have no llama.cpp architecture (their MLPs are not SwiGLU).
 
     python benchmarks/activation_locality.py --model runs/locality-drelu-s0/export ...
-    python benchmarks/activation_locality.py --model SmolLM2-135M-Instruct --swiglu-threshold 0.05
+    python benchmarks/activation_locality.py --model SmolLM2-135M-Instruct --swiglu-sparsity 0.5
     python benchmarks/activation_locality.py --model M --quick    # a smoke test, a minute
 
 Writes benchmarks/results/activation_locality.{json,md} (`*_quick.*` with --quick) with the
@@ -65,6 +66,9 @@ sys.path.insert(0, str(ROOT))  # measure the checkout this script is in
 RESULTS = ROOT / "benchmarks" / "results"
 TASKS = ("corpus_cloze", "corpus_perplexity", "mqar_recall")
 SMOLLM2 = "SmolLM2-135M-Instruct"
+# arguments that are not settings shared by a record's models: each model's entry records the
+# thresholds it was measured at
+PER_MODEL = ("model", "predictors", "out", "fresh", "add", "swiglu_threshold", "swiglu_sparsity")
 
 
 # ---- the model and its modes ------------------------------------------------------------------
@@ -75,13 +79,14 @@ class Subject:
     apply to it; `use(mode)` attaches that mode's sparse decoding (None: dense)."""
 
     def __init__(self, name: str, predictors: Path | None, swiglu_threshold: float,
-                 max_batch: int, max_tokens: int) -> None:
+                 swiglu_sparsity: float | None, max_batch: int, max_tokens: int) -> None:
         import torch
 
         from egmla.checkpoint import read_metadata, read_weights
         from egmla.imports import load_pretrained
-        from egmla.models.sparse_ffn import predictors_from_tensors, reorder_neurons
-        from eval.locality import default_out
+        from egmla.models.sparse_ffn import (layer_thresholds, predictors_from_tensors,
+                                             reorder_neurons)
+        from eval.locality import default_out, sparsity_thresholds
         from serve import LLM
 
         self.name = name
@@ -92,17 +97,29 @@ class Subject:
         self.ffn = cfg.ffn
         found = predictors or default_out(name) / "predictors.safetensors"
         self.predictors, self.predictors_file, trained_at = None, None, None
+        self.sparsity = None  # the target sparsity the thresholds were calibrated for
         if found.is_file():
+            metadata = read_metadata(found)
             self.predictors, trained_at = predictors_from_tensors(
-                read_weights(found), read_metadata(found), cfg.n_layers, cfg.d_ff)
+                read_weights(found), metadata, cfg.n_layers, cfg.d_ff)
+            if (metadata or {}).get("sparsity"):
+                self.sparsity = float(metadata["sparsity"])
             reorder_neurons(self.model, self.predictors)  # the function is unchanged
             self.predictors_file = str(found)
         elif predictors is not None:
             raise SystemExit(f"error: --predictors {predictors}: no such file")
         swiglu = self.ffn == "swiglu"
-        self.threshold = trained_at if trained_at is not None else (swiglu_threshold if swiglu else 0.0)
-        if swiglu and not self.threshold:
-            raise SystemExit(f"error: {name} is SwiGLU: give --swiglu-threshold > 0")
+        if trained_at is not None:
+            self.threshold = trained_at
+        elif swiglu and swiglu_sparsity is not None:
+            self.threshold = sparsity_thresholds(self.model, self.tokenizer, swiglu_sparsity)
+            self.sparsity = swiglu_sparsity
+        else:
+            self.threshold = swiglu_threshold if swiglu else 0.0
+        self.thresholds = layer_thresholds(self.threshold, cfg.n_layers)
+        if swiglu and not all(self.thresholds):
+            raise SystemExit(f"error: {name} is SwiGLU: give --swiglu-threshold > 0 or "
+                             "--swiglu-sparsity")
         self.modes = ["dense", "gate", *([] if swiglu else ["oracle"]),
                       *(["predicted"] if self.predictors else [])]
         block = 16
@@ -126,13 +143,13 @@ class Subject:
         if mode in ("dense", "oracle"):
             return None
         if mode == "gate":
-            return lambda i, mlp, x: firing(mlp, x, self.threshold)
+            return lambda i, mlp, x: firing(mlp, x, self.thresholds[i])
 
         def predicted(i, mlp, x):
             layer = self.predictors[i]
             mask = layer.predictor(x)
             mask[:, :layer.hot] = True
-            return mask & firing(mlp, x, self.threshold)
+            return mask & firing(mlp, x, self.thresholds[i])
         return predicted
 
 
@@ -311,6 +328,8 @@ def held_out_tokens(tokenizer, tokens: int, seq_len: int):
 
 
 def render(report: dict[str, Any]) -> str:
+    from eval.locality import describe_threshold
+
     p = report["provenance"]
     lines = ["# Activation locality: dense against sparse MLP decoding", "",
              f"{p['time_utc']} · {p['hardware'].get('cpu')} ({p['hardware'].get('cpu_count')} cores) · "
@@ -323,7 +342,8 @@ def render(report: dict[str, Any]) -> str:
              "token. Perplexity: held-out corpus-b, each token's MLPs masked as the mode computes.", ""]
     for m in report["models"]:
         when = m.get("measured")
-        lines += [f"## {m['model']} ({m['ffn']}, threshold {m['threshold']})", ""]
+        lines += [f"## {m['model']} ({m['ffn']}, "
+                  f"{describe_threshold(m['threshold'], m.get('sparsity'))})", ""]
         if when:
             lines += [f"Measured {when['time_utc']} at git {when['git']['sha']}, load "
                       f"{when['load'][0]} -> {when['load'][1]}.", ""]
@@ -399,7 +419,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="predictors.safetensors for the --model at the same position (default: "
                         "where `python -m eval.locality predictors` writes them)")
     p.add_argument("--swiglu-threshold", type=float, default=0.05,
-                   help="gate mode's threshold for a SwiGLU model without predictors (0.05)")
+                   help="gate mode's threshold for a SwiGLU model without predictors or "
+                        "--swiglu-sparsity (0.05)")
+    p.add_argument("--swiglu-sparsity", type=float, default=None,
+                   help="for a SwiGLU model without predictors: a threshold per layer, "
+                        "calibrated so that this share of its neurons is skipped (CATS; 0.5)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -433,8 +457,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(b < 1 or b > 16 for b in args.batch_sizes):
         p.error(f"--batch-sizes {args.batch_sizes}: each must be in [1, 16] (sparse decoding "
                 "takes at most 16 rows)")
-    if not args.swiglu_threshold >= 0:
-        p.error(f"--swiglu-threshold {args.swiglu_threshold}: must be >= 0")
+    if not 0 <= args.swiglu_threshold < float("inf"):
+        p.error(f"--swiglu-threshold {args.swiglu_threshold}: must be a finite number >= 0")
+    if args.swiglu_sparsity is not None and not 0 < args.swiglu_sparsity < 1:
+        p.error(f"--swiglu-sparsity {args.swiglu_sparsity}: must be in (0, 1)")
     if args.quick:
         args.batch_sizes, args.new_tokens, args.repeats = [1, 4], 16, 1
         args.held_out_tokens, args.lm_eval_limit = 1024, 3
@@ -453,8 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": ["python", "benchmarks/activation_locality.py", *(argv or sys.argv[1:])],
         "provenance": provenance(), "load_before": round(os.getloadavg()[0], 2),
         "settings": json.loads(json.dumps({k: v for k, v in vars(args).items()
-                                           if k not in ("model", "predictors", "out", "fresh",
-                                                        "add")})),
+                                           if k not in PER_MODEL})),
         "models": []}
     from eval.selfdebug.report import write_atomic
 
@@ -478,8 +503,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         load_before = round(os.getloadavg()[0], 2)
         given = args.predictors[i] if args.predictors else None
-        subject = Subject(name, given, args.swiglu_threshold, max(args.batch_sizes),
-                          args.prompt_len + args.new_tokens + 8)
+        subject = Subject(name, given, args.swiglu_threshold, args.swiglu_sparsity,
+                          max(args.batch_sizes), args.prompt_len + args.new_tokens + 8)
         ids, held_out = held_out_tokens(subject.tokenizer, args.held_out_tokens, 128)
         prompts = [ids[j * args.prompt_len:(j + 1) * args.prompt_len]
                    for j in range(max(args.batch_sizes))]
@@ -487,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         speed = measure_speed(subject, prompts, args.batch_sizes, args.new_tokens, args.repeats, log)
         rows, hot = quality(subject, held_out, args.lm_eval_limit, args.skip_lm_eval, log)
         entry = {"model": name, "ffn": subject.ffn, "threshold": subject.threshold,
+                 "sparsity": subject.sparsity,
                  "predictors": subject.predictors_file, "params": subject.model.num_params(),
                  "speed": speed, "quality": rows, "hot": hot}
         if name == SMOLLM2 and 1 in args.batch_sizes:

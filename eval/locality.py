@@ -1,13 +1,15 @@
 """Activation locality of a model's MLPs: which neurons fire, how often, and how stable that is.
 
     python -m eval.locality profile --model runs/drelu --out runs/drelu/locality
-    python -m eval.locality profile --model SmolLM2-135M-Instruct --threshold 0.05 --tokens 20000
+    python -m eval.locality profile --model SmolLM2-135M-Instruct --sparsity 0.5 --tokens 20000
 
 A neuron of a layer's MLP fires for a token where its hidden activation h is non-zero
 (egmla.models.layers.FeedForward; exact sparsity for the ReLU family) and, with `--threshold t`,
 where its deciding score is above t as well: |silu(gate)| for SwiGLU (TEAL / CATS-style
 magnitude thresholds, the training-free baseline), the gate (relu2: up) pre-activation for the
-ReLU family. This is the set `egmla.models.sparse_ffn.SparseDecode` computes.
+ReLU family. With `--sparsity s` instead, each layer gets its own threshold, the s quantile of
+its scores over the first 4,096 tokens of corpus-a (CATS's calibration: about s of each layer's
+neurons are skipped per token). This is the set `egmla.models.sparse_ffn.SparseDecode` computes.
 
 For each text source (`--data`: the embedded corpus's two halves, GSM8K questions, HumanEval
 prompts), windows of `--seq-len` tokens in batches of 16 sequences, and for each layer:
@@ -21,7 +23,7 @@ prompts), windows of `--seq-len` tokens in batches of 16 sequences, and for each
   batch of B sequences at one position (B = 1, 4, 16; Deja Vu's point that batching erodes it);
 - across sources: the overlap of the top 20% most frequent neurons (PowerInfer: > 90%).
 
-Writes OUT/profile.json (config, git SHA, versions, everything above), OUT/profile.md,
+Writes OUT/profile.json (config, git SHA, versions, the thresholds, everything above), OUT/profile.md,
 OUT/profile.png (the curves and the union sparsity), and OUT/neuron_counts.safetensors (per
 source and layer, the firing count of every neuron, for reordering neurons hot-first).
 """
@@ -38,7 +40,8 @@ from typing import Any
 
 import torch
 
-from egmla.models.sparse_ffn import LayerPredictor, firing, predictors_to_tensors
+from egmla.models.sparse_ffn import (LayerPredictor, Threshold, calibrate_thresholds, firing,
+                                     layer_thresholds, predictors_to_tensors)
 from serve.__main__ import parse_bytes
 from eval.selfdebug.report import write_atomic
 
@@ -48,6 +51,7 @@ BATCH = 16  # sequences per forward pass: the largest union batch
 TOP_SHARE = 0.2  # the hot set whose stability across sources is reported
 COVERAGE = 0.8  # "X% of neurons give 80% of firings"
 CURVE_POINTS = 101
+CALIBRATION_TOKENS = 4096  # of corpus-a, for --sparsity's per-layer thresholds
 
 
 class UsageError(ValueError):
@@ -162,14 +166,16 @@ def top_overlap(a: torch.Tensor, b: torch.Tensor, share: float = TOP_SHARE) -> f
     return len(ta & tb) / k
 
 
-def profile_model(model, batches: Iterator[torch.Tensor], threshold: float = 0.0,
+def profile_model(model, batches: Iterator[torch.Tensor], threshold: Threshold = 0.0,
                   progress: Callable[[int], None] | None = None) -> list[LayerStats]:
-    """Run `model` over the (B, T) token batches and gather each layer's LayerStats."""
+    """Run `model` over the (B, T) token batches and gather each layer's LayerStats, firing
+    at `threshold` (one for every layer, or one per layer)."""
     layers = [LayerStats(block.mlp.w_up.out_features) for block in model.layers]
+    thresholds = layer_thresholds(threshold, len(model.layers))
     hooks = []
-    for block, stats in zip(model.layers, layers):
-        def record(mlp, args, stats=stats):
-            stats.add(firing(mlp, args[0], threshold))
+    for block, stats, t in zip(model.layers, layers, thresholds):
+        def record(mlp, args, stats=stats, t=t):
+            stats.add(firing(mlp, args[0], t))
         hooks.append(block.mlp.register_forward_pre_hook(record))
     try:
         with torch.inference_mode():
@@ -193,7 +199,7 @@ def pooled(layers: list[LayerStats]) -> dict[str, Any]:
 
 
 def build_report(model, tokenizer, sources: list[str], tokens: int, seq_len: int,
-                 threshold: float) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+                 threshold: Threshold) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     from tqdm import tqdm
 
     per_source, counts = {}, {}
@@ -216,7 +222,8 @@ def build_report(model, tokenizer, sources: list[str], tokens: int, seq_len: int
 def markdown(report: dict[str, Any]) -> str:
     meta = report["meta"]
     lines = [f"# Activation locality: {meta['model']}", "",
-             (f"ffn {meta['ffn']}, threshold {meta['threshold']}, {meta['seq_len']}-token "
+             (f"ffn {meta['ffn']}, {describe_threshold(meta['threshold'], meta.get('sparsity'))}, "
+              f"{meta['seq_len']}-token "
               f"windows; git {str(meta['git'].get('sha'))[:10]}."), "",
              ("| source | layer | tokens | sparsity | active p10/p50/p90 | neurons for 80% | "
               "never fired | union sparsity B=1/4/16 |"), "|---|---|---:|---:|---|---:|---:|---|"]
@@ -236,6 +243,25 @@ def markdown(report: dict[str, Any]) -> str:
         for pair, v in report["top20_overlap"].items():
             lines.append(f"| {pair} | {', '.join(f'{x:.0%}' for x in v)} |")
     return "\n".join(lines) + "\n"
+
+
+def describe_threshold(threshold: Threshold, sparsity: float | None = None) -> str:
+    """'threshold 0.05', or 'per-layer thresholds 0.112..0.205 (target sparsity 50%)'."""
+    if not isinstance(threshold, (list, tuple)):
+        return f"threshold {threshold}"
+    target = "" if sparsity is None else f" (target sparsity {sparsity:.0%})"
+    return f"per-layer thresholds {min(threshold):.3g}..{max(threshold):.3g}{target}"
+
+
+def sparsity_thresholds(model, tokenizer, sparsity: float, seq_len: int = 256) -> list[float]:
+    """Each layer's threshold for a target `sparsity`, calibrated on the first
+    CALIBRATION_TOKENS tokens of corpus-a (egmla.models.sparse_ffn.calibrate_thresholds)."""
+    ids = token_stream(tokenizer, source_texts("corpus-a"), CALIBRATION_TOKENS)
+    data = windows(ids, min(seq_len, max(1, len(ids) // BATCH)), CALIBRATION_TOKENS)
+    thresholds = calibrate_thresholds(model, data.split(BATCH), sparsity)
+    print(f"per-layer thresholds for sparsity {sparsity} ({data.numel()} tokens of corpus-a): "
+          f"{', '.join(f'{t:.4g}' for t in thresholds)}", file=sys.stderr, flush=True)
+    return thresholds
 
 
 def _pct(x: float | None) -> str:
@@ -297,6 +323,7 @@ def positive(kind: type) -> Callable[[str], Any]:
 
 non_negative_float = _number(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
 share = _number(float, lambda v: 0 <= v <= 1, "in [0, 1]")
+open_share = _number(float, lambda v: 0 < v < 1, "in (0, 1)")
 
 
 def default_out(model: str | Path) -> Path:
@@ -314,9 +341,13 @@ def _common(p: argparse.ArgumentParser, tokens: int) -> None:
                         "windows)")
     p.add_argument("--seq-len", type=positive(int), default=256,
                    help="tokens per window (default 256)")
-    p.add_argument("--threshold", type=non_negative_float, default=0.0,
-                   help="a neuron fires only above this score (default 0: exact zeros only; "
-                        "needed for SwiGLU)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--threshold", type=non_negative_float, default=0.0,
+                     help="a neuron fires only above this score (default 0: exact zeros only; "
+                          "SwiGLU needs a threshold or --sparsity)")
+    how.add_argument("--sparsity", type=open_share, default=None,
+                     help="instead of --threshold: a threshold per layer, calibrated so that "
+                          "this share of its neurons is skipped per token (CATS; e.g. 0.5)")
     p.add_argument("--out", type=Path, default=None,
                    help="output directory (default: <model>/locality for a directory, else "
                         "runs/locality/<name>)")
@@ -361,6 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     from egmla.checkpoint import CheckpointError
     from egmla.imports import load_pretrained
     from egmla.provenance import provenance
@@ -375,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--seq-len {args.seq_len}: the model's max_seq_len is "
                              f"{model.config.max_seq_len}")
         model.eval()
+        if args.sparsity is not None:
+            args.threshold = sparsity_thresholds(model, tokenizer, args.sparsity, args.seq_len)
         if args.command == "profile":
             report, tensors = build_report(model, tokenizer, list(dict.fromkeys(args.data)),
                                            args.tokens, args.seq_len, args.threshold)
@@ -385,10 +419,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"locality: error: {err}", file=sys.stderr)
         return 2
     out = args.out or default_out(args.model)
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     report["meta"] = {**provenance(), "model": str(args.model), "ffn": model.config.ffn,
                       "d_ff": model.config.d_ff, "n_layers": model.config.n_layers,
-                      "threshold": args.threshold, "seq_len": args.seq_len, "config": config,
+                      "threshold": args.threshold, "sparsity": args.sparsity,
+                      "seq_len": args.seq_len, "config": config,
                       "elapsed_s": round(time.perf_counter() - start, 1)}
     import safetensors.torch
 
@@ -437,6 +471,15 @@ def build_predictors(model, tokenizer, args
     held = P.collect(model, held_ids.split(BATCH), args.threshold)
     held_x, held_fired = [x for x, _ in held], [f for _, f in held]
     dense = P.perplexity(model, held_ids.split(BATCH))
+    thresholds = layer_thresholds(args.threshold, len(model.layers))
+    # the reference a predictor is held to: the model computing exactly what fires (at a
+    # threshold, SwiGLU's firing set, an approximation of its own; else dense itself)
+    reference = dense if not any(thresholds) else P.perplexity(
+        model, held_ids.split(BATCH), lambda i, mlp, x: firing(mlp, x, thresholds[i]))
+    if reference != dense:
+        print(f"perplexity {reference:.3f} at the thresholds alone (dense {dense:.3f}, "
+              f"{reference / dense - 1:+.2%}): the predictors' reference", file=sys.stderr,
+              flush=True)
     if args.hot_budget is not None:
         cfg = model.config
         neuron_bytes = cfg.ffn_matrices * cfg.d_model * model.layers[0].mlp.w_up.weight.element_size()
@@ -454,35 +497,40 @@ def build_predictors(model, tokenizer, args
         def keep(i, mlp, x, preds=preds, hots=hots):
             mask = preds[i](x)
             mask[:, :hots[i]] = True
-            return mask & firing(mlp, x, args.threshold)
+            return mask & firing(mlp, x, thresholds[i])
 
         ppl = P.perplexity(model, held_ids.split(BATCH), keep)
         share = next(s for s, h in hot_options.items() if h is hots)
         entry = {"rank": rank, "hot_share": share, "hot": hots, "recall_target": recall,
-                 "perplexity": ppl, "relative_increase": ppl / dense - 1,
+                 "perplexity": ppl, "relative_increase": ppl / reference - 1,
+                 "vs_dense": ppl / dense - 1,
                  "density": sum(r["density"] for r in rows) / len(rows), "layers": rows,
                  "params_share_of_model": sum(p.params() for p in preds) / model.num_params()}
         tried.append(entry)
         print(f"rank {rank}, hot {'budget' if share is None else share}, recall target {recall}: "
-              f"perplexity {ppl:.3f} (dense {dense:.3f}, {entry['relative_increase']:+.2%}), "
+              f"perplexity {ppl:.3f} (reference {reference:.3f}, "
+              f"{entry['relative_increase']:+.2%}), "
               f"recall {sum(r['recall'] or 0 for r in rows) / len(rows):.3f}, "
               f"density {entry['density']:.3f}", file=sys.stderr, flush=True)
         if entry["relative_increase"] <= args.tolerance and (
                 best is None or entry["density"] < best[0]["density"]):
             chosen, best = rank, (entry, preds)
-    report = {"dense_perplexity": dense, "tried": tried, "chosen_rank": chosen,
+    report = {"dense_perplexity": dense, "reference_perplexity": reference, "tried": tried,
+              "chosen_rank": chosen,
               "tolerance": args.tolerance, "hot_budget_bytes": args.hot_budget,
               "recall_target": None, "hot_share": None, "hot": None,
               "train_tokens": train_ids.numel(), "held_out_tokens": held_ids.numel()}
     if best is None:
         report["note"] = (f"no rank in {args.ranks} kept perplexity within {args.tolerance:.1%} "
-                          "of dense; nothing saved")
+                          "of the reference; nothing saved")
         return report, {}, {}
     entry, preds = best
     report.update(recall_target=entry["recall_target"], hot_share=entry["hot_share"],
                   hot=entry["hot"])
     tensors, metadata = predictors_to_tensors(
         [LayerPredictor(*layer) for layer in zip(preds, orders, entry["hot"])], args.threshold)
+    if args.sparsity is not None:
+        metadata["sparsity"] = repr(args.sparsity)
     return report, tensors, metadata
 
 
@@ -494,19 +542,24 @@ def predictors_markdown(report: dict[str, Any]) -> str:
               + (f"share {report['hot_share']}" if budget is None else f"under a {budget:,}-byte budget")
               + f" ({', '.join(map(str, report['hot']))} neurons by layer), recall target "
               f"{report['recall_target']}")
+    dense, reference = report["dense_perplexity"], report["reference_perplexity"]
+    held_to = ("dense" if reference == dense else
+               f"the {describe_threshold(meta['threshold'], meta.get('sparsity'))} alone, "
+               f"perplexity {reference:.3f} ({reference / dense - 1:+.2%} over dense)")
     lines = [f"# Predictors: {meta['model']}", "",
              (f"ffn {meta['ffn']}; {report['train_tokens']} training tokens (corpus-a), "
               f"{report['held_out_tokens']} held out (corpus-b); dense perplexity "
-              f"{report['dense_perplexity']:.3f}, tolerance {report['tolerance']:.1%}; {chosen}; "
-              f"git {str(meta['git'].get('sha'))[:10]}."), "",
-             ("| rank | hot share | recall target | perplexity | vs dense | mean recall | "
-              "mean density | mean firing | predictor params / model |"),
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              f"{dense:.3f}; reference: {held_to}; tolerance {report['tolerance']:.1%} over the "
+              f"reference; {chosen}; git {str(meta['git'].get('sha'))[:10]}."), "",
+             ("| rank | hot share | recall target | perplexity | vs reference | vs dense | "
+              "mean recall | mean density | mean firing | predictor params / model |"),
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for t in report["tried"]:
         n = len(t["layers"])
         lines.append(
             f"| {t['rank']} | {'budget' if t['hot_share'] is None else t['hot_share']} | "
             f"{t['recall_target']} | {t['perplexity']:.3f} | {t['relative_increase']:+.2%} | "
+            f"{t['vs_dense']:+.2%} | "
             f"{sum(r['recall'] or 0 for r in t['layers']) / n:.3f} | {t['density']:.1%} | "
             f"{sum(r['firing_density'] for r in t['layers']) / n:.1%} | "
             f"{t['params_share_of_model']:.1%} |")

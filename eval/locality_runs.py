@@ -6,11 +6,13 @@ training-free baseline), so that each figure comes as soon as its model is ready
 1. train: the model, `experiment=locality` (equal tokens and parameters across activations);
    the finished run's record (final validation loss, tokens, parameters) goes to
    `<results>/runs/<name>.json`, committed;
-2. profile and predictors: `python -m eval.locality profile|predictors`, SwiGLU models at a
-   magnitude threshold of 0.05, the ReLU family at exact zeros; the reports are copied to
-   `<results>/<name>/`;
+2. profile and predictors: `python -m eval.locality profile|predictors`, SwiGLU models at
+   per-layer magnitude thresholds calibrated for 50% sparsity (CATS), the ReLU family at exact
+   zeros; the reports are copied to `<results>/<name>/` (made again when a report was made at
+   another setting);
 3. benchmark: `benchmarks/activation_locality.py --add --model M`, which adds the model to the
-   record `<results>/activation_locality.{json,md}`;
+   record `<results>/activation_locality.{json,md}` (measured again when its entry was made at
+   another target sparsity);
 
 then train the two more seeds of swiglu and drelu (only the loss table needs them), and
 
@@ -43,8 +45,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = [("drelu", 0), ("swiglu", 0), ("reglu", 0), ("relu2", 0),
         ("swiglu", 1), ("drelu", 1), ("swiglu", 2), ("drelu", 2)]
 SMOLLM2 = "SmolLM2-135M-Instruct"
-# SwiGLU has no exact zeros: its neurons fire above a TEAL/CATS-style magnitude threshold
-SWIGLU_THRESHOLD = 0.05
+# SwiGLU has no exact zeros: its neurons fire above magnitude thresholds, one per layer,
+# calibrated so that this share of each layer's neurons is skipped per token (CATS; TEAL's
+# 40-50%)
+SWIGLU_SPARSITY = 0.5
 STEPS = ("train", "losses", "profile", "predictors", "benchmark")
 
 
@@ -142,33 +146,48 @@ def losses(records: list[dict[str, Any]], results: Path) -> dict[str, Any]:
     return report
 
 
-def benchmarked(results: Path) -> set[str]:
-    """The models the benchmark's records in `results` hold: a run's name (its export's
-    directory) or a known model's."""
-    names = set()
+def benchmarked(results: Path) -> dict[str, float | None]:
+    """The models the benchmark's records in `results` hold, by a run's name (its export's
+    directory) or a known model's: the target sparsity each was measured at (None: none)."""
+    names = {}
     for record in results.glob("activation_locality*.json"):
         for m in json.loads(record.read_text()).get("models", []):
-            names.add(m["model"] if m["model"] == SMOLLM2 else Path(m["model"]).parent.name)
+            name = m["model"] if m["model"] == SMOLLM2 else Path(m["model"]).parent.name
+            names[name] = m.get("sparsity")
     return names
 
 
-def locality(command: str, model: str, name: str, args, log, threshold: float = 0.0) -> None:
+def target(ffn: str) -> float | None:
+    """The target sparsity a model of this MLP activation is measured at (None: exact zeros)."""
+    return SWIGLU_SPARSITY if ffn == "swiglu" else None
+
+
+def firing_args(sparsity: float | None) -> list[str]:
+    """eval.locality's arguments for a model's firing set: exact zeros, or per-layer
+    thresholds for a target sparsity."""
+    return ["--threshold", "0.0"] if sparsity is None else ["--sparsity", str(sparsity)]
+
+
+def locality(command: str, model: str, name: str, args, log,
+             sparsity: float | None = None) -> None:
     """`python -m eval.locality <command>` for `model`, its reports copied to results/<name>.
     It writes where the benchmark looks (eval.locality.default_out)."""
     from eval.locality import default_out
 
     out = args.results / name
     work = ROOT / default_out(model)
-    report = out / f"{command}.json"
+    report_file = out / f"{command}.json"
+    report = json.loads(report_file.read_text()) if report_file.is_file() else None
     # the benchmark reads the predictors' file, which is not committed: remade while it is
     # needed, if a rank was chosen (else there is none to make)
-    missing = (command == "predictors" and name not in benchmarked(args.results)
-               and report.is_file() and json.loads(report.read_text())["chosen_rank"] is not None
+    missing = (command == "predictors" and benchmarked(args.results).get(name, -1) != sparsity
+               and report is not None and report["chosen_rank"] is not None
                and not (work / "predictors.safetensors").is_file())
-    if report.is_file() and not missing:
+    config = (report or {}).get("meta", {}).get("config", {})
+    if report is not None and not missing and config.get("sparsity") == sparsity:
         return
     cmd = [sys.executable, "-m", "eval.locality", command, "--model", model, "--out", str(work),
-           "--threshold", str(threshold), *getattr(args, f"{command}_args")]
+           *firing_args(sparsity), *getattr(args, f"{command}_args")]
     _run(cmd, args.runs_dir / f"{name}-{command}.log", log)
     out.mkdir(parents=True, exist_ok=True)
     for file in (f"{command}.json", f"{command}.md", "profile.png"):
@@ -205,20 +224,23 @@ def main(argv: list[str] | None = None) -> int:
         if "train" in steps or "losses" in steps or later:
             for ffn, seed in runs:
                 name = run_name(ffn, seed)
-                need = seed == 0 and bool(later) and name not in benchmarked(args.results)
+                need = (seed == 0 and bool(later)
+                        and benchmarked(args.results).get(name, -1) != target(ffn))
                 if "train" not in steps and not (args.results / "runs" / f"{name}.json").is_file():
                     continue
                 records.append(train(ffn, seed, args, log, need_model=need))
         return records
 
-    def measure(name: str, model: str, threshold: float) -> None:
+    def measure(name: str, model: str, sparsity: float | None) -> None:
         for command in ("profile", "predictors"):
             if command in steps:
-                locality(command, model, name, args, log, threshold)
-        if "benchmark" in steps and name not in benchmarked(args.results):
-            # it finds the predictors where eval.locality wrote them
+                locality(command, model, name, args, log, sparsity)
+        if "benchmark" in steps and benchmarked(args.results).get(name, -1) != sparsity:
+            # it finds the predictors (and their thresholds) where eval.locality wrote them
+            target = [] if sparsity is None else ["--swiglu-sparsity", str(sparsity)]
             cmd = [sys.executable, str(ROOT / "benchmarks" / "activation_locality.py"),
-                   "--out", str(args.results), "--add", "--model", model, *args.benchmark_args]
+                   "--out", str(args.results), "--add", "--model", model, *target,
+                   *args.benchmark_args]
             _run(cmd, args.runs_dir / f"{name}-benchmark.log", log)
 
     try:
@@ -228,9 +250,9 @@ def main(argv: list[str] | None = None) -> int:
             records += done
             if done:  # its record is there (and its model, while the benchmark needs it)
                 measure(run_name(ffn, seed), str(args.runs_dir / run_name(ffn, seed) / "export"),
-                        SWIGLU_THRESHOLD if ffn == "swiglu" else 0.0)
+                        target(ffn))
         if not args.no_smollm2:
-            measure(SMOLLM2, SMOLLM2, SWIGLU_THRESHOLD)
+            measure(SMOLLM2, SMOLLM2, SWIGLU_SPARSITY)
         records += trained([run for run in RUNS if run[1] != 0])
         if "losses" in steps and records:
             print((args.results / "losses.md").read_text() if losses(records, args.results) else "")

@@ -20,9 +20,12 @@ neurons that fire for them (eval.locality.firing), for each layer:
    precision, and its parameters and multiply-adds against the MLP's.
 
 Then the whole model's perplexity on the held-out tokens when every token's MLPs keep only the
-neurons computed for it, against dense. Ranks are tried in the given order and the first with a
-setting whose perplexity is within `--tolerance` of dense is chosen (PowerInfer widens its
-predictors until WikiText-2 perplexity is within 0.1%). `--hot` and `--recall` may each name
+neurons computed for it, against the reference: dense, or at a threshold (SwiGLU, `--threshold`
+or `--sparsity`) the model computing exactly the neurons above it, whose own cost against
+dense is reported beside (a predictor can only be asked to find what fires). Ranks are tried
+in the given order and the first with a setting whose perplexity is within `--tolerance` of the
+reference is chosen (PowerInfer widens its predictors until WikiText-2 perplexity is within
+0.1%). `--hot` and `--recall` may each name
 several values: at each rank every pair is tried (a calibration, not a new training), and the
 pair within the tolerance that computes the fewest neurons (the lowest mean density on the
 held-out tokens) is chosen. Every setting tried is reported.
@@ -38,14 +41,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from egmla.models.sparse_ffn import Predictor, firing, permute_neurons
+from egmla.models.sparse_ffn import (Predictor, Threshold, firing, layer_thresholds,
+                                     permute_neurons)
 
 CALIBRATION = 0.1  # share of the training tokens kept aside to calibrate the bias
 
 
-def collect(model, batches: Iterable[torch.Tensor], threshold: float = 0.0
+def collect(model, batches: Iterable[torch.Tensor], threshold: Threshold = 0.0
             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, (x: the MLP inputs (N, d_model) float32, fired: (N, d_ff) bool)."""
+    """Per layer, (x: the MLP inputs (N, d_model) float32, fired: (N, d_ff) bool) at
+    `threshold` (one for every layer, or one per layer)."""
+    thresholds = layer_thresholds(threshold, len(model.layers))
     xs: list[list[torch.Tensor]] = [[] for _ in model.layers]
     fired: list[list[torch.Tensor]] = [[] for _ in model.layers]
     hooks = []
@@ -53,7 +59,7 @@ def collect(model, batches: Iterable[torch.Tensor], threshold: float = 0.0
         def record(mlp, args, i=i):
             x = args[0].reshape(-1, args[0].shape[-1])
             xs[i].append(x.float())
-            fired[i].append(firing(mlp, x, threshold))
+            fired[i].append(firing(mlp, x, thresholds[i]))
         hooks.append(block.mlp.register_forward_pre_hook(record))
     try:
         with torch.inference_mode():

@@ -57,6 +57,13 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def thresholds(text: str) -> float | list[float]:
+    """One non-negative number, or a comma-separated list of them (one per layer)."""
+    parts = text.split(",")
+    values = [non_negative_float(part.strip()) for part in parts]
+    return values if len(parts) > 1 else values[0]
+
+
 def set_chat_template(llm, template: str) -> None:
     """Give the tokenizer `template` (a file's text, or the template itself), checked by
     rendering a one-message conversation; ValueError naming what is wrong."""
@@ -141,9 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ffn-predictors", metavar="FILE",
                    help="predictors.safetensors written by `python -m eval.locality predictors` "
                         "for this model (with --ffn-sparsity predicted)")
-    g.add_argument("--ffn-threshold", type=non_negative_float, default=0.0,
+    g.add_argument("--ffn-threshold", type=thresholds, default=0.0, metavar="T[,T...]",
                    help="a neuron fires only above this score (|silu(gate)| for SwiGLU, the gate "
-                        "for the ReLU family); default %(default)s")
+                        "for the ReLU family): one number, or one per layer separated by commas; "
+                        "predicted mode takes its predictors' own; default %(default)s")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p

@@ -26,7 +26,7 @@ from egmla.dtypes import parse_model_dtype
 from egmla.imports import load_pretrained
 from egmla.models import Transformer
 from egmla.models.sparse_ffn import check_settings as check_sparsity
-from egmla.models.sparse_ffn import predictors_from_tensors, sparsify
+from egmla.models.sparse_ffn import layer_thresholds, predictors_from_tensors, sparsify
 from serve.engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams
 from serve.outputs import OutputProcessor
 
@@ -91,7 +91,7 @@ class LLM:
         tokenizer: Any = None,
         dtype: torch.dtype | str | None = None,
         ffn_sparsity: str | None = None,
-        ffn_threshold: float = 0.0,
+        ffn_threshold: float | list[float] = 0.0,
         ffn_predictors: str | os.PathLike | None = None,
         *,
         device: str | torch.device | None = None,
@@ -118,12 +118,13 @@ class LLM:
 
         `ffn_sparsity` decodes the MLPs over only the neurons that fire
         (egmla.models.sparse_ffn): "gate" (exact for ReLU-family MLPs; SwiGLU needs
-        `ffn_threshold` > 0, an approximation), "oracle" (exact, slower: a check) or
-        "predicted" (a hot block of neurons always, the rest where per-layer predictors say they
-        fire: an approximation as good as their recall), which takes `ffn_predictors`, the
-        predictors.safetensors that `python -m eval.locality predictors` wrote for this model;
-        loading them reorders the model's neurons in place, as they were trained (the function
-        is unchanged). None, the default, is dense."""
+        `ffn_threshold` > 0, an approximation: one number, or a list of one per layer),
+        "oracle" (exact, slower: a check) or "predicted" (a hot block of neurons always, the
+        rest where per-layer predictors say they fire: an approximation as good as their
+        recall), which takes `ffn_predictors`, the predictors.safetensors that `python -m
+        eval.locality predictors` wrote for this model, and their thresholds; loading them
+        reorders the model's neurons in place, as they were trained (the function is
+        unchanged). None, the default, is dense."""
         dtype = parse_model_dtype(dtype)  # a bad dtype fails before loading, naming itself
         where = parse_device(device)  # and so does a device this machine does not have
         check_sparsity(ffn_sparsity, ffn_threshold, ffn_predictors)
@@ -148,7 +149,8 @@ class LLM:
         if ffn_predictors is not None:
             cfg = self.model.config
             predictors, trained_at = predictors_from_tensors(*predictor_file, cfg.n_layers, cfg.d_ff)
-            if ffn_threshold not in (0, trained_at):
+            given = layer_thresholds(ffn_threshold, cfg.n_layers, "ffn_threshold")
+            if any(given) and given != layer_thresholds(trained_at, cfg.n_layers):
                 raise ValueError(f"ffn_threshold={ffn_threshold!r}: {ffn_predictors} were trained "
                                  f"for the threshold {trained_at!r}, which predicted mode uses")
             ffn_threshold = trained_at

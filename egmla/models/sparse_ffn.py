@@ -14,7 +14,8 @@ the few rows of a decode step; training, prefill and larger batches keep the den
   the gated kinds, and down) only for the neurons where it is above `threshold` in some row of x
   (the union over the rows: a batch computes what any of its rows needs). With threshold 0 this
   is exact for the ReLU family. For SwiGLU a threshold on |silu(gate)| > 0 is the training-free
-  approximation of TEAL / CATS, not exact.
+  approximation of TEAL / CATS, not exact; `calibrate_thresholds` sets one per layer for a
+  target sparsity, as CATS does.
 - `"oracle"`: the active set taken from a dense pass (every neuron with h != 0 in some row), then
   the sparse computation over it: exact, and slower than dense; it checks the sparse arithmetic
   and is the ideal a predictor is measured against.
@@ -29,8 +30,11 @@ first, a hot set is a contiguous block (a dense slice, no gather).
 
 from __future__ import annotations
 
+import json
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Union
 
 import torch
 import torch.nn.functional as F
@@ -42,23 +46,77 @@ from egmla.models.layers import FeedForward
 Mode = Literal["gate", "oracle", "predicted"]
 MODES = ("gate", "oracle", "predicted")
 MAX_ROWS = 16  # rows (decode sequences) up to which the sparse path is taken; dense above
+# A firing threshold: one for every layer, or one per layer (as `calibrate_thresholds` sets them)
+Threshold = Union[float, Sequence[float]]
+
+
+def _one_threshold(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 <= value < float("inf")):
+        raise ValueError(f"{name}={value!r}: must be a finite number >= 0")
+    return float(value)
+
+
+def layer_thresholds(threshold: Threshold, n_layers: int, name: str = "threshold") -> list[float]:
+    """Each layer's threshold: `threshold` for all, or its per-layer list (which must have
+    `n_layers` entries); ValueError naming a bad value."""
+    if isinstance(threshold, (list, tuple)):
+        if len(threshold) != n_layers:
+            raise ValueError(f"{name}: {len(threshold)} per-layer thresholds; the model has "
+                             f"{n_layers} layers")
+        return [_one_threshold(t, f"{name}[{i}]") for i, t in enumerate(threshold)]
+    return [_one_threshold(threshold, name)] * n_layers
+
+
+def firing_score(mlp, x: torch.Tensor) -> torch.Tensor:
+    """(..., d_ff): the score a threshold applies to, per neuron: |silu(gate)| for SwiGLU, the
+    gate pre-activation for the gated ReLU family, up for relu2 (which has no gate)."""
+    if mlp.w_gate is None:
+        return mlp.w_up(x)
+    score = mlp.w_gate(x)
+    return F.silu(score).abs() if mlp.activation == "swiglu" else score
 
 
 def firing(mlp, x: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
     """Boolean (..., d_ff): the neurons of `mlp` that fire for each row of x: h != 0 and, with a
-    threshold, a deciding score above it (|silu(gate)| for SwiGLU, the gate, relu2: up, for the
-    ReLU family; the set SparseDecode computes, and what eval.locality profiles)."""
-    h = mlp.hidden(x)
-    fired = h != 0
+    threshold, a deciding score above it (`firing_score`; the set SparseDecode computes, and
+    what eval.locality profiles)."""
+    fired = mlp.hidden(x) != 0
     if threshold > 0:
-        if mlp.w_gate is None:
-            score = mlp.w_up(x)
-        else:
-            score = mlp.w_gate(x)
-            if mlp.activation == "swiglu":
-                score = F.silu(score).abs()
-        fired &= score > threshold
+        fired &= firing_score(mlp, x) > threshold
     return fired
+
+
+def calibrate_thresholds(model, batches: Iterable[torch.Tensor], sparsity: float) -> list[float]:
+    """Per-layer thresholds for a target sparsity, as CATS sets them (TEAL likewise, per tensor):
+    each layer's threshold is the `sparsity` quantile of its firing scores over every token of
+    the (B, T) token `batches` and every neuron, so that a neuron at or below it (skipped) is
+    that share of the layer's (token, neuron) pairs. A layer already sparser than the target
+    (the ReLU family) gets 0: its exact zeros."""
+    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not (
+            0 < sparsity < 1):
+        raise ValueError(f"sparsity={sparsity!r}: must be a number in (0, 1)")
+    scores: list[list[torch.Tensor]] = [[] for _ in model.layers]
+    hooks = []
+    for i, block in enumerate(model.layers):
+        def record(mlp, args, i=i):
+            scores[i].append(firing_score(mlp, args[0]).reshape(-1).float())
+        hooks.append(block.mlp.register_forward_pre_hook(record))
+    try:
+        with torch.inference_mode():
+            for ids in batches:
+                model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    if not scores or not scores[0]:
+        raise ValueError("no tokens to calibrate the thresholds on")
+    out = []
+    for layer in scores:
+        values = torch.cat(layer)
+        k = min(values.numel(), max(1, math.ceil(sparsity * values.numel())))
+        out.append(max(0.0, values.kthvalue(k).values.item()))
+    return out
 
 
 def permute_neurons(mlp: FeedForward, order: torch.Tensor) -> None:
@@ -127,9 +185,7 @@ class SparseDecode:
                  hot: int = 0) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: must be one of {list(MODES)}")
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
-                0 <= threshold < float("inf")):
-            raise ValueError(f"threshold={threshold!r}: must be a finite number >= 0")
+        _one_threshold(threshold, "threshold")
         if mlp.activation == "swiglu" and mode == "gate" and threshold == 0:
             raise ValueError("a SwiGLU MLP is not sparse: silu is non-zero almost everywhere, so "
                              "mode='gate' needs a threshold > 0 (an approximation), or use 'oracle'")
@@ -181,7 +237,7 @@ class SparseDecode:
         mlp = self.mlp
         return mlp.w_up if mlp.w_gate is None else mlp.w_gate
 
-    def _score(self, pre: torch.Tensor) -> torch.Tensor:
+    def _score(self, pre: torch.Tensor) -> torch.Tensor:  # firing_score, from the projection
         return F.silu(pre).abs() if self.mlp.activation == "swiglu" else pre
 
     def active(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -257,31 +313,39 @@ class LayerPredictor:
     hot: int
 
 
-def predictors_to_tensors(layers: list[LayerPredictor], threshold: float = 0.0
+def predictors_to_tensors(layers: list[LayerPredictor], threshold: Threshold = 0.0
                           ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and metadata of a predictors file (safetensors), `layer{i}.{w1,w2,bias,
-    order,hot}`; the metadata names the format and the firing threshold they were trained for."""
+    order,hot}`; the metadata names the format and the firing threshold they were trained for
+    (a number, or a JSON list of one per layer)."""
     tensors: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(layers):
         tensors.update({f"layer{i}.{k}": v.contiguous() for k, v in layer.predictor.state().items()})
         tensors[f"layer{i}.order"] = layer.order.contiguous()
         tensors[f"layer{i}.hot"] = torch.tensor(layer.hot)
-    return tensors, {"format": PREDICTORS_FORMAT, "threshold": repr(float(threshold))}
+    per_layer = layer_thresholds(threshold, len(layers))
+    written = (json.dumps(per_layer) if isinstance(threshold, (list, tuple))
+               else repr(per_layer[0] if per_layer else float(threshold)))
+    return tensors, {"format": PREDICTORS_FORMAT, "threshold": written}
 
 
 def predictors_from_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None,
-                            n_layers: int, d_ff: int) -> tuple[list[LayerPredictor], float]:
+                            n_layers: int, d_ff: int
+                            ) -> tuple[list[LayerPredictor], float | list[float]]:
     """The per-layer predictors of a predictors file, checked against a model with `n_layers`
-    MLPs of `d_ff` neurons, and the threshold they were trained for; ValueError naming what
-    does not fit."""
+    MLPs of `d_ff` neurons, and the threshold they were trained for (a number, or a list of
+    one per layer); ValueError naming what does not fit."""
     metadata = metadata or {}
     if metadata.get("format", PREDICTORS_FORMAT) != PREDICTORS_FORMAT:
         raise ValueError(f"format {metadata['format']!r}: not a predictors file "
                          f"({PREDICTORS_FORMAT})")
+    written = metadata.get("threshold", "0.0")
     try:
-        threshold = float(metadata.get("threshold", "0.0"))
+        threshold = json.loads(written)
     except ValueError:
-        raise ValueError(f"threshold {metadata['threshold']!r}: not a number") from None
+        raise ValueError(f"threshold {written!r}: not a number or a list of numbers") from None
+    per_layer = layer_thresholds(threshold, n_layers, "the file's threshold")
+    threshold = per_layer if isinstance(threshold, list) else per_layer[0]
     layers = sorted({int(k.split(".")[0].removeprefix("layer")) for k in tensors
                      if k.startswith("layer") and k.split(".")[0][5:].isdigit()})
     if layers != list(range(n_layers)):
@@ -306,46 +370,49 @@ def predictors_from_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str
 SERVING_MODES = MODES
 
 
-def check_settings(mode: str | None, threshold: float = 0.0, predictors: object = None) -> None:
-    """ValueError naming a bad `mode` (None: dense), `threshold` or predictors' presence, before
-    any model is loaded ("predicted" takes predictors, and only it does)."""
+def check_settings(mode: str | None, threshold: Threshold = 0.0, predictors: object = None
+                   ) -> None:
+    """ValueError naming a bad `mode` (None: dense), `threshold` (a number, or one per layer)
+    or predictors' presence, before any model is loaded ("predicted" takes predictors, and only
+    it does)."""
     if mode is not None and mode not in SERVING_MODES:
         raise ValueError(f"ffn_sparsity={mode!r}: must be None (dense) or one of "
                          f"{list(SERVING_MODES)}")
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
-            0 <= threshold < float("inf")):
-        raise ValueError(f"ffn_threshold={threshold!r}: must be a finite number >= 0")
-    if mode is None and threshold:
+    per_layer = isinstance(threshold, (list, tuple))
+    values = layer_thresholds(threshold, len(threshold) if per_layer else 1, "ffn_threshold")
+    if mode is None and any(values):
         raise ValueError(f"ffn_threshold={threshold!r} needs an ffn_sparsity mode")
     if (mode == "predicted") != (predictors is not None):
         raise ValueError("ffn_sparsity='predicted' takes ffn_predictors (a file written by "
                          "`python -m eval.locality predictors`), and only it does")
 
 
-def sparsify(model, mode: str | None, threshold: float = 0.0,
+def sparsify(model, mode: str | None, threshold: Threshold = 0.0,
              predictors: list[LayerPredictor] | None = None,
              reorder: bool = True) -> list[SparseDecode]:
-    """Attach (mode) or remove (None) sparse decoding on every block's MLP of a Transformer;
-    a SwiGLU model needs a threshold > 0 in "gate" mode (see SparseDecode). "predicted" first
+    """Attach (mode) or remove (None) sparse decoding on every block's MLP of a Transformer,
+    at `threshold` (one for every layer, or a list of one per layer); a SwiGLU model needs a
+    threshold > 0 in "gate" mode (see SparseDecode). "predicted" first
     reorders each MLP's neurons as its predictor was trained (in place; the function is
     unchanged), so that the hot block is the first neurons; `reorder=False` where the model's
     neurons are in that order already (`reorder_neurons` ran)."""
     check_settings(mode, threshold, predictors)
+    thresholds = layer_thresholds(threshold, len(model.layers))
     if mode is None:
         for block in model.layers:
             detach(block.mlp)
         return []
     if mode != "predicted":
-        return [attach(block.mlp, mode, threshold) for block in model.layers]
+        return [attach(block.mlp, mode, t) for block, t in zip(model.layers, thresholds)]
     if len(predictors) != len(model.layers):
         raise ValueError(f"{len(predictors)} layers of predictors; the model has "
                          f"{len(model.layers)} layers")
     if reorder:
         reorder_neurons(model, predictors)
     attached = []
-    for block, layer in zip(model.layers, predictors):
+    for block, layer, t in zip(model.layers, predictors, thresholds):
         detach(block.mlp)
-        attached.append(attach(block.mlp, "predicted", threshold, predictor=layer.predictor,
+        attached.append(attach(block.mlp, "predicted", t, predictor=layer.predictor,
                                hot=layer.hot))
     return attached
 

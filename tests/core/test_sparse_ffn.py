@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from egmla import kernels
 from egmla.models import FeedForward
-from egmla.models.sparse_ffn import Predictor, attach, detach, permute_neurons
+from egmla.models.sparse_ffn import (Predictor, attach, calibrate_thresholds, detach,
+                                     firing, firing_score, permute_neurons, sparsify)
 from egmla.presets import preset
 from support import ops_called
 from support.models import build, decode, exact_predictor, random_ids
@@ -104,6 +105,57 @@ def test_swiglu_needs_a_threshold_and_then_computes_the_thresholded_mlp():
         got = mlp(x)
     assert (got - expected).abs().max().item() < 1e-12
     assert 0 < sparse.density() < 1
+
+
+@pytest.mark.parametrize("sparsity", [0.3, 0.5, 0.8])
+def test_calibrated_thresholds_skip_the_target_share_of_each_layers_neurons(sparsity):
+    cfg = preset("tiny-gqa2")  # SwiGLU
+    model, ids = build(cfg), random_ids(cfg, 4, 32)
+    thresholds = calibrate_thresholds(model, ids.split(2), sparsity)
+    assert len(thresholds) == cfg.n_layers and len(set(thresholds)) == cfg.n_layers
+    inputs = []  # each MLP's input on the calibration tokens, to measure what fires there
+    hooks = [b.mlp.register_forward_pre_hook(lambda m, a: inputs.append((m, a[0])))
+             for b in model.layers]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    for (mlp, x), t in zip(inputs, thresholds):
+        with torch.no_grad():
+            skipped = 1 - firing(mlp, x, t).double().mean().item()
+            scores = firing_score(mlp, x)
+        # the share at or below each threshold is the target, to one (token, neuron) pair
+        assert abs(skipped - sparsity) <= 1 / scores.numel() + 1e-12
+    higher = calibrate_thresholds(model, ids.split(2), min(0.95, sparsity + 0.1))
+    assert all(b > a for a, b in zip(thresholds, higher))
+
+
+def test_a_relu_layer_sparser_than_the_target_keeps_its_exact_zeros():
+    cfg = preset("tiny-gqa2", ffn="reglu")
+    model = build(cfg)
+    assert calibrate_thresholds(model, random_ids(cfg, 2, 16).split(1), 0.1) == [0.0] * cfg.n_layers
+    with pytest.raises(ValueError, match="sparsity=1.0: must be a number in \\(0, 1\\)"):
+        calibrate_thresholds(model, [], 1.0)
+
+
+def test_per_layer_thresholds_reach_each_layers_sparse_mlp():
+    cfg = preset("tiny-gqa2")
+    model = build(cfg)
+    thresholds = [0.02 * (i + 1) for i in range(cfg.n_layers)]
+    attached = sparsify(model, "gate", thresholds)
+    assert [s.threshold for s in attached] == thresholds
+    x = torch.randn(3, cfg.d_model, dtype=torch.float64)
+    for block, t in zip(model.layers, thresholds):
+        mlp = block.mlp
+        with torch.no_grad():
+            expected = mlp.w_down(mlp.hidden(x) * firing(mlp, x, t))
+            got = mlp(x)
+        assert (got - expected).abs().max().item() < 1e-12
+    with pytest.raises(ValueError, match=f"threshold: 1 per-layer thresholds; the model has "
+                                         f"{cfg.n_layers} layers"):
+        sparsify(model, "gate", [0.1])
+    with pytest.raises(ValueError, match="ffn_threshold\\[1\\]=-1"):
+        sparsify(model, "gate", [0.1, -1] + [0.1] * (cfg.n_layers - 2))
 
 
 def test_the_fused_decode_kernel_takes_the_mlp_sparse_where_sparse_decoding_runs():

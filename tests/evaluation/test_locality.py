@@ -259,6 +259,52 @@ def test_predictors_that_miss_the_tolerance_are_not_saved(relu2_export, tmp_path
 
 
 @pytest.fixture(scope="module")
+def swiglu_export(tmp_path_factory):
+    tokenizer = get_tokenizer("bpe", vocab_size=512)
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny-mha", vocab_size=len(tokenizer)))  # SwiGLU
+    return save_export(model, tmp_path_factory.mktemp("swiglu") / "export", tokenizer=tokenizer)
+
+
+def test_a_target_sparsity_profiles_and_predicts_at_calibrated_per_layer_thresholds(
+        swiglu_export, tmp_path):
+    """--sparsity 0.5 on a SwiGLU model: one threshold per layer, under which about half of
+    each layer's neurons fall on the calibration text (corpus-a); the predictors are held to
+    the thresholded model, not to dense, and their file carries the thresholds to serving."""
+    from eval import locality
+    from serve import LLM
+
+    out = tmp_path / "out"
+    common = ["--model", str(swiglu_export), "--seq-len", "32", "--sparsity", "0.5",
+              "--out", str(out)]
+    assert locality.main(["profile", *common, "--tokens", "1024", "--data", "corpus-a",
+                          "humaneval"]) == 0
+    profiled = json.loads((out / "profile.json").read_text())
+    thresholds = profiled["meta"]["threshold"]
+    assert len(thresholds) == 2 and all(t > 0 for t in thresholds) and thresholds[0] != thresholds[1]
+    assert profiled["meta"]["sparsity"] == 0.5 and profiled["meta"]["config"]["sparsity"] == 0.5
+    for layer in profiled["sources"]["corpus-a"]["layers"]:  # tokens it was calibrated on
+        assert layer["sparsity"] == pytest.approx(0.5, abs=0.03)
+    assert "per-layer thresholds" in (out / "profile.md").read_text()
+    assert locality.main(["predictors", *common, "--tokens", "1024", "--held-out-tokens", "512",
+                          "--ranks", "8", "--steps", "20", "--tolerance", "10"]) == 0
+    report = json.loads((out / "predictors.json").read_text())
+    assert report["meta"]["threshold"] == pytest.approx(thresholds, rel=1e-6)
+    assert report["reference_perplexity"] != report["dense_perplexity"]
+    tried = report["tried"][0]
+    assert tried["relative_increase"] == pytest.approx(
+        tried["perplexity"] / report["reference_perplexity"] - 1)
+    assert tried["vs_dense"] == pytest.approx(tried["perplexity"] / report["dense_perplexity"] - 1)
+    llm = LLM(str(swiglu_export), ffn_sparsity="predicted",
+              ffn_predictors=out / "predictors.safetensors", num_blocks=16, block_size=8)
+    assert [b.mlp.sparse.threshold for b in llm.model.layers] == report["meta"]["threshold"]
+    both = profile("--model", str(swiglu_export), "--threshold", "0.1", "--sparsity", "0.5")
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
+    one = profile("--model", str(swiglu_export), "--sparsity", "1")
+    assert one.returncode == 2 and "--sparsity: '1': must be in (0, 1)" in one.stderr
+
+
+@pytest.fixture(scope="module")
 def drelu_with_predictors(tmp_path_factory):
     """A drelu model's export and the predictors the command trains for it (tiny, fast)."""
     tokenizer = get_tokenizer("bpe", vocab_size=512)
@@ -296,6 +342,22 @@ def test_the_benchmark_measures_every_mode_of_a_relu_family_model(drelu_with_pre
     assert set(ppl["predicted"]["lm_eval"]) >= {"corpus_cloze/acc", "mqar_recall/acc"}
     assert 0 <= model["hot"]["hot_hit_rate"] <= 1 and 0 < model["hot"]["recall"] <= 1
     assert "speedup" in (tmp_path / "activation_locality_quick.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_benchmark_calibrates_a_swiglu_models_thresholds_for_a_target_sparsity(
+        swiglu_export, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "benchmarks/activation_locality.py", "--model", str(swiglu_export),
+         "--quick", "--skip-lm-eval", "--swiglu-sparsity", "0.5", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [model] = json.loads((tmp_path / "activation_locality_quick.json").read_text())["models"]
+    assert model["sparsity"] == 0.5 and len(model["threshold"]) == 2
+    cells = {(r["mode"], r["batch"]): r for r in model["speed"]}
+    assert set(cells) == {(m, b) for m in ("dense", "gate") for b in (1, 4)}
+    assert 0.35 < cells[("gate", 1)]["density"] < 0.65  # half the neurons, on other text
+    assert "per-layer thresholds" in (tmp_path / "activation_locality_quick.md").read_text()
 
 
 @pytest.mark.slow

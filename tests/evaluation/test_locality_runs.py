@@ -60,9 +60,21 @@ def test_the_pipeline_runs_records_and_resumes(tmp_path):
     bench = json.loads((results / "activation_locality_quick.json").read_text())
     assert [m["ffn"] for m in bench["models"]] == ["drelu", "swiglu", "reglu", "relu2"]
     assert any("speedup" in key for m in bench["models"] for r in m["speed"] for key in r)
+    # SwiGLU at per-layer thresholds calibrated for the target sparsity, the others at zeros
+    swiglu = next(m for m in bench["models"] if m["ffn"] == "swiglu")
+    assert swiglu["sparsity"] == locality_runs.SWIGLU_SPARSITY and len(swiglu["threshold"]) == 2
+    assert {m["threshold"] for m in bench["models"] if m["ffn"] != "swiglu"} == {0.0}
     # again: nothing is redone
     again = pipeline(tmp_path)
     assert again.returncode == 0 and " ... (log " not in again.stdout, again.stdout[-2000:]
+    # a report made at another setting is made again, and only it
+    stale = results / "locality-swiglu-s0" / "profile.json"
+    report = json.loads(stale.read_text())
+    report["meta"]["config"]["sparsity"] = None
+    stale.write_text(json.dumps(report))
+    redo = pipeline(tmp_path, "--steps", "profile")
+    assert redo.returncode == 0, redo.stdout[-2000:] + redo.stderr[-2000:]
+    assert redo.stdout.count(" ... (log ") == 1 and "locality-swiglu-s0-profile.log" in redo.stdout
     # a new machine: the run directories are gone, the records stay; the losses need no model
     shutil.rmtree(tmp_path / "runs")
     fresh = pipeline(tmp_path, "--steps", "losses")

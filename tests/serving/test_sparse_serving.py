@@ -98,6 +98,26 @@ def test_predictors_that_do_not_fit_the_model_are_refused_by_name(tmp_path):
     assert llm.model.layers[0].mlp.sparse.threshold == 0.25
 
 
+def test_per_layer_thresholds_travel_in_the_predictors_file(tmp_path):
+    cfg = preset("tiny-gqa2")  # SwiGLU: predicted mode keeps only neurons above the threshold
+    thresholds = [0.01 * (i + 1) for i in range(cfg.n_layers)]
+    at = save_predictors(build(cfg), tmp_path / "p", threshold=thresholds)
+    llm = LLM(build(cfg), ffn_sparsity="predicted", ffn_predictors=at)
+    assert [b.mlp.sparse.threshold for b in llm.model.layers] == thresholds
+    llm = LLM(build(cfg), ffn_sparsity="predicted", ffn_predictors=at, ffn_threshold=thresholds)
+    assert [b.mlp.sparse.threshold for b in llm.model.layers] == thresholds
+    with pytest.raises(ValueError, match="were trained for the threshold \\[0.01"):
+        LLM(build(cfg), ffn_sparsity="predicted", ffn_predictors=at, ffn_threshold=0.01)
+    tensors = safetensors.torch.load_file(str(at))
+    for bad, message in (("[0.1]", "1 per-layer thresholds; the model has"),
+                         ("[0.1, null]", "the file's threshold\\[1\\]=None"),
+                         ("half", "threshold 'half': not a number or a list of numbers")):
+        safetensors.torch.save_file(tensors, str(tmp_path / "bad"),
+                                    {"format": "egmla.predictors/1", "threshold": bad})
+        with pytest.raises(ValueError, match=message):
+            LLM(build(cfg), ffn_sparsity="predicted", ffn_predictors=tmp_path / "bad")
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"ffn_sparsity": "predicted"}, "takes ffn_predictors"),
     ({"ffn_sparsity": "gate", "ffn_predictors": "p.safetensors"}, "and only it does"),
@@ -106,6 +126,8 @@ def test_predictors_that_do_not_fit_the_model_are_refused_by_name(tmp_path):
     ({"ffn_sparsity": "gate", "ffn_threshold": -0.5}, "ffn_threshold=-0.5"),
     ({"ffn_sparsity": "gate", "ffn_threshold": float("nan")}, "ffn_threshold=nan"),
     ({"ffn_threshold": 0.1}, "needs an ffn_sparsity mode"),
+    ({"ffn_sparsity": "gate", "ffn_threshold": [0.1, True]}, "ffn_threshold\\[1\\]=True"),
+    ({"ffn_threshold": [0.0, 0.2]}, "needs an ffn_sparsity mode"),
 ])
 def test_bad_settings_fail_before_loading(kwargs, message, tmp_path):
     with pytest.raises(ValueError, match=message):
@@ -118,6 +140,17 @@ def test_a_swiglu_model_needs_a_threshold():
     llm = LLM(build(preset("tiny-gqa2"), dtype=torch.float32), ffn_sparsity="gate",
               ffn_threshold=0.01)
     assert len(greedy(llm)[0]) == 20
+
+
+def test_the_server_flag_takes_one_threshold_or_one_per_layer():
+    from serve.__main__ import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["--model", "m", "--ffn-threshold", "0.05"]).ffn_threshold == 0.05
+    assert parse(["--model", "m", "--ffn-threshold", "0.1, 0.2"]).ffn_threshold == [0.1, 0.2]
+    run = subprocess.run([sys.executable, "-m", "serve", "--model", "m", "--ffn-threshold",
+                          "0.1,x"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert run.returncode == 2 and "--ffn-threshold: 'x': not a number" in run.stderr
 
 
 def test_the_server_flag_refuses_a_swiglu_model_without_a_threshold(tmp_path):
