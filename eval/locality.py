@@ -246,10 +246,10 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def describe_threshold(threshold: Threshold, sparsity: float | None = None) -> str:
-    """'threshold 0.05', or 'per-layer thresholds 0.112..0.205 (target sparsity 50%)'."""
+    """'threshold 0.05', or 'per-layer thresholds 0.112..0.205 for 50% sparsity'."""
     if not isinstance(threshold, (list, tuple)):
         return f"threshold {threshold}"
-    target = "" if sparsity is None else f" (target sparsity {sparsity:.0%})"
+    target = "" if sparsity is None else f" for {sparsity:.0%} sparsity"
     return f"per-layer thresholds {min(threshold):.3g}..{max(threshold):.3g}{target}"
 
 
