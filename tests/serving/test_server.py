@@ -242,8 +242,12 @@ def test_full_queue_answers_503_and_the_server_carries_on(smollm2):
         # A generous timeout: the first token comes after a prefill, which a loaded machine slows.
         with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/completions",
                                                            json=body) as first:
-            assert next(line for line in first.iter_lines() if line.startswith("data: "))
+            # Hold the line iterator: once it is dropped httpx closes the connection, the server
+            # rightly aborts the first request, and the second would race that abort for its place.
+            lines = first.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
             second = http.post(url + "/v1/completions", json={**body, "stream": False})
+            assert llm.engine.stats.aborted == 0  # the first was still running when refused
             assert second.status_code == 503
             assert second.json()["error"]["type"] == "server_overloaded"
         wait_until_idle(url, llm)
