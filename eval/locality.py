@@ -41,7 +41,8 @@ from typing import Any
 import torch
 
 from egmla.models.sparse_ffn import (LayerPredictor, Threshold, calibrate_thresholds, firing,
-                                     layer_thresholds, predictors_to_tensors)
+                                     layer_thresholds, over_mlp_inputs,
+                                     predictors_to_tensors)
 from serve.__main__ import parse_bytes
 from eval.selfdebug.report import write_atomic
 
@@ -172,20 +173,14 @@ def profile_model(model, batches: Iterator[torch.Tensor], threshold: Threshold =
     at `threshold` (one for every layer, or one per layer)."""
     layers = [LayerStats(block.mlp.w_up.out_features) for block in model.layers]
     thresholds = layer_thresholds(threshold, len(model.layers))
-    hooks = []
-    for block, stats, t in zip(model.layers, layers, thresholds):
-        def record(mlp, args, stats=stats, t=t):
-            stats.add(firing(mlp, args[0], t))
-        hooks.append(block.mlp.register_forward_pre_hook(record))
-    try:
-        with torch.inference_mode():
-            for ids in batches:
-                model(ids)
-                if progress:
-                    progress(ids.numel())
-    finally:
-        for h in hooks:
-            h.remove()
+
+    def counted(batches):
+        for ids in batches:
+            yield ids
+            if progress:
+                progress(ids.numel())
+    over_mlp_inputs(model, counted(batches),
+                    lambda i, mlp, x: layers[i].add(firing(mlp, x, thresholds[i])))
     return layers
 
 

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from egmla.models.sparse_ffn import (Predictor, Threshold, firing, layer_thresholds,
-                                     permute_neurons)
+                                     over_mlp_inputs, permute_neurons)
 
 CALIBRATION = 0.1  # share of the training tokens kept aside to calibrate the bias
 
@@ -54,20 +54,12 @@ def collect(model, batches: Iterable[torch.Tensor], threshold: Threshold = 0.0
     thresholds = layer_thresholds(threshold, len(model.layers))
     xs: list[list[torch.Tensor]] = [[] for _ in model.layers]
     fired: list[list[torch.Tensor]] = [[] for _ in model.layers]
-    hooks = []
-    for i, block in enumerate(model.layers):
-        def record(mlp, args, i=i):
-            x = args[0].reshape(-1, args[0].shape[-1])
-            xs[i].append(x.float())
-            fired[i].append(firing(mlp, x, thresholds[i]))
-        hooks.append(block.mlp.register_forward_pre_hook(record))
-    try:
-        with torch.inference_mode():
-            for ids in batches:
-                model(ids)
-    finally:
-        for h in hooks:
-            h.remove()
+
+    def record(i, mlp, x):
+        x = x.reshape(-1, x.shape[-1])
+        xs[i].append(x.float())
+        fired[i].append(firing(mlp, x, thresholds[i]))
+    over_mlp_inputs(model, batches, record)
     return [(torch.cat(x), torch.cat(f)) for x, f in zip(xs, fired)]
 
 

@@ -87,6 +87,20 @@ def firing(mlp, x: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
     return fired
 
 
+def over_mlp_inputs(model, batches: Iterable[torch.Tensor], record) -> None:
+    """Run `model` over the (B, T) token `batches` (inference mode), calling `record(i, mlp, x)`
+    with each layer's MLP and its input x (B, T, d_model) before the MLP runs."""
+    hooks = [block.mlp.register_forward_pre_hook(lambda mlp, args, i=i: record(i, mlp, args[0]))
+             for i, block in enumerate(model.layers)]
+    try:
+        with torch.inference_mode():
+            for ids in batches:
+                model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def calibrate_thresholds(model, batches: Iterable[torch.Tensor], sparsity: float) -> list[float]:
     """Per-layer thresholds for a target sparsity, as CATS sets them (TEAL likewise, per tensor):
     each layer's threshold is the `sparsity` quantile of its firing scores over every token of
@@ -97,18 +111,8 @@ def calibrate_thresholds(model, batches: Iterable[torch.Tensor], sparsity: float
             0 < sparsity < 1):
         raise ValueError(f"sparsity={sparsity!r}: must be a number in (0, 1)")
     scores: list[list[torch.Tensor]] = [[] for _ in model.layers]
-    hooks = []
-    for i, block in enumerate(model.layers):
-        def record(mlp, args, i=i):
-            scores[i].append(firing_score(mlp, args[0]).reshape(-1).float())
-        hooks.append(block.mlp.register_forward_pre_hook(record))
-    try:
-        with torch.inference_mode():
-            for ids in batches:
-                model(ids)
-    finally:
-        for h in hooks:
-            h.remove()
+    over_mlp_inputs(model, batches, lambda i, mlp, x: scores[i].append(
+        firing_score(mlp, x).reshape(-1).float()))
     if not scores or not scores[0]:
         raise ValueError("no tokens to calibrate the thresholds on")
     out = []
