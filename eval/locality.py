@@ -2,6 +2,7 @@
 
     python -m eval.locality profile --model runs/drelu --out runs/drelu/locality
     python -m eval.locality profile --model SmolLM2-135M-Instruct --sparsity 0.5 --tokens 20000
+    python -m eval.locality sweep --model SmolLM2-135M-Instruct --targets 0.1 0.2 0.3 0.4 0.5
 
 A neuron of a layer's MLP fires for a token where its hidden activation h is non-zero
 (egmla.models.layers.FeedForward; exact sparsity for the ReLU family) and, with `--threshold t`,
@@ -26,6 +27,11 @@ prompts), windows of `--seq-len` tokens in batches of 16 sequences, and for each
 Writes OUT/profile.json (config, git SHA, versions, the thresholds, everything above), OUT/profile.md,
 OUT/profile.png (the curves and the union sparsity), and OUT/neuron_counts.safetensors (per
 source and layer, the firing count of every neuron, for reordering neurons hot-first).
+
+`sweep` measures what a target sparsity costs: for each target, the per-layer thresholds
+calibrated for it, the share of neurons they skip on held-out text (corpus-b) and the
+perplexity there of the model computing only what fires, against dense (OUT/sweep.json,
+sweep.md, sweep.png). `predictors` is described in its own `--help`.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ TOP_SHARE = 0.2  # the hot set whose stability across sources is reported
 COVERAGE = 0.8  # "X% of neurons give 80% of firings"
 CURVE_POINTS = 101
 CALIBRATION_TOKENS = 4096  # of corpus-a, for --sparsity's per-layer thresholds
+SWEEP_TARGETS = (0.1, 0.2, 0.3, 0.4, 0.5)
 
 
 class UsageError(ValueError):
@@ -327,15 +334,22 @@ def default_out(model: str | Path) -> Path:
     return Path(model) / "locality" if Path(model).is_dir() else Path("runs") / "locality" / Path(model).name
 
 
-def _common(p: argparse.ArgumentParser, tokens: int) -> None:
+def _model_args(p: argparse.ArgumentParser, tokens: int, what: str = "per source") -> None:
     p.add_argument("--model", required=True,
                    help="an export or run directory, a known name (SmolLM2-135M-Instruct), or a "
                         "transformers directory: what egmla.imports.load_pretrained takes")
     p.add_argument("--tokens", type=positive(int), default=tokens,
-                   help=f"tokens per source, at most (default {tokens}; whole batches of 16 "
+                   help=f"tokens {what}, at most (default {tokens}; whole batches of 16 "
                         "windows)")
     p.add_argument("--seq-len", type=positive(int), default=256,
                    help="tokens per window (default 256)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output directory (default: <model>/locality for a directory, else "
+                        "runs/locality/<name>)")
+
+
+def _common(p: argparse.ArgumentParser, tokens: int) -> None:
+    _model_args(p, tokens)
     how = p.add_mutually_exclusive_group()
     how.add_argument("--threshold", type=non_negative_float, default=0.0,
                      help="a neuron fires only above this score (default 0: exact zeros only; "
@@ -343,9 +357,6 @@ def _common(p: argparse.ArgumentParser, tokens: int) -> None:
     how.add_argument("--sparsity", type=open_share, default=None,
                      help="instead of --threshold: a threshold per layer, calibrated so that "
                           "this share of its neurons is skipped per token (CATS; e.g. 0.5)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="output directory (default: <model>/locality for a directory, else "
-                        "runs/locality/<name>)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -382,6 +393,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="relative perplexity increase over dense that is accepted (0.01: 1%%)")
     p.add_argument("--steps", type=positive(int), default=400,
                    help="training steps per predictor (default 400)")
+    p = sub.add_parser("sweep", help="the perplexity a target sparsity costs (magnitude cuts)",
+                       description=sweep.__doc__)
+    _model_args(p, 8192, "of held-out text (corpus-b)")
+    p.add_argument("--targets", type=open_share, nargs="+", default=list(SWEEP_TARGETS),
+                   help="target sparsities, each calibrated as --sparsity is (default "
+                        f"{' '.join(map(str, SWEEP_TARGETS))})")
+    p.add_argument("--tolerance", type=non_negative_float, default=0.01,
+                   help="the perplexity increase over dense the report's 'largest target within' "
+                        "line accepts (0.01: 1%%)")
     return parser
 
 
@@ -402,12 +422,15 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--seq-len {args.seq_len}: the model's max_seq_len is "
                              f"{model.config.max_seq_len}")
         model.eval()
-        if args.sparsity is not None:
+        if getattr(args, "sparsity", None) is not None:
             args.threshold = sparsity_thresholds(model, tokenizer, args.sparsity, args.seq_len)
         if args.command == "profile":
             report, tensors = build_report(model, tokenizer, list(dict.fromkeys(args.data)),
                                            args.tokens, args.seq_len, args.threshold)
             metadata = None
+        elif args.command == "sweep":
+            report, tensors = sweep(model, tokenizer, args.targets, args.tokens, args.seq_len,
+                                    args.tolerance), {}
         else:
             report, tensors, metadata = build_predictors(model, tokenizer, args)
     except (UsageError, CheckpointError, FileNotFoundError) as err:
@@ -416,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or default_out(args.model)
     report["meta"] = {**provenance(), "model": str(args.model), "ffn": model.config.ffn,
                       "d_ff": model.config.d_ff, "n_layers": model.config.n_layers,
-                      "threshold": args.threshold, "sparsity": args.sparsity,
+                      "threshold": getattr(args, "threshold", None),
+                      "sparsity": getattr(args, "sparsity", None),
                       "seq_len": args.seq_len, "config": config,
                       "elapsed_s": round(time.perf_counter() - start, 1)}
     import safetensors.torch
@@ -429,6 +453,10 @@ def main(argv: list[str] | None = None) -> int:
         write_atomic(out / "neuron_counts.safetensors", safetensors.torch.save(tensors))
         plot(report, out / "profile.png")
         files = "profile.json, profile.md, profile.png, neuron_counts.safetensors"
+    elif name == "sweep":
+        md = sweep_markdown(report)
+        sweep_plot(report, out / "sweep.png")
+        files = "sweep.json, sweep.md, sweep.png"
     else:
         md = predictors_markdown(report)
         files = "predictors.json, predictors.md"
@@ -441,6 +469,89 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     print(f"wrote {', '.join(f'{out}/{f}' for f in files.split(', '))}")
     return 0
+
+
+# ---- the cost of a target sparsity -------------------------------------------------------------
+
+
+def sweep(model, tokenizer, targets: list[float], tokens: int, seq_len: int,
+          tolerance: float) -> dict[str, Any]:
+    """What a magnitude cut (TEAL, CATS) costs. For each target sparsity: the per-layer
+    thresholds calibrated for it on the first 4,096 tokens of corpus-a (as --sparsity does), the
+    share of (token, neuron) pairs they skip on held-out text (corpus-b), and the perplexity
+    there of the model computing only what fires, against dense. The report names the largest
+    target within the tolerance: the sparsity a model gives for free."""
+    from eval import predictors as P
+
+    ids = token_stream(tokenizer, source_texts("corpus-b"), max(tokens, BATCH * seq_len))
+    held = windows(ids, seq_len, tokens)
+    dense = P.perplexity(model, held.split(BATCH))
+    print(f"dense perplexity {dense:.3f} on {held.numel()} tokens of corpus-b", file=sys.stderr,
+          flush=True)
+    points = []
+    for target in sorted(set(targets)):
+        thresholds = sparsity_thresholds(model, tokenizer, target, seq_len)
+        skipped, pairs = [0] * len(model.layers), [0] * len(model.layers)
+
+        def keep(i, mlp, x, thresholds=thresholds, skipped=skipped, pairs=pairs):
+            mask = firing(mlp, x, thresholds[i])
+            skipped[i] += int((~mask).sum())
+            pairs[i] += mask.numel()
+            return mask
+
+        ppl = P.perplexity(model, held.split(BATCH), keep)
+        point = {"target": target, "thresholds": thresholds,
+                 "held_out_sparsity": sum(skipped) / sum(pairs),
+                 "layer_sparsity": [k / n for k, n in zip(skipped, pairs)],
+                 "perplexity": ppl, "vs_dense": ppl / dense - 1}
+        points.append(point)
+        print(f"target {target}: {point['held_out_sparsity']:.1%} skipped on corpus-b, "
+              f"perplexity {ppl:.3f} ({point['vs_dense']:+.2%})", file=sys.stderr, flush=True)
+    within = [p["target"] for p in points if p["vs_dense"] <= tolerance]
+    return {"dense_perplexity": dense, "held_out_tokens": held.numel(), "tolerance": tolerance,
+            "points": points, "largest_within_tolerance": max(within, default=None)}
+
+
+def sweep_markdown(report: dict[str, Any]) -> str:
+    meta = report["meta"]
+    best = report["largest_within_tolerance"]
+    lines = [f"# The cost of a target sparsity: {meta['model']}", "",
+             (f"ffn {meta['ffn']}; per-layer thresholds calibrated on {CALIBRATION_TOKENS} tokens "
+              f"of corpus-a for each target; perplexity on {report['held_out_tokens']} held-out "
+              f"tokens of corpus-b ({meta['seq_len']}-token windows), dense "
+              f"{report['dense_perplexity']:.3f}; git {str(meta['git'].get('sha'))[:10]}."), "",
+             "| target | thresholds | skipped (held out) | perplexity | vs dense |",
+             "|---:|---|---:|---:|---:|"]
+    for p in report["points"]:
+        lines.append(f"| {p['target']:.0%} | {min(p['thresholds']):.3g}..{max(p['thresholds']):.3g} "
+                     f"| {p['held_out_sparsity']:.1%} | {p['perplexity']:.3f} | "
+                     f"{p['vs_dense']:+.2%} |")
+    lines += ["", f"Largest target within {report['tolerance']:.1%} of dense: "
+                  + ("none" if best is None else f"{best:.0%}") + "."]
+    return "\n".join(lines) + "\n"
+
+
+def sweep_plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    points = report["points"]
+    ax.plot([100 * p["held_out_sparsity"] for p in points], [100 * p["vs_dense"] for p in points],
+            marker="o", label=f"{report['meta']['ffn']}, per-layer thresholds")
+    ax.axhline(100 * report["tolerance"], color="grey", lw=0.8, ls="--",
+               label=f"{report['tolerance']:.0%} tolerance")
+    ax.set(xlabel="neurons skipped per token, held-out text (%)",
+           ylabel="perplexity increase over dense (%)",
+           title=f"the cost of a magnitude cut: {Path(report['meta']['model']).name}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
+    tmp.replace(path)
 
 
 # ---- predictors -------------------------------------------------------------------------------

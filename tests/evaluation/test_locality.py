@@ -304,6 +304,85 @@ def test_a_target_sparsity_profiles_and_predicts_at_calibrated_per_layer_thresho
     assert one.returncode == 2 and "--sparsity: '1': must be in (0, 1)" in one.stderr
 
 
+def _reference_perplexity(export, ids: torch.Tensor, thresholds=None) -> float:
+    """Perplexity of `ids` (B, T) written out from the weights: each SwiGLU neuron's
+    silu(gate) * up kept only where |silu(gate)| is above its layer's threshold."""
+    from egmla.imports import load_pretrained
+
+    model, _ = load_pretrained(str(export), dtype=torch.float32)
+    model.eval()
+    if thresholds is not None:
+        for block, t in zip(model.layers, thresholds):
+            def cut(mlp, args, output, t=t):
+                a = torch.nn.functional.silu(args[0] @ mlp.w_gate.weight.T)
+                return ((a * (args[0] @ mlp.w_up.weight.T)) * (a.abs() > t)) @ mlp.w_down.weight.T
+            block.mlp.register_forward_hook(cut)
+    with torch.inference_mode():
+        logits = model(ids[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    return float(loss.exp())
+
+
+def test_the_sweep_measures_what_each_target_sparsity_costs(swiglu_export, tmp_path):
+    """`sweep` on a SwiGLU model: for each target, the thresholds skip about that share of the
+    held-out text's neurons, and the perplexity is the one written out from the weights."""
+    from eval import locality
+
+    out = tmp_path / "out"
+    assert locality.main(["sweep", "--model", str(swiglu_export), "--seq-len", "32",
+                          "--tokens", "512", "--targets", "0.6", "0.2", "--tolerance", "0.05",
+                          "--out", str(out)]) == 0
+    report = json.loads((out / "sweep.json").read_text())
+    assert [p["target"] for p in report["points"]] == [0.2, 0.6]  # in order, whatever was given
+    tokenizer = get_tokenizer("bpe", vocab_size=512)  # the export's
+    held = locality.windows(locality.token_stream(tokenizer, locality.source_texts("corpus-b"),
+                                                  512), 32, 512)
+    assert report["held_out_tokens"] == held.numel() == 512
+    assert report["dense_perplexity"] == pytest.approx(_reference_perplexity(swiglu_export, held),
+                                                       rel=1e-5)
+    for point in report["points"]:
+        assert len(point["thresholds"]) == 2 and all(t > 0 for t in point["thresholds"])
+        assert point["held_out_sparsity"] == pytest.approx(point["target"], abs=0.1)
+        assert point["perplexity"] == pytest.approx(
+            _reference_perplexity(swiglu_export, held, point["thresholds"]), rel=1e-5)
+        assert point["vs_dense"] == pytest.approx(
+            point["perplexity"] / report["dense_perplexity"] - 1)
+    within = [p["target"] for p in report["points"] if p["vs_dense"] <= 0.05]
+    assert report["largest_within_tolerance"] == max(within, default=None)
+    assert report["meta"]["config"]["targets"] == [0.6, 0.2] and report["meta"]["git"]["sha"]
+    md = (out / "sweep.md").read_text()
+    assert "| 60% |" in md and "Largest target within 5.0% of dense" in md
+    assert (out / "sweep.png").stat().st_size > 10_000
+
+
+def test_a_sweep_below_a_relu_models_own_sparsity_costs_nothing(relu2_export, tmp_path):
+    """A layer already sparser than the target keeps its exact zeros (threshold 0), so the
+    model computes what dense computes, to the bit."""
+    from eval import locality
+
+    out = tmp_path / "out"
+    assert locality.main(["sweep", "--model", str(relu2_export), "--seq-len", "32",
+                          "--tokens", "512", "--targets", "0.2", "--out", str(out)]) == 0
+    report = json.loads((out / "sweep.json").read_text())
+    (point,) = report["points"]
+    assert point["thresholds"] == [0.0, 0.0] and point["held_out_sparsity"] > 0.2
+    assert point["perplexity"] == report["dense_perplexity"] and point["vs_dense"] == 0
+    assert report["largest_within_tolerance"] == 0.2
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--targets", "1"], "--targets: '1': must be in (0, 1)"),
+    (["--targets", "x"], "--targets: 'x': expected a number"),
+    (["--threshold", "0.1"], "unrecognized arguments: --threshold"),
+])
+def test_bad_sweep_input_is_refused_in_one_line(relu2_export, args, needle):
+    result = subprocess.run([sys.executable, "-m", "eval.locality", "sweep", "--model",
+                             str(relu2_export), *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert needle in result.stderr, result.stderr[-2000:]
+
+
 @pytest.fixture(scope="module")
 def drelu_with_predictors(tmp_path_factory):
     """A drelu model's export and the predictors the command trains for it (tiny, fast)."""
