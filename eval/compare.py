@@ -206,6 +206,23 @@ def interval(values: list[float], level: float = 0.95) -> dict[str, Any]:
     return {"n": n, "mean": mean, "low": mean - half, "high": mean + half}  # plain floats: JSON
 
 
+def difference_interval(a: list[float], b: list[float], level: float = 0.95) -> dict[str, Any]:
+    """mean(a) - mean(b) and Welch's t interval of it (unpaired samples, unequal variances;
+    None below two values in either)."""
+    diff = statistics.fmean(a) - statistics.fmean(b) if a and b else math.nan
+    if len(a) < 2 or len(b) < 2:
+        return {"diff": diff, "low": None, "high": None, "df": None}
+    from scipy.stats import t
+
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    se = math.sqrt(va + vb)
+    if se == 0:
+        return {"diff": diff, "low": diff, "high": diff, "df": None}
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    half = float(t.ppf((1 + level) / 2, df)) * se
+    return {"diff": diff, "low": diff - half, "high": diff + half, "df": df}
+
+
 def aggregate(rows: list[dict[str, Any]], x: str = "kv_bytes") -> list[dict[str, Any]]:
     """One entry per group with a value of the metric: its runs and seeds, the x value, and the
     metric's mean with its 95% interval over the seeds."""

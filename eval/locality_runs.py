@@ -115,8 +115,9 @@ def train(ffn: str, seed: int, args, log, need_model: bool) -> dict[str, Any]:
 
 def losses(records: list[dict[str, Any]], results: Path) -> dict[str, Any]:
     """Each activation's final validation loss against SwiGLU's: per seed, mean and interval,
-    and the difference of means (seeds are not paired across activations: different models)."""
-    from eval.compare import interval
+    and the difference of means with Welch's interval (seeds are not paired across
+    activations: different models)."""
+    from eval.compare import difference_interval, interval
 
     by_ffn: dict[str, dict[int, float]] = {}
     for r in records:
@@ -128,20 +129,28 @@ def losses(records: list[dict[str, Any]], results: Path) -> dict[str, Any]:
         rows.append({"ffn": ffn, "val_loss_by_seed": seeds, "val_loss": ci,
                      "vs_swiglu": ci["mean"] - base["mean"] if base["n"] else None,
                      "vs_swiglu_percent": 100 * (ci["mean"] - base["mean"]) / base["mean"]
-                     if base["n"] else None})
+                     if base["n"] else None,
+                     "vs_swiglu_interval": difference_interval(
+                         list(seeds.values()), list(by_ffn["swiglu"].values()))
+                     if base["n"] and ffn != "swiglu" else None})
     report = {"what": "final validation loss (nats/token, held-out split) per MLP activation at "
                       "equal tokens and parameters (configs/experiment/locality.yaml)",
               "rows": rows}
     write_json(results / "losses.json", report)
     lines = ["# Loss cost of each MLP activation against SwiGLU (issue 19)", "",
-             report["what"] + "; mean and 95% t-interval over the seeds there are.", "",
-             "| activation | seeds | val loss | 95% CI | vs SwiGLU |", "|---|---:|---:|---|---:|"]
+             report["what"] + "; mean and 95% t-interval over the seeds there are; the "
+             "difference from SwiGLU with Welch's 95% interval where both have two seeds or "
+             "more.", "",
+             "| activation | seeds | val loss | 95% CI | vs SwiGLU | 95% CI of the difference |",
+             "|---|---:|---:|---|---:|---|"]
     for row in rows:
-        ci = row["val_loss"]
+        ci, d = row["val_loss"], row["vs_swiglu_interval"]
         span = "" if ci["low"] is None else f"[{ci['low']:.4f}, {ci['high']:.4f}]"
         diff = "" if row["vs_swiglu"] is None else (f"{row['vs_swiglu']:+.4f} "
                                                    f"({row['vs_swiglu_percent']:+.2f}%)")
-        lines.append(f"| {row['ffn']} | {ci['n']} | {ci['mean']:.4f} | {span} | {diff} |")
+        d_span = "" if d is None or d["low"] is None else f"[{d['low']:+.4f}, {d['high']:+.4f}]"
+        lines.append(f"| {row['ffn']} | {ci['n']} | {ci['mean']:.4f} | {span} | {diff} | "
+                     f"{d_span} |")
     (results / "losses.md").write_text("\n".join(lines) + "\n")
     return report
 

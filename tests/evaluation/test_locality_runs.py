@@ -86,3 +86,27 @@ def test_bad_arguments_are_one_clear_line():
     run = subprocess.run([sys.executable, "-m", "eval.locality_runs", "--steps", "fly"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert run.returncode == 2 and "'fly'" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_the_loss_table_gives_each_activations_difference_from_swiglu_with_welchs_interval(
+        tmp_path):
+    """Three seeds each, unpaired: the difference of means and its interval are scipy's Welch
+    test's; one seed gives the mean and no interval; SwiGLU itself has no difference row."""
+    from scipy.stats import ttest_ind
+
+    swiglu, drelu = [3.843, 3.851, 3.839], [3.734, 3.722, 3.741]
+    records = ([{"ffn": "swiglu", "seed": s, "val_loss": v} for s, v in enumerate(swiglu)]
+               + [{"ffn": "drelu", "seed": s, "val_loss": v} for s, v in enumerate(drelu)]
+               + [{"ffn": "relu2", "seed": 0, "val_loss": 3.692}])
+    rows = {r["ffn"]: r for r in locality_runs.losses(records, tmp_path)["rows"]}
+    welch = ttest_ind(drelu, swiglu, equal_var=False).confidence_interval(0.95)
+    d = rows["drelu"]["vs_swiglu_interval"]
+    assert d["diff"] == pytest.approx(sum(drelu) / 3 - sum(swiglu) / 3)
+    assert (d["low"], d["high"]) == pytest.approx((welch.low, welch.high))
+    assert rows["drelu"]["val_loss"]["n"] == 3 and rows["drelu"]["val_loss"]["low"] is not None
+    assert rows["relu2"]["vs_swiglu_interval"]["low"] is None
+    assert rows["relu2"]["vs_swiglu"] == pytest.approx(3.692 - sum(swiglu) / 3)
+    assert rows["swiglu"]["vs_swiglu_interval"] is None
+    md = (tmp_path / "losses.md").read_text()
+    assert f"[{welch.low:+.4f}, {welch.high:+.4f}]" in md
+    assert json.loads((tmp_path / "losses.json").read_text())["rows"][1]["ffn"] == "drelu"
