@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     from egmla.imports import load_pretrained
     from egmla.provenance import provenance
 
-    start = time.perf_counter()
+    start, made_at = time.perf_counter(), provenance()  # the code that runs: the start's SHA
     try:
         model, tokenizer = load_pretrained(args.model, dtype=torch.float32)
         if tokenizer is None:
@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"locality: error: {err}", file=sys.stderr)
         return 2
     out = args.out or default_out(args.model)
-    report["meta"] = {**provenance(), "model": str(args.model), "ffn": model.config.ffn,
+    report["meta"] = {**made_at, "model": str(args.model), "ffn": model.config.ffn,
                       "d_ff": model.config.d_ff, "n_layers": model.config.n_layers,
                       "threshold": getattr(args, "threshold", None),
                       "sparsity": getattr(args, "sparsity", None),
