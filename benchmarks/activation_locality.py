@@ -29,8 +29,9 @@ What is measured, per model and mode:
    tasks) under the same masks (oracle computes exactly dense, so it is not run again);
 5. predicted mode: the hot block's share of the firings (its hit rate) and the predictors'
    recall and density on the held-out tokens.
-For SmolLM2 also llama.cpp F32 through cyllama (the `bench` extra) at batch 1, the dense peer;
-our trained models have no llama.cpp architecture (their MLPs are not SwiGLU).
+For SmolLM2 also llama.cpp F32 through cyllama (the `bench` extra) at batch 1, the dense peer,
+its runs taking their turn among our modes'; our trained models have no llama.cpp architecture
+(their MLPs are not SwiGLU).
 
     python benchmarks/activation_locality.py --model runs/locality-drelu-s0/export ...
     python benchmarks/activation_locality.py --model SmolLM2-135M-Instruct --swiglu-sparsity 0.5
@@ -196,12 +197,21 @@ def weight_bytes_per_token(model, density: float, mode: str, predictors, batch: 
 
 
 def measure_speed(subject: Subject, prompts: list[list[int]], batches: list[int], new_tokens: int,
-                  repeats: int, log) -> list[dict[str, Any]]:
+                  repeats: int, log, peer=None) -> tuple[list[dict[str, Any]], list[float]]:
+    """Each mode's decode runs at each batch size, the modes interleaved (their order rotates
+    each repeat); with `peer` (a function (prompt, new_tokens) -> decode tok/s), a peer system's
+    batch-1 run takes its turn among the modes. The rows, and the peer's tok/s per repeat."""
     runs: dict[tuple[str, int], list[dict]] = {}
+    peer_tok_s: list[float] = []
     for r in range(repeats):
         for batch in batches:
-            modes = subject.modes[r % len(subject.modes):] + subject.modes[:r % len(subject.modes)]
-            for mode in modes:
+            turns = subject.modes + (["peer"] if peer is not None and batch == 1 else [])
+            for mode in turns[r % len(turns):] + turns[:r % len(turns)]:
+                if mode == "peer":
+                    peer_tok_s.append(peer(prompts[0], new_tokens))
+                    log(f"{subject.name} {'llama.cpp':9s} batch  1 repeat {r}: "
+                        f"{peer_tok_s[-1]:.1f} tok/s")
+                    continue
                 attached = subject.use(mode)
                 decode_run(subject, prompts[:batch], 4)  # warm: kernels, caches, allocator
                 for s in attached:
@@ -225,12 +235,12 @@ def measure_speed(subject: Subject, prompts: list[list[int]], batches: list[int]
     dense = {r["batch"]: r["tok_s"] for r in rows if r["mode"] == "dense"}
     for r in rows:
         r["speedup_vs_dense"] = r["tok_s"] / dense[r["batch"]]
-    return sorted(rows, key=lambda r: (r["batch"], subject.modes.index(r["mode"])))
+    return sorted(rows, key=lambda r: (r["batch"], subject.modes.index(r["mode"]))), peer_tok_s
 
 
-def llamacpp_batch1(prompt: list[int], new_tokens: int, repeats: int, threads: int) -> dict | None:
-    """llama.cpp F32 single-stream decode tok/s on SmolLM2 (benchmarks/decode_speed.py's
-    runner), or None without the cyllama wheel."""
+def llamacpp_f32(context: int, threads: int):
+    """llama.cpp F32 single-stream decode on SmolLM2 (benchmarks/decode_speed.py's runner), as
+    a function (prompt, new_tokens) -> decode tok/s; None without the cyllama wheel."""
     import importlib.util
 
     if importlib.util.find_spec("cyllama") is None:
@@ -239,12 +249,8 @@ def llamacpp_batch1(prompt: list[int], new_tokens: int, repeats: int, threads: i
     import decode_speed
 
     runner = decode_speed.LlamaCppRunner(decode_speed.SYSTEMS["llamacpp-f32"], threads,
-                                         len(prompt) + new_tokens + 8, 0, 0)
-    tok_s = []
-    for _ in range(repeats):
-        run = runner.single(prompt, new_tokens)
-        tok_s.append((new_tokens - 1) / run["decode_s"])
-    return {"system": "llama.cpp F32 (cyllama)", "tok_s": statistics.median(tok_s), "runs": tok_s}
+                                         context, 0, 0)
+    return lambda prompt, new_tokens: (new_tokens - 1) / runner.single(prompt, new_tokens)["decode_s"]
 
 
 # ---- quality ----------------------------------------------------------------------------------
@@ -354,16 +360,20 @@ def render(report: dict[str, Any]) -> str:
                          f"{r['tok_s_max']:.1f} | {r['speedup_vs_dense']:.2f}x | {r['density']:.3f} | "
                          f"{r['weight_bytes_per_token'] / 1e6:.2f} |")
         if m.get("llamacpp"):
-            lines += ["", f"llama.cpp F32 at batch 1: {m['llamacpp']['tok_s']:.1f} tok/s."]
+            ours = ", ".join(f"{r['mode']} {r['speedup_vs_llamacpp_f32']:.2f}x" for r in m["speed"]
+                             if "speedup_vs_llamacpp_f32" in r)
+            lines += ["", f"llama.cpp F32 at batch 1: {m['llamacpp']['tok_s']:.1f} tok/s"
+                          + (", its runs interleaved with ours" if m["llamacpp"].get("interleaved")
+                             else "") + f"; ours against it: {ours}."]
         tasks = sorted({k for r in m["quality"] if isinstance(r.get("lm_eval"), dict)
                         for k in r["lm_eval"]})
-        lines += ["", "| mode | perplexity | vs dense | " + " | ".join(tasks) + " |",
+        lines += ["", "| mode | perplexity | vs dense |" + "".join(f" {t} |" for t in tasks),
                   "|---|---:|---:|" + "---:|" * len(tasks)]
         for r in m["quality"]:
             scores = r.get("lm_eval") if isinstance(r.get("lm_eval"), dict) else {}
-            lines.append(f"| {r['mode']} | {r['perplexity']:.3f} | {r['perplexity_increase']:+.2%} | "
-                         + " | ".join(f"{scores[t]:.4f}" if t in scores else "= dense" for t in tasks)
-                         + " |")
+            lines.append(f"| {r['mode']} | {r['perplexity']:.3f} | {r['perplexity_increase']:+.2%} |"
+                         + "".join(f" {scores[t]:.4f} |" if t in scores else " = dense |"
+                                   for t in tasks))
         if m.get("hot"):
             h = m["hot"]
             lines += ["", f"Predicted mode: hot-block hit rate {h['hot_hit_rate']:.3f} (share of "
@@ -509,19 +519,25 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [ids[j * args.prompt_len:(j + 1) * args.prompt_len]
                    for j in range(max(args.batch_sizes))]
         log(f"{name}: {subject.ffn}, modes {', '.join(subject.modes)}")
-        speed = measure_speed(subject, prompts, args.batch_sizes, args.new_tokens, args.repeats, log)
+        # llama.cpp beside SmolLM2 (the one model it has the architecture of), at batch 1, its
+        # runs interleaved with ours
+        peer = (llamacpp_f32(args.prompt_len + args.new_tokens + 8, args.threads)
+                if name == SMOLLM2 and 1 in args.batch_sizes else None)
+        if name == SMOLLM2 and 1 in args.batch_sizes and peer is None:
+            log("llama.cpp not measured: no cyllama here (pip install -e '.[bench]')")
+        speed, peer_tok_s = measure_speed(subject, prompts, args.batch_sizes, args.new_tokens,
+                                          args.repeats, log, peer)
         rows, hot = quality(subject, held_out, args.lm_eval_limit, args.skip_lm_eval, log)
         entry = {"model": name, "ffn": subject.ffn, "threshold": subject.threshold,
                  "sparsity": subject.sparsity,
                  "predictors": subject.predictors_file, "params": subject.model.num_params(),
                  "speed": speed, "quality": rows, "hot": hot}
-        if name == SMOLLM2 and 1 in args.batch_sizes:
-            entry["llamacpp"] = llamacpp_batch1(prompts[0], args.new_tokens, args.repeats,
-                                                args.threads)
-            if entry["llamacpp"]:
-                for r in speed:
-                    if r["batch"] == 1:
-                        r["speedup_vs_llamacpp_f32"] = r["tok_s"] / entry["llamacpp"]["tok_s"]
+        if peer_tok_s:
+            entry["llamacpp"] = {"system": "llama.cpp F32 (cyllama)", "interleaved": True,
+                                 "tok_s": statistics.median(peer_tok_s), "runs": peer_tok_s}
+            for r in speed:
+                if r["batch"] == 1:
+                    r["speedup_vs_llamacpp_f32"] = r["tok_s"] / entry["llamacpp"]["tok_s"]
         entry["measured"] = {"time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                              "git": report["provenance"]["git"],
                              "load": [load_before, round(os.getloadavg()[0], 2)]}
