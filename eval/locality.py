@@ -296,10 +296,17 @@ def plot(report: dict[str, Any], path: Path) -> None:
     right.set_xticks(list(UNION_BATCHES), [str(b) for b in UNION_BATCHES])
     right.legend(fontsize=7)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, dpi=120, format="png")
+    save_png(fig, path)
+
+
+def save_png(fig, path: Path) -> None:
+    """Write the figure to `path` whole or not at all, and close it."""
+    import matplotlib.pyplot as plt
+
+    from eval.compare import png_bytes
+
+    write_atomic(path, png_bytes(fig))
     plt.close(fig)
-    tmp.replace(path)
 
 
 # ---- command line -----------------------------------------------------------------------------
@@ -548,10 +555,7 @@ def sweep_plot(report: dict[str, Any], path: Path) -> None:
            title=f"the cost of a magnitude cut: {Path(report['meta']['model']).name}")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
-    tmp.replace(path)
+    save_png(fig, path)
 
 
 # ---- predictors -------------------------------------------------------------------------------
