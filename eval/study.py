@@ -24,10 +24,10 @@ Re-running skips finished runs and resumes an interrupted one from its last chec
 study can be stopped and continued. A run is finished when its run directory holds summary.json
 or when the record under --results holds it (the record is committed; run directories are not),
 so a study continues on a fresh clone or another machine. The eval phase needs a run's export:
-a run known only from the record is trained again for it (same seed and data order), and the
-record keeps the loss it had before beside the new one. After every run the
-record under --results (default benchmarks/results/study) is rewritten: one JSON per run (its
-summary and configuration, not its checkpoints) and summary.json with every arm's parameters, KV
+a run known only from the record, and not yet scored there, is trained again for it (same seed
+and data order), and the record keeps the loss it had before beside the new one. After every
+run the record under --results (default benchmarks/results/study) is rewritten: one JSON per
+run (its summary and configuration, not its checkpoints) and summary.json with every arm's parameters, KV
 bytes, learning-rate grid, chosen learning rate, per-seed losses with their mean and 95%
 interval, and the paired differences against mla_dc32 and mla_param_matched.
 """
@@ -676,6 +676,8 @@ def _run(args, log) -> int:
             if directory not in records:  # its phase has not run yet
                 continue
             if not (directory / "summary.json").is_file():  # known from the record alone
+                if records[directory].get("lm_eval"):  # and scored: nothing to do
+                    continue
                 records[directory] = remake(run, args.runs_dir, records[directory], log)
                 write_results(args.results, list(records.values()), setup)
             score(run, args.runs_dir, log, args.eval_limit)

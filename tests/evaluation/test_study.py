@@ -226,6 +226,12 @@ def test_a_run_known_only_from_the_record_is_trained_again_to_be_scored(tmp_path
         assert rerun.returncode == 0 and " ..." not in rerun.stdout, rerun.stderr[-3000:]
         kept = json.loads((tmp_path / "results" / "runs" / "lr-mla_dc32-lr0.001-s0-3.json").read_text())
         assert kept["remade"] == record["remade"] and kept["lm_eval"] == record["lm_eval"], args
+    # a fresh clone again: the record holds the scores, so nothing is trained again for them
+    shutil.rmtree(tmp_path / "runs")
+    fresh = study_cli(tmp_path, "--phase", "eval", "--eval-limit", "3", *one)
+    assert fresh.returncode == 0 and " ..." not in fresh.stdout, fresh.stderr[-3000:]
+    kept = json.loads((tmp_path / "results" / "runs" / "lr-mla_dc32-lr0.001-s0-3.json").read_text())
+    assert kept["lm_eval"] == record["lm_eval"]
 
 
 def test_a_record_from_before_a_remake_is_carried_and_an_ordinary_one_is_not():
