@@ -114,9 +114,10 @@ def train(ffn: str, seed: int, args, log, need_model: bool) -> dict[str, Any]:
 
 
 def losses(records: list[dict[str, Any]], results: Path) -> dict[str, Any]:
-    """Each activation's final validation loss against SwiGLU's: per seed, mean and interval,
-    and the difference of means with Welch's interval (seeds are not paired across
-    activations: different models)."""
+    """Each activation's final validation loss against SwiGLU's: per seed, mean and interval;
+    the difference of means with Welch's interval (unpaired: different models); and the
+    difference paired by seed with its t-interval (a seed fixes the data order, shared across
+    activations, so the pairing removes the order's share of the spread)."""
     from eval.compare import difference_interval, interval
 
     by_ffn: dict[str, dict[int, float]] = {}
@@ -132,6 +133,10 @@ def losses(records: list[dict[str, Any]], results: Path) -> dict[str, Any]:
                      if base["n"] else None,
                      "vs_swiglu_interval": difference_interval(
                          list(seeds.values()), list(by_ffn["swiglu"].values()))
+                     if base["n"] and ffn != "swiglu" else None,
+                     "vs_swiglu_paired": interval(
+                         [v - by_ffn["swiglu"][k] for k, v in sorted(seeds.items())
+                          if k in by_ffn["swiglu"]])
                      if base["n"] and ffn != "swiglu" else None})
     report = {"what": "final validation loss (nats/token, held-out split) per MLP activation at "
                       "equal tokens and parameters (configs/experiment/locality.yaml)",
@@ -139,18 +144,22 @@ def losses(records: list[dict[str, Any]], results: Path) -> dict[str, Any]:
     write_json(results / "losses.json", report)
     lines = ["# Loss cost of each MLP activation against SwiGLU (issue 19)", "",
              report["what"] + "; mean and 95% t-interval over the seeds there are; the "
-             "difference from SwiGLU with Welch's 95% interval where both have two seeds or "
-             "more.", "",
-             "| activation | seeds | val loss | 95% CI | vs SwiGLU | 95% CI of the difference |",
-             "|---|---:|---:|---|---:|---|"]
+             "difference from SwiGLU with Welch's 95% interval (unpaired) where both have two "
+             "seeds or more, and paired by seed (the same seed is the same data order) with "
+             "the t-interval of the per-seed differences.", "",
+             "| activation | seeds | val loss | 95% CI | vs SwiGLU | 95% CI of the difference "
+             "(Welch) | paired by seed: mean, 95% CI |",
+             "|---|---:|---:|---|---:|---|---|"]
     for row in rows:
-        ci, d = row["val_loss"], row["vs_swiglu_interval"]
+        ci, d, p = row["val_loss"], row["vs_swiglu_interval"], row["vs_swiglu_paired"]
         span = "" if ci["low"] is None else f"[{ci['low']:.4f}, {ci['high']:.4f}]"
         diff = "" if row["vs_swiglu"] is None else (f"{row['vs_swiglu']:+.4f} "
                                                    f"({row['vs_swiglu_percent']:+.2f}%)")
         d_span = "" if d is None or d["low"] is None else f"[{d['low']:+.4f}, {d['high']:+.4f}]"
+        paired = "" if p is None or p["low"] is None else (
+            f"{p['mean']:+.4f} [{p['low']:+.4f}, {p['high']:+.4f}] ({p['n']} seeds)")
         lines.append(f"| {row['ffn']} | {ci['n']} | {ci['mean']:.4f} | {span} | {diff} | "
-                     f"{d_span} |")
+                     f"{d_span} | {paired} |")
     (results / "losses.md").write_text("\n".join(lines) + "\n")
     return report
 

@@ -91,8 +91,9 @@ def test_bad_arguments_are_one_clear_line():
 def test_the_loss_table_gives_each_activations_difference_from_swiglu_with_welchs_interval(
         tmp_path):
     """Three seeds each, unpaired: the difference of means and its interval are scipy's Welch
-    test's; one seed gives the mean and no interval; SwiGLU itself has no difference row."""
-    from scipy.stats import ttest_ind
+    test's; paired by seed, scipy's paired test's; one seed gives the mean and no interval;
+    SwiGLU itself has no difference row."""
+    from scipy.stats import ttest_ind, ttest_rel
 
     swiglu, drelu = [3.843, 3.851, 3.839], [3.734, 3.722, 3.741]
     records = ([{"ffn": "swiglu", "seed": s, "val_loss": v} for s, v in enumerate(swiglu)]
@@ -104,9 +105,14 @@ def test_the_loss_table_gives_each_activations_difference_from_swiglu_with_welch
     assert d["diff"] == pytest.approx(sum(drelu) / 3 - sum(swiglu) / 3)
     assert (d["low"], d["high"]) == pytest.approx((welch.low, welch.high))
     assert rows["drelu"]["val_loss"]["n"] == 3 and rows["drelu"]["val_loss"]["low"] is not None
+    paired = ttest_rel(drelu, swiglu).confidence_interval(0.95)
+    p = rows["drelu"]["vs_swiglu_paired"]
+    assert p["n"] == 3 and (p["low"], p["high"]) == pytest.approx((paired.low, paired.high))
+    assert (p["high"] - p["low"]) != pytest.approx(d["high"] - d["low"])  # not Welch's again
     assert rows["relu2"]["vs_swiglu_interval"]["low"] is None
     assert rows["relu2"]["vs_swiglu"] == pytest.approx(3.692 - sum(swiglu) / 3)
     assert rows["swiglu"]["vs_swiglu_interval"] is None
     md = (tmp_path / "losses.md").read_text()
     assert f"[{welch.low:+.4f}, {welch.high:+.4f}]" in md
+    assert f"[{paired.low:+.4f}, {paired.high:+.4f}] (3 seeds)" in md
     assert json.loads((tmp_path / "losses.json").read_text())["rows"][1]["ffn"] == "drelu"
