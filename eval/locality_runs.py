@@ -17,7 +17,8 @@ training-free baseline), so that each figure comes as soon as its model is ready
 then train the two more seeds of swiglu and drelu (only the loss table needs them), and
 
 4. losses: each activation's validation loss against SwiGLU's, mean and 95% interval over the
-   seeds it has, written to `<results>/losses.{json,md}`.
+   seeds it has, the difference unpaired (Welch) and paired by seed (a seed is the data order),
+   written to `<results>/losses.{json,md}`.
 
 Re-running skips what is done. A run known only from its record (a new machine: run
 directories are not committed) is not trained again unless a later step needs its model: a
