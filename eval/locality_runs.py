@@ -119,7 +119,7 @@ def losses(records: list[dict[str, Any]], results: Path) -> dict[str, Any]:
     the difference of means with Welch's interval (unpaired: different models); and the
     difference paired by seed with its t-interval (a seed fixes the data order, shared across
     activations, so the pairing removes the order's share of the spread)."""
-    from eval.compare import difference_interval, interval
+    from eval.compare import difference_interval, interval, paired
 
     by_ffn: dict[str, dict[int, float]] = {}
     for r in records:
@@ -135,9 +135,7 @@ def losses(records: list[dict[str, Any]], results: Path) -> dict[str, Any]:
                      "vs_swiglu_interval": difference_interval(
                          list(seeds.values()), list(by_ffn["swiglu"].values()))
                      if base["n"] and ffn != "swiglu" else None,
-                     "vs_swiglu_paired": interval(
-                         [v - by_ffn["swiglu"][k] for k, v in sorted(seeds.items())
-                          if k in by_ffn["swiglu"]])
+                     "vs_swiglu_paired": paired(seeds, by_ffn["swiglu"])
                      if base["n"] and ffn != "swiglu" else None})
     report = {"what": "final validation loss (nats/token, held-out split) per MLP activation at "
                       "equal tokens and parameters (configs/experiment/locality.yaml)",

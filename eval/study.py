@@ -27,9 +27,9 @@ so a study continues on a fresh clone or another machine. The eval phase needs a
 a run known only from the record, and not yet scored there, is trained again for it (same seed
 and data order), and the record keeps the loss it had before beside the new one. After every
 run the record under --results (default benchmarks/results/study) is rewritten: one JSON per
-run (its summary and configuration, not its checkpoints) and summary.json with every arm's parameters, KV
-bytes, learning-rate grid, chosen learning rate, per-seed losses with their mean and 95%
-interval, and the paired differences against mla_dc32 and mla_param_matched.
+run (its summary and configuration, not its checkpoints) and summary.json with every arm's
+parameters, KV bytes, learning-rate grid, chosen learning rate, per-seed losses with their mean
+and 95% interval, and the paired differences against mla_dc32 and mla_param_matched.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eval.compare import interval, lm_eval_metrics, tokens_trained
+from eval.compare import interval, lm_eval_metrics, paired, tokens_trained
 from eval.study_tables import render
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -459,16 +459,6 @@ def remakes(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
              "difference": r["val_loss"] - r["remade"]["recorded_val_loss"]}
             for r in records if "remade" in r]
     return sorted(rows, key=lambda row: -abs(row["difference"]))
-
-
-def paired(mine: dict[int, float], theirs: dict[int, float]) -> dict[str, Any]:
-    """The mean difference over the seeds both have, its 95% interval, and whether the interval
-    excludes zero. An interval of no width (every seed the same difference: an accuracy over a
-    few hundred items can move by one item on each) measures nothing, and excludes nothing."""
-    ci = interval([mine[s] - theirs[s] for s in sorted(set(mine) & set(theirs))])
-    ci["distinguishable_from_zero"] = (ci["low"] is not None and ci["low"] < ci["high"]
-                                       and (ci["low"] > 0 or ci["high"] < 0))
-    return ci
 
 
 def mqar_mean(accuracy: dict[str, float]) -> float:
