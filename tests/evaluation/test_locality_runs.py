@@ -129,6 +129,15 @@ def test_the_docs_give_the_committed_records_figures():
     assert len(table) == 5  # the header and the four activations
     for line in table:
         assert line in docs, line
+    # "drelu is at most 0.026 nats (0.7%) worse than SwiGLU" (the paired interval's upper end),
+    # and the README's "no measurable loss": the interval does not lie above zero
+    rows = json.loads((results / "locality" / "losses.json").read_text())["rows"]
+    drelu = next(r for r in rows if r["ffn"] == "drelu")["vs_swiglu_paired"]
+    swiglu = next(r for r in rows if r["ffn"] == "swiglu")["val_loss"]["mean"]
+    flat = " ".join(docs.split())
+    assert (f"drelu is at most {drelu['high']:.3f} nats ({100 * drelu['high'] / swiglu:.1f}%) "
+            "worse than SwiGLU") in flat
+    assert drelu["low"] <= 0
 
     def batch1(record, mode):
         model = next(m for m in json.loads(record.read_text())["models"]
