@@ -167,22 +167,66 @@ class MLAConfig(AttentionConfig):
     d_rope: int = 64  # decoupled RoPE width (per-head query part and the shared key)
     d_v: int = 64  # per-head value width
     impl: Literal["auto", "naive", "absorbed"] = "auto"
+    # The forms a converted GQA/MHA model takes (egmla.upcycle; docs/attention.md, "Converted
+    # models"). The defaults are DeepSeek's MLA.
+    latent_norm: bool = True  # RMSNorm on c; false: c = W_DKV h as it is
+    n_kv_heads: int | None = None  # up-projected K/V heads, each shared by n_heads / n_kv_heads
+    #                                query heads (one W_UK, W_UV per KV head); None: n_heads
+    rope_heads: int = 1  # RoPE keys cached per token, each shared by n_heads / rope_heads query
+    #                      heads; 1: DeepSeek's one key shared by all heads
+    # Per layer, per RoPE key: the d_rope / 2 frequencies it rotates at, as indices j into the
+    # spectrum theta^(-2j / (d_nope + d_rope)) of a head of width d_nope + d_rope (a converted
+    # model keeps some of its original head's frequencies); None: theta^(-2j / d_rope), j < d_rope/2
+    rope_freqs: list[list[list[int]]] | None = None
 
     def validate(self, model: ModelConfig) -> None:
         super().validate(model)
-        for name in ("d_c", "d_nope", "d_v"):
+        for name in ("d_c", "d_v"):
             _check(getattr(self, name) >= 1, f"attention.{name}={getattr(self, name)}: must be >= 1")
+        _check(self.d_nope >= 0, f"attention.d_nope={self.d_nope}: must be >= 0")
         _check(
             self.d_rope >= 2 and self.d_rope % 2 == 0,
             f"attention.d_rope={self.d_rope}: must be even (RoPE) and >= 2",
         )
         _check(self.d_q is None or self.d_q >= 1, f"attention.d_q={self.d_q}: must be >= 1 or null")
+        for name, heads in (("n_kv_heads", self.kv_heads(model)), ("rope_heads", self.rope_heads)):
+            _check(isinstance(heads, int) and heads >= 1 and model.n_heads % heads == 0,
+                   f"attention.{name}={heads}: must be >= 1 and divide n_heads={model.n_heads}")
+        if self.rope_freqs is not None:
+            self._validate_rope_freqs(model)
+
+    def _validate_rope_freqs(self, model: ModelConfig) -> None:
+        spectrum = (self.d_nope + self.d_rope) // 2
+        where = "attention.rope_freqs"
+        _check(isinstance(self.rope_freqs, list) and len(self.rope_freqs) == model.n_layers,
+               f"{where}: needs one entry per layer ({model.n_layers})")
+        for i, layer in enumerate(self.rope_freqs):
+            _check(isinstance(layer, list) and len(layer) == self.rope_heads,
+                   f"{where}[{i}]: needs one list per RoPE key (rope_heads={self.rope_heads})")
+            for h, freqs in enumerate(layer):
+                ok = (isinstance(freqs, list) and len(freqs) == self.d_rope // 2
+                      and len(set(freqs)) == len(freqs)
+                      and all(isinstance(j, int) and not isinstance(j, bool) and 0 <= j < spectrum
+                              for j in freqs))
+                _check(ok, f"{where}[{i}][{h}]={freqs!r}: needs d_rope/2={self.d_rope // 2} "
+                       f"distinct frequency indices in [0, {spectrum})")
+
+    def kv_heads(self, model: ModelConfig) -> int:
+        """Up-projected K/V heads (n_kv_heads, or n_heads when None)."""
+        return self.n_kv_heads if self.n_kv_heads is not None else model.n_heads
+
+    def layer_freqs(self, layer: int) -> tuple[tuple[int, ...], ...] | None:
+        """Layer `layer`'s RoPE frequency indices per RoPE key, or None (the standard ones)."""
+        if self.rope_freqs is None:
+            return None
+        return tuple(tuple(freqs) for freqs in self.rope_freqs[layer])
 
     def layer_params(self, model: ModelConfig) -> int:
-        d, h = model.d_model, model.n_heads
+        d, h, g = model.d_model, model.n_heads, self.kv_heads(model)
         q_width = h * (self.d_nope + self.d_rope)
         q = d * q_width if self.d_q is None else d * self.d_q + self.d_q + self.d_q * q_width
-        kv = d * (self.d_c + self.d_rope) + self.d_c + self.d_c * h * (self.d_nope + self.d_v)
+        kv = (d * (self.d_c + self.rope_heads * self.d_rope) + self.d_c * self.latent_norm
+              + self.d_c * g * (self.d_nope + self.d_v))
         return q + kv + h * self.d_v * d
 
     def as_reference(self) -> MLAConfig:
@@ -219,11 +263,19 @@ class EGMLAConfig(MLAConfig):
     # the lowest loss measured) E and W_UE ~ N(0, init_std^2); `random` E ~ N(0, 1),
     # W_UE ~ N(0, 1/d_e), a unit-scale gate; `matched` that gate with, under `kv`, the gate norm's
     # gain set so the normed K/V start at MLA's scale (init_std * sqrt(d_c)).
-    gate_init: Literal["small", "random", "matched"] = "small"
+    # `identity`: E ~ N(0, 1) and W_UE = 0, so that with `gate_residual` the gate starts as 1
+    # (a converted MLA's logits at step 0; egmla.upcycle).
+    gate_init: Literal["small", "random", "matched", "identity"] = "small"
+    # g = 1 + W_UE E[id] instead of W_UE E[id]: with W_UE = 0 the gate is the identity, and W_UE
+    # still receives a gradient (through E's rows), so the gate can leave it.
+    gate_residual: bool = False
 
     def validate(self, model: ModelConfig) -> None:
         super().validate(model)
         _check(self.d_e >= 1, f"attention.d_e={self.d_e}: must be >= 1")
+        _check(self.gate_init != "identity" or self.gate_residual,
+               "attention.gate_init='identity' needs gate_residual=true (W_UE = 0 makes the "
+               "gate W_UE E[id] zero, not one)")
         _check(
             self.gate_group_size >= 1 and model.n_layers % self.gate_group_size == 0,
             f"attention.gate_group_size={self.gate_group_size} must be >= 1 and divide "
@@ -248,8 +300,10 @@ class EGMLAConfig(MLAConfig):
         return f"egmla-{self.gate_position}"
 
     def gated_width(self, model: ModelConfig) -> int:
-        """Width of the gate g: H * (d_nope + d_v) under `kv`, d_c under `latent`."""
-        return model.n_heads * (self.d_nope + self.d_v) if self.gate_position == "kv" else self.d_c
+        """Width of the gate g: n_kv_heads * (d_nope + d_v) under `kv`, d_c under `latent`."""
+        if self.gate_position == "kv":
+            return self.kv_heads(model) * (self.d_nope + self.d_v)
+        return self.d_c
 
 
 # ---- the study's control arms (docs/study.md): what a gain of EG-MLA's is made of -------------
@@ -325,6 +379,9 @@ class MLAValueEmbedConfig(MLAConfig):
     def validate(self, model: ModelConfig) -> None:
         super().validate(model)
         _check(self.d_e >= 1, f"attention.d_e={self.d_e}: must be >= 1")
+        _check(self.kv_heads(model) == model.n_heads and self.rope_heads == 1,
+               "attention[mla_value_embed]: takes one up-projection per query head and one "
+               "shared RoPE key (n_kv_heads null, rope_heads 1)")
 
     def layer_params(self, model: ModelConfig) -> int:
         return super().layer_params(model) + self.d_e * model.n_heads * self.d_v

@@ -60,38 +60,56 @@ class Rotary:
     The angles are computed from absolute positions, so any offset (a cached prefix, a chunk of
     a prompt) is just a different `positions` tensor. No buffers: the frequencies cannot be
     silently cast to bf16 by `model.to(dtype)`. Layers get their instance from `rotary(dim,
-    theta)`, which shares one per (dim, theta): every layer of a forward passes the same
-    `positions` tensor, so the angles are computed by the first layer and reused by the rest.
+    theta, freqs, spectrum)`, which shares one per argument tuple: every layer of a forward
+    passes the same `positions` tensor, so the angles are computed by the first layer and
+    reused by the rest.
+
+    Frequencies: by default the dim/2 standard ones, theta^(-2j/dim). With `freqs`, one tuple
+    of dim/2 indices per RoPE head, each head rotating its pair i at theta^(-2 freqs[h][i] /
+    spectrum): a subset of a wider head's spectrum, as a converted model keeps (egmla.upcycle).
+    Example: spectrum 64, freqs ((0, 8, 16, 24),) rotates an 8-wide key's pairs (i, i + 4) at
+    the frequencies of a 64-wide head's pairs 0, 8, 16 and 24.
     """
 
-    def __init__(self, dim: int, theta: float) -> None:
+    def __init__(self, dim: int, theta: float, freqs: tuple[tuple[int, ...], ...] | None = None,
+                 spectrum: int | None = None) -> None:
         if dim % 2:
             raise ValueError(f"RoPE dim must be even, got {dim}")
-        self.dim, self.theta = dim, theta
+        if freqs is not None and (spectrum is None or any(len(f) != dim // 2 for f in freqs)):
+            raise ValueError(f"RoPE freqs={freqs}: need dim/2={dim // 2} indices per head and a "
+                             "spectrum width")
+        self.dim, self.theta, self.freqs, self.spectrum = dim, theta, freqs, spectrum
         self._last: tuple | None = None  # (positions, its version, dtype, cos, sin)
         self._freqs: dict[tuple, torch.Tensor] = {}  # (device, dtype) -> inverse frequencies
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (B, T) integer -> cos, sin (B, T, dim) in `dtype`."""
+        """positions (B, T) integer -> cos, sin (B, T, dim) in `dtype`; with per-head `freqs`,
+        (B, T, heads, dim)."""
         compiling = torch.compiler.is_compiling()  # a traced forward keeps no memo
         last = self._last  # one read: another thread may replace it, never half of it
         if (not compiling and last is not None and last[0] is positions
                 and last[1] == version(positions) and last[2] == dtype):
             return last[3], last[4]
         work = _compute_dtype(dtype)
-        angles = positions.to(work)[..., None] * self._inv_freq(positions.device, work)  # (B, T, dim/2)
-        angles = torch.cat((angles, angles), dim=-1)  # (B, T, dim)
+        inv_freq = self._inv_freq(positions.device, work)  # (dim/2,) or (heads, dim/2)
+        shape = positions.shape + (1,) * inv_freq.dim()
+        angles = positions.to(work).view(shape) * inv_freq  # (B, T, [heads,] dim/2)
+        angles = torch.cat((angles, angles), dim=-1)  # (B, T, [heads,] dim)
         cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
         if not compiling:
             self._last = (positions, version(positions), dtype, cos, sin)
         return cos, sin
 
     def _inv_freq(self, device: torch.device, work: torch.dtype) -> torch.Tensor:
-        """theta^(-2i/dim) for i < dim/2, (dim/2,) in `work`: made once per device and dtype
-        (a traced forward computes it in its graph)."""
+        """theta^(-2i/dim) for i < dim/2, (dim/2,) in `work`, or theta^(-2j/spectrum) for the
+        `freqs` j, (heads, dim/2): made once per device and dtype (a traced forward computes it
+        in its graph)."""
         def compute() -> torch.Tensor:
-            exponent = torch.arange(0, self.dim, 2, device=device, dtype=torch.int64).to(work)
-            return 1.0 / (self.theta ** (exponent / self.dim))
+            if self.freqs is None:
+                exponent = torch.arange(0, self.dim, 2, device=device, dtype=torch.int64).to(work)
+                return 1.0 / (self.theta ** (exponent / self.dim))
+            exponent = 2 * torch.tensor(self.freqs, device=device, dtype=torch.int64)
+            return 1.0 / (self.theta ** (exponent.to(work) / self.spectrum))
 
         if torch.compiler.is_compiling():
             return compute()
@@ -109,14 +127,20 @@ def version(t: torch.Tensor) -> int:
 
 
 @functools.cache
-def rotary(dim: int, theta: float) -> Rotary:
-    """The shared Rotary for (dim, theta) (see Rotary)."""
-    return Rotary(dim, theta)
+def rotary(dim: int, theta: float, freqs: tuple[tuple[int, ...], ...] | None = None,
+           spectrum: int | None = None) -> Rotary:
+    """The shared Rotary for (dim, theta, freqs, spectrum) (see Rotary)."""
+    return Rotary(dim, theta, freqs, spectrum)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, T, H, D) rotated by cos/sin (B, T, D): pairs (i, i + D/2) share one frequency."""
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (B, T, 1, D)
+    """x (B, T, H, D) rotated by cos/sin (B, T, D), or by per-head cos/sin (B, T, Hr, D) each
+    shared by H / Hr consecutive heads of x: pairs (i, i + D/2) share one frequency."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (B, T, 1, D)
+    elif cos.shape[2] != x.shape[2]:
+        repeat = x.shape[2] // cos.shape[2]
+        cos, sin = cos.repeat_interleave(repeat, dim=2), sin.repeat_interleave(repeat, dim=2)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos + rotated * sin

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from egmla.config import MLAConfig
 from egmla.models import RMSNorm, Rotary, Transformer, apply_rope
 from egmla.presets import PRESETS, preset
 from support.models import VARIANTS, build, random_ids, with_attention
@@ -93,8 +94,22 @@ def test_logits_at_picks_several_positions_per_row():
                                   "tiny-egmla-hidden-gate", "tiny-mla-value-embed"])
 def test_absorbed_equals_naive(base):
     """Same weights, two computations: full forward and cached decode agree in float64."""
-    naive_cfg = with_attention(preset(base), impl="naive")
-    absorbed_cfg = with_attention(preset(base), impl="absorbed")
+    check_absorbed_equals_naive(preset(base))
+
+
+LATENT_VARIANTS = sorted(n for n, c in VARIANTS.items() if isinstance(c.attention, MLAConfig))
+
+
+@pytest.mark.parametrize("name", LATENT_VARIANTS)
+def test_every_latent_variant_absorbed_equals_naive(name):
+    """The converted forms too (grouped K/V, RoPE keys per KV head at chosen frequencies, no
+    latent norm, d_nope 0, the residual gate): naive == absorbed."""
+    check_absorbed_equals_naive(VARIANTS[name])
+
+
+def check_absorbed_equals_naive(cfg):
+    naive_cfg = with_attention(cfg, impl="naive")
+    absorbed_cfg = with_attention(cfg, impl="absorbed")
     naive, absorbed = build(naive_cfg), Transformer(absorbed_cfg).double().eval()
     absorbed.load_state_dict(naive.state_dict())
     ids = random_ids(naive_cfg, 2, 12)
@@ -234,6 +249,30 @@ def test_rope_depends_only_on_relative_position():
     assert not torch.allclose(score(7, 3), score(7, 4), atol=1e-6)
     cos, sin = rope.cos_sin(torch.tensor([[0]]), torch.float64)
     assert torch.equal(apply_rope(q, cos, sin), q)  # position 0 is the identity
+
+
+def test_rope_with_chosen_frequencies_rotates_each_head_at_them():
+    """Per-head frequency indices j of a wider head's spectrum: pair i of head h turns by
+    position * theta^(-2 j / spectrum), j = freqs[h][i] (a hand-written rotation)."""
+    freqs, theta, spectrum = ((0, 5, 9), (2, 3, 11)), 500.0, 24
+    rope = Rotary(6, theta, freqs, spectrum)
+    positions = torch.tensor([[0, 3, 17]])
+    x = torch.randn(1, 3, 4, 6, dtype=torch.float64)  # 4 heads: 0, 1 read key 0; 2, 3 key 1
+    out = apply_rope(x, *rope.cos_sin(positions, torch.float64))
+    for h in range(4):
+        for i, j in enumerate(freqs[h // 2]):
+            angle = positions[0].double() * theta ** (-2 * j / spectrum)
+            a, b = x[0, :, h, i], x[0, :, h, i + 3]
+            assert torch.allclose(out[0, :, h, i], a * angle.cos() - b * angle.sin())
+            assert torch.allclose(out[0, :, h, i + 3], b * angle.cos() + a * angle.sin())
+
+
+def test_rope_with_the_standard_frequencies_chosen_equals_plain_rope_bit_for_bit():
+    positions = torch.arange(40)[None]
+    plain = Rotary(8, 10000.0).cos_sin(positions, torch.float32)
+    chosen = Rotary(8, 10000.0, ((0, 1, 2, 3),), spectrum=8).cos_sin(positions, torch.float32)
+    for a, b in zip(plain, chosen):
+        assert torch.equal(a, b[:, :, 0])
 
 
 def test_rope_survives_bf16_model_cast():

@@ -15,6 +15,11 @@ def with_attention(cfg: ModelConfig, **changes) -> ModelConfig:
     return dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, **changes))
 
 
+# tiny-mla (4 heads, d_nope 16, d_rope 8) in a converted model's form: 2 KV heads, each with its
+# own RoPE key rotating at 4 of the 12 frequencies of a 24-wide head, chosen per layer
+CONVERTED = {"latent_norm": False, "n_kv_heads": 2, "rope_heads": 2,
+             "rope_freqs": [[[0, 3, 5, 11], [1, 2, 7, 9]], [[4, 6, 8, 10], [0, 1, 2, 3]]]}
+
 # Every computation the acceptance criteria name, plus grouped gates and a low-rank query.
 VARIANTS = {
     "mha": preset("tiny-mha"),
@@ -40,6 +45,21 @@ VARIANTS = {
     "egmla-const-gate-absorbed": with_attention(preset("tiny-egmla-const-gate"), impl="absorbed"),
     "egmla-hidden-gate": preset("tiny-egmla-hidden-gate"),
     "mla-value-embed-absorbed": with_attention(preset("tiny-mla-value-embed"), impl="absorbed"),
+    # the forms of a GQA model converted by egmla.upcycle: K/V up-projected per KV head, a RoPE
+    # key per KV head at frequencies chosen from a wider head's spectrum, no latent norm
+    "mla-converted-naive": with_attention(preset("tiny-mla"), impl="naive", **CONVERTED),
+    "mla-converted-absorbed": with_attention(preset("tiny-mla"), impl="absorbed", **CONVERTED),
+    "mla-nope0-absorbed": with_attention(preset("tiny-mla"), impl="absorbed", d_nope=0,
+                                         latent_norm=False, n_kv_heads=1),
+    "mla-more-rope-heads-absorbed": with_attention(preset("tiny-mla"), impl="absorbed",
+                                                   n_kv_heads=1, rope_heads=2),
+    "egmla-kv-converted-absorbed": with_attention(preset("tiny-egmla"), impl="absorbed",
+                                                  gate_residual=True, gate_init="random",
+                                                  gate_norm="none", **CONVERTED),
+    "egmla-kv-grouped-layernorm-absorbed": with_attention(preset("tiny-egmla"), impl="absorbed",
+                                                          n_kv_heads=2, rope_heads=2),
+    "egmla-latent-converted": with_attention(preset("tiny-egmla-latent"), gate_residual=True,
+                                             gate_init="random", gate_norm="none", **CONVERTED),
     # the ReLU-family MLPs of the activation-locality work (ModelConfig.ffn)
     "gqa-reglu": preset("tiny-gqa2", ffn="reglu"),
     "mha-relu2": preset("tiny-mha", ffn="relu2"),

@@ -29,7 +29,8 @@ class EGMLAConstGate(EGMLA):
 
     @classmethod
     def build_layers(cls, config: ModelConfig) -> list[EGMLAConstGate]:
-        return [cls(config, nn.Embedding(1, config.attention.d_e)) for _ in range(config.n_layers)]
+        return [cls(config, nn.Embedding(1, config.attention.d_e), layer=i)
+                for i in range(config.n_layers)]
 
     def lookup_tables(self) -> list[nn.Parameter]:
         return []  # one row, not a per-token table: an ordinary parameter
@@ -44,8 +45,8 @@ class EGMLAHiddenGate(MLA):
     """`egmla_hidden_gate`: the latent gated from the hidden state, c' = Norm(c * sigmoid(W_G h)),
     then cached; attention is MLA's over c' (absorbed decode included)."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+        super().__init__(config, layer)
         a = config.attention
         self.w_gate = Linear(config.d_model, a.d_c, bias=False)  # W_G
         self.gate_norm = make_norm(a.gate_norm, a.d_c, config.norm_eps)
@@ -63,8 +64,8 @@ class MLAValueEmbed(MLA):
 
     needs_token_ids = True
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+        super().__init__(config, layer)
         a = config.attention
         self.d_e = a.d_e
         self.value_table = nn.Embedding(config.vocab_size, a.d_e)  # E

@@ -49,13 +49,14 @@ class EGMLA(MLA):
 
     gate_reads_ids = True  # the gate's rows are looked up by token id (not: EGMLAConstGate)
 
-    def __init__(self, config: ModelConfig, gate_table: nn.Embedding) -> None:
-        super().__init__(config)
+    def __init__(self, config: ModelConfig, gate_table: nn.Embedding, layer: int = 0) -> None:
+        super().__init__(config, layer)
         a = config.attention
         assert isinstance(a, EGMLAConfig)
         if gate_table.embedding_dim != a.d_e:
             raise ValueError(f"gate table width {gate_table.embedding_dim} != d_e={a.d_e}")
         self.gate_position, self.gate_norm_kind, self.d_e = a.gate_position, a.gate_norm, a.d_e
+        self.gate_residual = a.gate_residual
         self.gates_kv = a.gate_position == "kv"
         self.needs_token_ids = self.gates_kv and self.gate_reads_ids
         gated = a.gated_width(config)
@@ -72,7 +73,7 @@ class EGMLA(MLA):
         a = config.attention
         assert isinstance(a, EGMLAConfig)
         tables = [nn.Embedding(config.vocab_size, a.d_e) for _ in range(a.n_gate_tables(config))]
-        return [cls(config, tables[i // a.gate_group_size]) for i in range(config.n_layers)]
+        return [cls(config, tables[i // a.gate_group_size], layer=i) for i in range(config.n_layers)]
 
     def lookup_tables(self) -> list[nn.Parameter]:
         return [self.gate_table.weight]
@@ -86,11 +87,17 @@ class EGMLA(MLA):
         - `random`: E[id] ~ N(0, 1), W_UE ~ N(0, 1/d_e), so g = W_UE E[id] ~ N(0, 1), a gate of
           unit scale that differs per token;
         - `matched`: the `random` gate, and under `kv` the gate norm's gain at init_std * sqrt(d_c),
-          the scale MLA's K/V start at (W_UKV ~ N(0, init_std^2) on a unit-scale latent).
+          the scale MLA's K/V start at (W_UKV ~ N(0, init_std^2) on a unit-scale latent);
+        - `identity` (with `gate_residual`): E[id] ~ N(0, 1), W_UE = 0, so g = 1 + W_UE E[id] = 1:
+          the layer computes MLA's function until W_UE moves (egmla.upcycle's starting point).
 
         A table shared by a group is re-drawn by each of its layers; it stays one tensor.
         """
         table, w = self.gate_table.weight, self.w_gate.weight
+        if self.gate_init == "identity":
+            nn.init.normal_(table, std=1.0)
+            nn.init.zeros_(w)
+            return
         if self.gate_init == "small":
             nn.init.normal_(table, std=self.init_std)
             nn.init.normal_(w, std=self.init_std)
@@ -118,8 +125,10 @@ class EGMLA(MLA):
 
     def gate(self, token_ids: torch.Tensor | None,
              like: torch.Tensor | None = None) -> torch.Tensor:
-        """g = W_UE e_j for the tokens (B, S): (B, S, gated width)."""
-        return self.w_gate(self.gate_rows(token_ids, like))
+        """g = W_UE e_j (or 1 + W_UE e_j, `gate_residual`) for the tokens (B, S): (B, S, gated
+        width)."""
+        g = self.w_gate(self.gate_rows(token_ids, like))
+        return g + 1 if self.gate_residual else g
 
     def cached_fields(self, x, token_ids, cos, sin, with_auxiliary):
         fields = super().cached_fields(x, token_ids, cos, sin, with_auxiliary)
@@ -145,7 +154,7 @@ class EGMLA(MLA):
             return super().expand(c, key_ids)
         B, S, _ = c.shape
         kv = self.gate_norm(self.wkv_b(c) * self.gate(key_ids, c))  # (B, S, H * (n + d_v))
-        kv = kv.view(B, S, self.n_heads, self.d_nope + self.d_v)
+        kv = kv.view(B, S, self.n_kv, self.d_nope + self.d_v)  # (B, S, G, n + d_v)
         return kv.split([self.d_nope, self.d_v], dim=-1)
 
     # ---- the absorbed `kv` computation ------------------------------------------------------
@@ -154,8 +163,9 @@ class EGMLA(MLA):
         """Multiply-accumulates of one `kv` attention step per layer and sequence, T queries over
         S keys, for both computations (the new tokens' statistics, common to both, excluded)."""
         H, n, v, r, C, E = self.n_heads, self.d_nope, self.d_v, self.d_rope, self.d_c, self.d_e
+        E += self.gate_residual  # the absorbed form's constant column (see _absorbed)
         return {
-            "rebuild": S * H * (n + v) * (C + E) + T * S * H * (n + r + v),
+            "rebuild": S * self.n_kv * (n + v) * (C + E) + T * S * H * (n + r + v),
             "absorbed": T * H * (n + v) * C * E + T * S * H * (2 * C * E + C + r),
         }
 
@@ -184,12 +194,21 @@ class EGMLA(MLA):
         if self.gate_position == "latent":
             return super()._absorbed(q_nope, q_rope, fields, key_ids, positions, key_positions)
         # B batch, T queries, S keys, H heads, n = d_nope, v = d_v, r = d_rope, C = d_c, E = d_e
-        c, k_rope = fields["c"], fields["k_rope"]  # (B, S, C), (B, S, r)
-        H, n, v, C, E = self.n_heads, self.d_nope, self.d_v, self.d_c, self.d_e
-        w_uk, w_uv = self.wkv_b.weight.view(H, n + v, C).split([n, v], dim=1)  # (H, n|v, C)
-        we_k, we_v = self.w_gate.weight.view(H, n + v, E).split([n, v], dim=1)  # (H, n|v, E)
-        gamma_k, gamma_v, beta_v = self._norm_affine(q_nope)
+        # (+1 with gate_residual: g = 1 + W_UE e = [W_UE, 1] [e; 1], the same bilinear form)
+        c, k_rope = fields["c"], fields["k_rope"]  # (B, S, C), (B, S, [Hr,] r)
+        G, n, v, C = self.n_kv, self.d_nope, self.d_v, self.d_c
+        w_uk, w_uv = self.wkv_b.weight.view(G, n + v, C).split([n, v], dim=1)  # (G, n|v, C)
         e = self.gate_rows(key_ids, c)  # (B, S, E): the keys' gate rows
+        w_e = self.w_gate.weight  # (G * (n + v), E)
+        if self.gate_residual:
+            e = torch.cat((e, e.new_ones(e.shape[:-1] + (1,))), dim=-1)
+            w_e = torch.cat((w_e, w_e.new_ones(w_e.shape[0], 1)), dim=-1)
+        we_k, we_v = w_e.view(G, n + v, -1).split([n, v], dim=1)  # (G, n|v, E)
+        gamma_k, gamma_v, beta_v = self._norm_affine(q_nope)
+        # per query head: each of the G KV heads' weights serves H / G query heads
+        w_uk, w_uv, we_k, we_v, gamma_k, gamma_v = (
+            self._per_query_head(t) for t in (w_uk, w_uv, we_k, we_v, gamma_k, gamma_v))
+        beta_v = None if beta_v is None else self._per_query_head(beta_v)
         mu, inv_sigma = self._stats(fields, c.dtype)  # (B, S) each, or None
 
         qg = q_nope * gamma_k  # (B, T, H, n)
@@ -199,7 +218,11 @@ class EGMLA(MLA):
             scores = scores - qg.sum(-1, keepdim=True) * mu[:, None, None, :]
         if inv_sigma is not None:
             scores = scores * inv_sigma[:, None, None, :]
-        scores = scores + torch.einsum("bthr,bsr->bths", q_rope, k_rope)
+        if k_rope.dim() == 3:  # one RoPE key shared by every head
+            scores = scores + torch.einsum("bthr,bsr->bths", q_rope, k_rope)
+        else:
+            scores = scores + torch.einsum("bthr,bshr->bths", q_rope,
+                                           self.key_rope(k_rope, self.n_heads))
         if key_positions is None:  # no cache: the keys are the queries' own tokens
             key_positions = positions
         kp = key_positions if key_positions.dim() == 2 else key_positions[None]  # (B or 1, S)
@@ -214,10 +237,15 @@ class EGMLA(MLA):
         o = o * gamma_v
         return o if beta_v is None else o + beta_v
 
+    def _per_query_head(self, t: torch.Tensor) -> torch.Tensor:
+        """A KV head's tensor (G, ...) -> each query head's (H, ...)."""
+        return t if self.n_kv == self.n_heads else t.repeat_interleave(
+            self.n_heads // self.n_kv, dim=0)
+
     def _norm_affine(self, like: torch.Tensor):
-        """The gate norm's gamma split per head into K and V parts, (H, n), (H, v), and beta's V
-        part (H, v); ones / None where the norm has none."""
-        H, n, v = self.n_heads, self.d_nope, self.d_v
+        """The gate norm's gamma split per KV head into K and V parts, (G, n), (G, v), and
+        beta's V part (G, v); ones / None where the norm has none."""
+        H, n, v = self.n_kv, self.d_nope, self.d_v
         norm = self.gate_norm
         weight = getattr(norm, "weight", None)
         if weight is None:

@@ -13,11 +13,21 @@ Naive: up-project k_nope/v for every cached token and run SDPA. Absorbed: q_nope
 one shared "head" of key [c, k_rope] and value c; then apply W_UV to the attended latent. Both
 compute the same function; absorbed never materializes per-head K/V (cheap decode), naive does
 less arithmetic for long prefills.
+
+A model converted from GQA/MHA (egmla.upcycle) needs three generalizations, all config
+(MLAConfig; the defaults are the paper's form): no norm on c (`latent_norm`); G = n_kv_heads
+up-projected K/V heads, each shared by H / G query heads (W_UK, W_UV per KV head, as the
+original's K/V heads were); and Hr = rope_heads RoPE keys per token, each rotating at its own
+frequencies (`rope_freqs`) and shared by H / Hr query heads, whose q_rope rotate at them too.
+Then k_rope is (Hr, r) per token, the cache d_c + Hr * r, and attention is grouped like GQA.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+from torch import nn
 
 from egmla.cache import FieldSpec, LayerSpec, LayerView
 from egmla.config import MLAConfig, ModelConfig
@@ -26,15 +36,17 @@ from egmla.models.layers import Linear, RMSNorm, apply_rope, rotary
 
 
 class MLA(AttentionLayer):
-    """Caches c (d_c) and k_rope (d_rope) per layer: d_c + d_rope elements per token."""
+    """Caches c (d_c) and k_rope (rope_heads x d_rope) per layer: d_c + rope_heads * d_rope
+    elements per token."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         a = config.attention
         assert isinstance(a, MLAConfig)
         d, H = config.d_model, config.n_heads
         self.n_heads, self.d_c, self.d_nope, self.d_rope, self.d_v = H, a.d_c, a.d_nope, a.d_rope, a.d_v
         self.impl, self.d_q = a.impl, a.d_q
+        self.n_kv, self.rope_heads = a.kv_heads(config), a.rope_heads  # G, Hr
         q_width = H * (a.d_nope + a.d_rope)
         if a.d_q is None:
             self.wq = Linear(d, q_width, bias=False)
@@ -42,15 +54,23 @@ class MLA(AttentionLayer):
             self.wq_a = Linear(d, a.d_q, bias=False)  # W_DQ
             self.q_norm = RMSNorm(a.d_q, config.norm_eps)
             self.wq_b = Linear(a.d_q, q_width, bias=False)  # W_UQ (and W_QR)
-        self.wkv_a = Linear(d, a.d_c + a.d_rope, bias=False)  # [W_DKV; W_KR]
-        self.kv_norm = RMSNorm(a.d_c, config.norm_eps)
-        self.wkv_b = Linear(a.d_c, H * (a.d_nope + a.d_v), bias=False)  # [W_UK; W_UV] per head
+        self.wkv_a = Linear(d, a.d_c + self.rope_heads * a.d_rope, bias=False)  # [W_DKV; W_KR]
+        self.kv_norm = RMSNorm(a.d_c, config.norm_eps) if a.latent_norm else nn.Identity()
+        self.wkv_b = Linear(a.d_c, self.n_kv * (a.d_nope + a.d_v), bias=False)  # [W_UK; W_UV] per KV head
         self.wo = Linear(H * a.d_v, d, bias=False)
-        self.rope = rotary(a.d_rope, config.rope_theta)
+        freqs = a.layer_freqs(layer)
+        self.rope = rotary(a.d_rope, config.rope_theta, freqs,
+                           None if freqs is None else a.d_nope + a.d_rope)
         self.scale = (a.d_nope + a.d_rope) ** -0.5
 
+    @classmethod
+    def build_layers(cls, config: ModelConfig) -> list[MLA]:
+        """One module per layer, each told its index (its RoPE frequencies may be its own)."""
+        return [cls(config, layer=i) for i in range(config.n_layers)]
+
     def cache_spec(self) -> LayerSpec:
-        return {"c": FieldSpec((self.d_c,)), "k_rope": FieldSpec((self.d_rope,))}
+        rope = (self.d_rope,) if self.rope_heads == 1 else (self.rope_heads, self.d_rope)
+        return {"c": FieldSpec((self.d_c,)), "k_rope": FieldSpec(rope)}
 
     # ---- pieces a subclass (EG-MLA) may refine ------------------------------------------------
 
@@ -59,15 +79,26 @@ class MLA(AttentionLayer):
         """x (B, T, d) -> what this layer caches for the T new tokens: the normed latent c
         (B, T, d_c) and the rotated k_rope (B, T, d_rope). `with_auxiliary`: also the auxiliary
         fields of `cache_spec()` (none here), needed when a cache is written or `absorbed` runs."""
-        c, k_rope = self.wkv_a(x).split([self.d_c, self.d_rope], dim=-1)
-        k_rope = apply_rope(k_rope[:, :, None], cos, sin)[:, :, 0]  # one head shared by all
+        B, T, _ = x.shape
+        c, k_rope = self.wkv_a(x).split([self.d_c, self.rope_heads * self.d_rope], dim=-1)
+        k_rope = apply_rope(k_rope.view(B, T, self.rope_heads, self.d_rope), cos, sin)  # (B, T, Hr, r)
+        if self.rope_heads == 1:
+            k_rope = k_rope[:, :, 0]  # (B, T, r): one key shared by all heads
         return {"c": self.kv_norm(c), "k_rope": k_rope}
 
     def expand(self, c: torch.Tensor, key_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latent c (B, S, d_c) -> k_nope (B, S, H, d_nope), v (B, S, H, d_v)."""
+        """Latent c (B, S, d_c) -> k_nope (B, S, G, d_nope), v (B, S, G, d_v), G = n_kv_heads."""
         B, S, _ = c.shape
-        kv = self.wkv_b(c).view(B, S, self.n_heads, self.d_nope + self.d_v)
+        kv = self.wkv_b(c).view(B, S, self.n_kv, self.d_nope + self.d_v)
         return kv.split([self.d_nope, self.d_v], dim=-1)
+
+    def key_rope(self, k_rope: torch.Tensor, heads: int) -> torch.Tensor:
+        """Cached k_rope (B, S, r) or (B, S, Hr, r) -> (B, S, heads, r), each of `heads` (a
+        multiple of Hr) reading its group's key."""
+        if k_rope.dim() == 3:
+            return k_rope[:, :, None].expand(-1, -1, heads, -1)
+        return k_rope if heads == self.rope_heads else k_rope.repeat_interleave(
+            heads // self.rope_heads, dim=2)
 
     def decode_cost(self, context: int, dtype: torch.dtype = torch.float32) -> dict[str, int]:
         H, C, n, r, v = self.n_heads, self.d_c, self.d_nope, self.d_rope, self.d_v
@@ -75,7 +106,8 @@ class MLA(AttentionLayer):
         if self._use_absorbed(1, context, cached=True):  # an MQA over [c, k_rope] with value c
             return {"macs_per_key": H * (2 * C + r), "macs_per_query": H * (n + v) * C, **cost}
         # K/V up-projected from every cached latent, then attention over them
-        return {"macs_per_key": H * (n + v) * C + H * (n + r + v), "macs_per_query": 0, **cost}
+        return {"macs_per_key": self.n_kv * (n + v) * C + H * (n + r + v), "macs_per_query": 0,
+                **cost}
 
     def supports_absorbed(self) -> bool:
         return True
@@ -124,18 +156,36 @@ class MLA(AttentionLayer):
         return self.impl == "absorbed"
 
     def _naive(self, q_nope, q_rope, fields, key_ids, positions, key_positions) -> torch.Tensor:
-        k_nope, v = self.expand(fields["c"], key_ids)  # (B, S, H, n), (B, S, H, d_v)
-        k_rope = fields["k_rope"][:, :, None].expand(-1, -1, self.n_heads, -1)  # (B, S, H, r)
+        k_nope, v = self.expand(fields["c"], key_ids)  # (B, S, G, n), (B, S, G, d_v)
+        heads = math.lcm(self.n_kv, self.rope_heads)  # K/V heads of the attention (H by default)
+        if heads != self.n_kv:
+            k_nope, v = (t.repeat_interleave(heads // self.n_kv, dim=2) for t in (k_nope, v))
+        k_rope = self.key_rope(fields["k_rope"], heads)  # (B, S, heads, r)
         q = torch.cat((q_nope, q_rope), dim=-1)  # (B, T, H, n + r)
-        k = torch.cat((k_nope, k_rope), dim=-1)  # (B, S, H, n + r)
+        k = torch.cat((k_nope, k_rope), dim=-1)  # (B, S, heads, n + r)
         return attend(q, k, v, self.scale, positions, key_positions)  # (B, T, H, d_v)
 
     def _absorbed(self, q_nope, q_rope, fields, key_ids, positions, key_positions) -> torch.Tensor:
+        # G KV heads of R = H / G query heads each; Hr RoPE keys; C = d_c
         c, k_rope = fields["c"], fields["k_rope"]
-        w = self.wkv_b.weight.view(self.n_heads, self.d_nope + self.d_v, self.d_c)
-        w_uk, w_uv = w.split([self.d_nope, self.d_v], dim=1)  # (H, n, C), (H, d_v, C)
-        q_latent = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)  # (B, T, H, C)
+        B, T, H, _ = q_nope.shape
+        G, R, Hr = self.n_kv, self.n_heads // self.n_kv, self.rope_heads
+        w = self.wkv_b.weight.view(G, self.d_nope + self.d_v, self.d_c)
+        w_uk, w_uv = w.split([self.d_nope, self.d_v], dim=1)  # (G, n, C), (G, d_v, C)
+        if R == 1:
+            q_latent = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)  # (B, T, H, C)
+        else:
+            q_latent = torch.einsum("btgrn,gnc->btgrc", q_nope.view(B, T, G, R, -1), w_uk)
+            q_latent = q_latent.reshape(B, T, H, self.d_c)  # (B, T, H, C)
         q = torch.cat((q_latent, q_rope), dim=-1)  # (B, T, H, C + r)
-        k = torch.cat((c, k_rope), dim=-1)[:, :, None]  # (B, S, 1, C + r)
-        o_latent = attend(q, k, c[:, :, None], self.scale, positions, key_positions)  # (B, T, H, C)
-        return torch.einsum("bthc,hvc->bthv", o_latent, w_uv)  # (B, T, H, d_v)
+        if Hr == 1:
+            k = torch.cat((c, k_rope), dim=-1)[:, :, None]  # (B, S, 1, C + r)
+            value = c[:, :, None]  # (B, S, 1, C)
+        else:  # one latent "head" per RoPE key: c repeated beside each
+            value = c[:, :, None].expand(-1, -1, Hr, -1)  # (B, S, Hr, C)
+            k = torch.cat((value, k_rope), dim=-1)  # (B, S, Hr, C + r)
+        o_latent = attend(q, k, value, self.scale, positions, key_positions)  # (B, T, H, C)
+        if R == 1:
+            return torch.einsum("bthc,hvc->bthv", o_latent, w_uv)  # (B, T, H, d_v)
+        o = torch.einsum("btgrc,gvc->btgrv", o_latent.view(B, T, G, R, -1), w_uv)
+        return o.reshape(B, T, H, self.d_v)  # (B, T, H, d_v)
