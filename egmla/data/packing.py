@@ -179,3 +179,17 @@ class PackedDataset(Dataset):
         window = np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
         window = torch.from_numpy(window)  # (T + 1,)
         return window[:-1], window[1:]  # (T,), (T,)
+
+
+class Indexed(Dataset):
+    """A dataset whose items carry their index: (*item, index) (distillation's teacher cache
+    is keyed by the window)."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        return (*self.dataset[index], torch.tensor(index))

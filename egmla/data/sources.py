@@ -1,6 +1,7 @@
 """Text sources: where training text comes from, as (train, val) texts plus a fingerprint.
 
     src = load_text_source("corpus")                                  # embedded, offline
+    src = load_text_source("recovery")                # stdlib + READMEs (egmla.data.recovery)
     src = load_text_source("hf", path="json", data_files="data/*.jsonl", text_field="content")
     src = load_text_source("hf", path="HuggingFaceFW/fineweb-edu", name="sample-10BT",
                            streaming=True)                            # needs network
@@ -25,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from egmla.data.corpus import corpus_fingerprint, is_held_out, split_corpus
+from egmla.data.recovery import recovery_texts
 
-KINDS = ("corpus", "hf")
+KINDS = ("corpus", "hf", "recovery")
 _HF_OPTIONS = {
     "path": None,  # required: hub name, local directory, or a builder ("json", "text", ...)
     "name": None,
@@ -69,10 +71,16 @@ class _Texts:
 
 
 def load_text_source(kind: str, **options: Any) -> TextSource:
-    """Texts of `kind` ("corpus" or "hf"); an unknown kind or option raises naming it."""
+    """Texts of `kind` ("corpus", "hf" or "recovery"); an unknown kind or option raises naming
+    it."""
     if kind == "corpus":
         opts = _options(kind, options, _CORPUS_OPTIONS)
         return _corpus_source(float(opts["val_fraction"]))
+    if kind == "recovery":
+        opts = _options(kind, options, _CORPUS_OPTIONS)
+        train, val, fingerprint = recovery_texts(float(opts["val_fraction"]))
+        return TextSource(train, val, _digest({"kind": "recovery", "mixture": fingerprint,
+                                               "val_fraction": opts["val_fraction"]}))
     if kind == "hf":
         return _hf_source(**_options(kind, options, _HF_OPTIONS))
     raise ValueError(f"unknown text source kind {kind!r}; choose one of {', '.join(KINDS)}")

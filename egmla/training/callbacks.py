@@ -99,6 +99,32 @@ class Export(L.Callback):
                     extra={**(self.extra or {}), "global_step": trainer.global_step})
 
 
+class ExportAt(L.Callback):
+    """Write the plain export at given optimizer steps, into `<root>/step<N>/` (a recovery
+    curve from one run). A resumed run writes the export of the step it resumes at, if the
+    interruption came between that step's checkpoint and its export."""
+
+    def __init__(self, steps: list[int], root: Path, tokenizer: Any = None,
+                 extra: dict | None = None) -> None:
+        self.steps, self.root = sorted(set(steps)), root
+        self.tokenizer, self.extra = tokenizer, extra
+
+    def _export(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        step = trainer.global_step
+        directory = self.root / f"step{step}"
+        if step in self.steps and trainer.is_global_zero and not directory.is_dir():
+            model = getattr(pl_module.model, "_orig_mod", pl_module.model)
+            save_export(model, directory, tokenizer=self.tokenizer,
+                        extra={**(self.extra or {}), "global_step": step})
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._export(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self._export(trainer, pl_module)
+
+
 class _AppendingWriter(ExperimentWriter):
     def _check_log_dir_exists(self) -> None:
         """Lightning's writer deletes an existing metrics.csv; a resumed run appends to it."""

@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from egmla.checkpoint import CheckpointError, read_export_config
 from egmla.config import (
     ATTENTION_REGISTRY, ConfigError, ModelConfig, _check, _check_literals, _strict_kwargs,
 )
@@ -178,8 +179,15 @@ class MQARDataConfig:
 
 
 @dataclass
+class RecoveryDataConfig:
+    """The recovery mixture (egmla.data.recovery): Python's standard library and READMEs."""
+
+    max_tokens: int | None = None  # cap on the training split's tokens (a sample of both kinds)
+
+
+@dataclass
 class DataConfig:
-    kind: Literal["corpus", "hf", "mqar"] = "corpus"
+    kind: Literal["corpus", "hf", "mqar", "recovery"] = "corpus"
     seq_len: int = 256
     batch_size: int = 16  # per device, per micro-batch
     val_fraction: float = 0.05  # held-out fraction where a source has no validation split
@@ -187,6 +195,7 @@ class DataConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     hf: HFDataConfig | None = None
     mqar: MQARDataConfig | None = None
+    recovery: RecoveryDataConfig | None = None
 
     def validate(self) -> None:
         _check(self.seq_len >= 2, f"data.seq_len={self.seq_len}: must be >= 2")
@@ -259,15 +268,46 @@ class WandbConfig:
 
 
 @dataclass
+class DistillConfig:
+    """Recovery by distillation from a teacher (egmla.training.distill; docs/upcycling.md).
+
+    The loss is KL(teacher || student) per token: over the teacher's `top_k` most likely tokens
+    and the rest of the vocabulary as one bucket (exact for the teacher's distribution coarsened
+    so; 0: the whole vocabulary). The teacher's top-k log-probabilities are computed once per
+    training sequence and cached on disk, so every arm trained on the same tokens reuses them.
+    `transfer_steps` first: that many steps of layer-wise attention transfer (each attention
+    layer fit to the teacher layer's output on the teacher's inputs, LoLCATs' first stage),
+    counted in trainer.max_steps, then the KL stage."""
+
+    teacher: str = "SmolLM2-135M-Instruct"  # a known name, an export or a transformers directory
+    top_k: int = 64
+    ce_weight: float = 0.0  # + ce_weight * next-token cross-entropy on the data
+    train: Literal["all", "attention"] = "all"  # which parameters learn
+    transfer_steps: int = 0
+    teacher_cache: bool = True  # cache the teacher's top-k on disk (top_k > 0)
+
+    def validate(self) -> None:
+        _check(self.top_k >= 0, f"distill.top_k={self.top_k}: must be >= 0 (0: full vocabulary)")
+        _check(self.ce_weight >= 0, f"distill.ce_weight={self.ce_weight}: must be >= 0")
+        _check(self.transfer_steps >= 0,
+               f"distill.transfer_steps={self.transfer_steps}: must be >= 0")
+
+
+@dataclass
 class TrainConfig:
     name: str
-    model: dict[str, Any]  # validated into ModelConfig by `model_config()`
+    model: dict[str, Any] | None = None  # validated into ModelConfig by `model_config()`
+    # An export directory to start from (its config is the model's: `model` must then be
+    # absent), e.g. a model converted by `python -m egmla.upcycle`.
+    init: str | None = None
+    distill: DistillConfig | None = None
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     seed: int = 0
     export: bool = True  # write run_dir/export/ after training
+    export_steps: list[int] = field(default_factory=list)  # also run_dir/exports/step<N>/
     sample_prompt: str | None = "ROMEO:"  # printed with a short sample after training
 
     @classmethod
@@ -277,9 +317,22 @@ class TrainConfig:
         cfg.data.validate()
         cfg.optim.validate()
         cfg.trainer.validate()
+        if cfg.distill is not None:
+            cfg.distill.validate()
+            _check(cfg.distill.transfer_steps < cfg.trainer.max_steps,
+                   f"distill.transfer_steps={cfg.distill.transfer_steps}: must be below "
+                   f"trainer.max_steps={cfg.trainer.max_steps}")
         return cfg
 
     def model_config(self) -> ModelConfig:
+        if self.init is not None:
+            _check(not self.model, "init= and a model section both given: the run's model is "
+                   "the init export's (drop the model section, e.g. override /model: null)")
+            try:
+                return read_export_config(self.init)[0]
+            except CheckpointError as err:
+                raise ConfigError(f"init={self.init!r}: {err}") from None
+        _check(bool(self.model), "model: missing section (or give init=<export directory>)")
         model = typed_model(self.model)  # its own paths: "model.attention.d_c: expected ..."
         try:
             return ModelConfig.from_dict(model)

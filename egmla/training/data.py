@@ -16,7 +16,7 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
 from egmla.config import ConfigError
 from egmla.data.mqar import MQARConfig, MQARDataset
-from egmla.data.packing import PackedDataset, tokenize_to_cache
+from egmla.data.packing import Indexed, PackedDataset, tokenize_to_cache
 from egmla.data.sampler import StepSampler
 from egmla.data.sources import load_text_source
 from egmla.data.tokenizer import get_tokenizer
@@ -54,9 +54,10 @@ class _StepDataModule(L.LightningDataModule):
 
     val_slices: list[str] | None = None  # names of the validation sets, if they are reported apart
 
-    def __init__(self, data: DataConfig, seed: int, max_steps: int) -> None:
+    def __init__(self, data: DataConfig, seed: int, max_steps: int, indexed: bool = False) -> None:
         super().__init__()
         self.data, self.seed, self.max_steps = data, seed, max_steps
+        self.indexed = indexed  # training items carry their window index (distillation)
         self.train_set: Dataset | None = None
         self.val_sets: list[Dataset] = []
 
@@ -96,13 +97,13 @@ class TextDataModule(_StepDataModule):
     """Tokenized, packed text. Tokenizer training and tokenization are cached on disk and done
     once per node (`prepare_data`), then every rank loads the cache (`setup`)."""
 
-    def __init__(self, data: DataConfig, seed: int, max_steps: int) -> None:
-        super().__init__(data, seed, max_steps)
+    def __init__(self, data: DataConfig, seed: int, max_steps: int, indexed: bool = False) -> None:
+        super().__init__(data, seed, max_steps, indexed)
         self.tokenizer = None
 
     def _source(self):
-        if self.data.kind == "corpus":
-            return load_text_source("corpus", val_fraction=self.data.val_fraction)
+        if self.data.kind in ("corpus", "recovery"):
+            return load_text_source(self.data.kind, val_fraction=self.data.val_fraction)
         options = {k: v for k, v in vars(self.data.hf).items() if k != "max_tokens"}
         return load_text_source("hf", val_fraction=self.data.val_fraction, **options)
 
@@ -117,7 +118,8 @@ class TextDataModule(_StepDataModule):
         tokenizer = self.load_tokenizer()
         source = self._source()
         key = {"data": source.fingerprint, "val_fraction": self.data.val_fraction}
-        max_tokens = self.data.hf.max_tokens if self.data.hf else None
+        section = self.data.hf if self.data.kind == "hf" else self.data.recovery
+        max_tokens = section.max_tokens if section is not None else None
         train = tokenize_to_cache(source.train, tokenizer, {**key, "split": "train"},
                                   max_tokens=max_tokens, desc="tokenize train")
         val = tokenize_to_cache(source.val, tokenizer, {**key, "split": "val"}, desc="tokenize val")
@@ -139,6 +141,8 @@ class TextDataModule(_StepDataModule):
     def setup(self, stage: str | None = None) -> None:
         _, train, val = self._tokens()
         self.train_set = PackedDataset(train, self.data.seq_len)
+        if self.indexed:
+            self.train_set = Indexed(self.train_set)
         self.val_sets = [PackedDataset(val, self.data.seq_len)]
 
 
@@ -177,7 +181,12 @@ def unigram_loss(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:
     return float(-logp[np.asarray(val)].mean())
 
 
-def build_datamodule(data: DataConfig, seed: int, max_steps: int) -> _StepDataModule:
+def build_datamodule(data: DataConfig, seed: int, max_steps: int,
+                     indexed: bool = False) -> _StepDataModule:
+    """The data module of `data.kind`; `indexed`: training items are (input_ids, labels,
+    window index), as distillation's teacher cache needs (text only)."""
     if data.kind == "mqar":
+        if indexed:
+            raise ConfigError("distillation needs text data (data.kind corpus, hf or recovery)")
         return MQARDataModule(data, seed, max_steps)
-    return TextDataModule(data, seed, max_steps)
+    return TextDataModule(data, seed, max_steps, indexed)

@@ -27,17 +27,21 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
+from egmla.checkpoint import load_export
 from egmla.config import ModelConfig
 from egmla.data.tokenizer import tokenizer_fingerprint
 from egmla.models import cache_spec_for
 from egmla.provenance import provenance
-from egmla.training.callbacks import Export, ProgressBar, ResumableCSVLogger, Throughput
+from egmla.training.callbacks import (
+    Export, ExportAt, ProgressBar, ResumableCSVLogger, Throughput,
+)
 from egmla.training.config import TrainConfig
 from egmla.training.data import build_datamodule
 from egmla.training.module import LanguageModel
 
 # Sections that define what is being trained: a resumed run must not change them.
-FROZEN = ("data.kind", "data.tokenizer", "data.hf", "data.mqar", "data.seq_len", "model", "seed")
+FROZEN = ("data.kind", "data.tokenizer", "data.hf", "data.mqar", "data.recovery", "data.seq_len",
+          "model", "init", "distill", "seed")
 
 
 class RunError(ValueError):
@@ -83,8 +87,8 @@ def check_resume(run_dir: Path, config: TrainConfig, tokenizer_id: str | None) -
     saved = json.loads(saved_path.read_text())
     saved["model"] = _with_defaults(saved.get("model"))
     current = {**config.to_dict(), "model": _with_defaults(config.model),
-               "tokenizer_fingerprint": tokenizer_id}
-    for key in (*FROZEN, "tokenizer_fingerprint"):
+               "tokenizer_fingerprint": tokenizer_id, **_init_model(config)}
+    for key in (*FROZEN, "tokenizer_fingerprint", *_init_model(config)):
         difference = _first_difference(_get(saved, key), _get(current, key), key)
         if difference:
             path, there, now = difference
@@ -95,6 +99,12 @@ def check_resume(run_dir: Path, config: TrainConfig, tokenizer_id: str | None) -
             )
     last = run_dir / "checkpoints" / "last.ckpt"
     return last if last.is_file() else None
+
+
+def _init_model(config: TrainConfig) -> dict[str, Any]:
+    """A run started from an export records the model it holds, so that resuming with an
+    export of another model (a conversion with other options) is refused."""
+    return {"init_model": config.model_config().to_dict()} if config.init is not None else {}
 
 
 def _wandb_logger(config: TrainConfig, run_dir: Path):
@@ -143,7 +153,7 @@ def _record_start(run_dir: Path, config: TrainConfig, tokenizer_id: str | None,
                   resume_from: Path | None, stats: dict[str, Any]) -> None:
     """config.json on the first start; run_info.json gains one provenance entry per start."""
     if not (run_dir / "config.json").is_file():
-        record = {**config.to_dict(), "tokenizer_fingerprint": tokenizer_id}
+        record = {**config.to_dict(), "tokenizer_fingerprint": tokenizer_id, **_init_model(config)}
         (run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
     info_path = run_dir / "run_info.json"
     starts = json.loads(info_path.read_text())["starts"] if info_path.is_file() else []
@@ -166,9 +176,12 @@ def _callbacks(config: TrainConfig, run_dir: Path, tokenizer, extra: tuple) -> l
                    seq_len=d.seq_len, peak_flops=_peak_flops(config)),
         *extra,
     ]
+    extra_info = {"run": config.name, "run_dir": str(run_dir)}
     if config.export:
-        callbacks.append(Export(run_dir / "export", tokenizer=tokenizer,
-                                extra={"run": config.name, "run_dir": str(run_dir)}))
+        callbacks.append(Export(run_dir / "export", tokenizer=tokenizer, extra=extra_info))
+    if config.export_steps:
+        callbacks.append(ExportAt(config.export_steps, run_dir / "exports", tokenizer=tokenizer,
+                                  extra=extra_info))
     return callbacks
 
 
@@ -188,12 +201,51 @@ def _trainer(config: TrainConfig, run_dir: Path, callbacks: list, loggers: list)
     )
 
 
+def _module(config: TrainConfig, model_config: ModelConfig, datamodule) -> LanguageModel:
+    """The LightningModule: plain next-token training, or distillation from a teacher; its
+    weights from `init` where given (a resumed run then loads its checkpoint over them)."""
+    common = {"model": model_config.to_dict(), "optim": vars(config.optim).copy(),
+              "max_steps": config.trainer.max_steps, "compile": config.trainer.compile,
+              "val_slices": datamodule.val_slices}
+    if config.distill is None:
+        module = LanguageModel(**common)
+    else:
+        from egmla.training.distill import DistillationModel
+
+        module = DistillationModel(**common, distill=dataclasses.asdict(config.distill))
+    if config.init is not None:
+        module.model.load_state_dict(load_export(config.init, dtype=torch.float32).state_dict())
+    if config.distill is not None:
+        _attach_teacher(module, config, datamodule)
+    return module
+
+
+def _attach_teacher(module, config: TrainConfig, datamodule) -> None:
+    from egmla.imports import load_pretrained
+    from egmla.training.distill import teacher_cache
+
+    d = config.distill
+    teacher, _ = load_pretrained(d.teacher, dtype=torch.float32)
+    if teacher.config.vocab_size != module.model_config.vocab_size:
+        raise RunError(f"distill.teacher={d.teacher!r} has a vocabulary of "
+                       f"{teacher.config.vocab_size}, the model {module.model_config.vocab_size}")
+    topk = None
+    if d.top_k and d.teacher_cache:
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+        train_set = datamodule.train_set.dataset  # the PackedDataset under Indexed
+        topk = teacher_cache(teacher, train_set.tokens, len(train_set), config.data.seq_len,
+                             d.top_k)
+    module.attach_teacher(teacher, topk)
+
+
 def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = ()) -> dict[str, Any]:
     """Train (or resume) the run described by `raw` in `run_dir`; return the summary."""
     config = TrainConfig.from_dict(raw)
     model_config = config.model_config()
     run_dir = Path(run_dir)
-    datamodule = build_datamodule(config.data, config.seed, config.trainer.max_steps)
+    datamodule = build_datamodule(config.data, config.seed, config.trainer.max_steps,
+                                  indexed=config.distill is not None)
     tokenizer = datamodule.load_tokenizer()
     tokenizer_id = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
     datamodule.check_vocab(model_config.vocab_size)
@@ -205,9 +257,7 @@ def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = ()) -> di
         _record_start(run_dir, config, tokenizer_id, resume_from, stats)
 
     L.seed_everything(config.seed, workers=True, verbose=False)
-    module = LanguageModel(model=model_config.to_dict(), optim=vars(config.optim).copy(),
-                           max_steps=config.trainer.max_steps, compile=config.trainer.compile,
-                           val_slices=datamodule.val_slices)
+    module = _module(config, model_config, datamodule)
     loggers = [ResumableCSVLogger(run_dir)]
     wandb_logger = _wandb_logger(config, run_dir)
     if wandb_logger is not None:
