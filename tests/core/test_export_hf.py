@@ -25,6 +25,13 @@ from serve import LLM, SamplingParams
 from support import ROOT
 
 MLA = {"d_c": 32, "d_nope": 16, "d_rope": 8, "d_v": 16}
+# A converted GQA model's form (support.models.CONVERTED, over these tests' 4 layers): 2 KV heads,
+# each with its own RoPE key rotating at 4 of the 12 frequencies of a 24-wide head, chosen per
+# layer; no latent norm
+CONVERTED = {"latent_norm": False, "n_kv_heads": 2, "rope_heads": 2,
+             "rope_freqs": [[[0, 3, 5, 11], [1, 2, 7, 9]], [[4, 6, 8, 10], [0, 1, 2, 3]],
+                            [[2, 5, 9, 10], [11, 0, 4, 6]], [[1, 3, 6, 8], [5, 7, 10, 11]]]}
+RESIDUAL_GATE = {"d_e": 16, "gate_residual": True, "gate_init": "random", "gate_norm": "none"}
 VARIANTS = {
     "gqa": {"type": "mha", "n_kv_heads": 2},
     "mla": {"type": "mla", **MLA, "d_q": 24},
@@ -33,6 +40,17 @@ VARIANTS = {
                      "gate_norm": "rmsnorm"},
     "gqa-relu2": {"type": "mha", "n_kv_heads": 2},
     "mla-drelu": {"type": "mla", **MLA},
+    "mla-converted": {"type": "mla", **MLA, **CONVERTED},
+    "egmla-kv-converted": {"type": "egmla", **MLA, **RESIDUAL_GATE, **CONVERTED},
+    "egmla-latent-converted": {"type": "egmla", **MLA, **RESIDUAL_GATE, **CONVERTED,
+                               "gate_position": "latent"},
+    # attention over lcm(n_kv_heads, rope_heads) heads, each K/V head (here with d_nope 0) or
+    # RoPE key serving two consecutive ones; the RoPE keys at permuted frequencies
+    "mla-nope0-converted": {"type": "mla", "d_c": 32, "d_nope": 0, "d_rope": 8, "d_v": 16,
+                            "latent_norm": False, "n_kv_heads": 2, "rope_heads": 4,
+                            "rope_freqs": [[[3, 1, 0, 2], [2, 0, 3, 1], [0, 1, 2, 3],
+                                            [1, 3, 2, 0]]] * 4},
+    "mla-rope-pairs": {"type": "mla", **MLA, "rope_heads": 2},
 }
 FFN = {"gqa-relu2": "relu2", "mla-drelu": "drelu"}  # the MLP of a variant, where not SwiGLU
 
@@ -148,8 +166,8 @@ def test_the_generate_cache_holds_exactly_egmlas_analytic_bytes(exported, dtype,
     assert measured == cache.nbytes()
     assert measured / tokens == transformers_cache_spec(model.config).bytes_per_token(dtype)
     a = model.config.attention
-    if a.type != "mha":  # the latent and the shared RoPE key, never per-head K/V
-        assert {t.shape[-1] for t in cached_tensors(cache)[:2]} == {a.d_c, a.d_rope}
+    if a.type != "mha":  # the latent and the RoPE key(s), never per-head K/V
+        assert {t.shape[-1] for t in cached_tensors(cache)[:2]} == {a.d_c, a.rope_heads * a.d_rope}
 
 
 def test_loads_back_into_egmla_exactly(exported):
@@ -414,4 +432,21 @@ def test_every_layer_attends_through_transformers_attention_interface(tmp_path):
         theirs = hf(ids, use_cache=False).logits
         ours = model(ids)
     assert calls == [0, 1, 2, 3]
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+
+def test_an_export_from_before_the_converted_forms_reads_them_at_their_defaults(tmp_path):
+    """A config.json written before the converted forms has none of their keys: transformers
+    and egmla both read DeepSeek's MLA (and the plain gate), and compute what egmla computes."""
+    model = tiny_model(VARIANTS["egmla-kv"])
+    directory = save_hf(model, tmp_path / "hf")
+    config = json.loads((directory / "config.json").read_text())
+    for key in ("latent_norm", "n_kv_heads", "rope_heads", "rope_freqs", "gate_residual"):
+        del config["attention"][key]
+    (directory / "config.json").write_text(json.dumps(config))
+    back, _ = load_pretrained(directory)
+    assert back.config == model.config
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        ours, theirs = model(ids), load_transformers(directory)(ids).logits
     assert (ours - theirs).abs().max().item() < 1e-4

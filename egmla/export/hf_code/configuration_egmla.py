@@ -12,7 +12,14 @@ transformers and torch, not egmla.
     {"type": "mha", "n_kv_heads": 3, "head_dim": 64}
     {"type": "mla", "d_c": 256, "d_q": null, "d_nope": 64, "d_rope": 64, "d_v": 64, ...}
     {"type": "egmla", ... MLA's keys ..., "d_e": 256, "gate_position": "kv",
-     "gate_norm": "layernorm", "gate_group_size": 1}
+     "gate_norm": "layernorm", "gate_group_size": 1, "gate_residual": false, ...}
+
+MLA and EG-MLA may also hold the forms of a model converted from GQA, each absent or at its
+default in DeepSeek's MLA: "latent_norm" (false: no RMSNorm on the latent), "n_kv_heads" (K/V
+heads up-projected from the latent, each shared by n_heads / n_kv_heads query heads),
+"rope_heads" (RoPE keys per token, likewise shared), "rope_freqs" (per layer, per RoPE key, the
+d_rope / 2 frequency indices j: pair i rotates at rope_theta^(-2 j / (d_nope + d_rope))), and
+"d_nope": 0. EG-MLA's "gate_residual" makes the gate 1 + W_UE E[id].
 """
 
 from __future__ import annotations

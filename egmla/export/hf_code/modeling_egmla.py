@@ -8,7 +8,7 @@ only transformers (5.x) and torch, not egmla, and computes the same function as 
 The cache stores what the variant caches in egmla, nothing decompressed:
 
     mha     per layer: K (after RoPE) and V               2 * n_kv_heads * head_dim per token
-    mla     per layer: the normed latent c, k_rope        d_c + d_rope per token
+    mla     per layer: the latent c, the RoPE key(s)      d_c + rope_heads * d_rope per token
     egmla   as mla; with gate_position="kv" also the token ids, once for all layers
 
 MLA and EG-MLA rebuild K/V from the cached latent at every step (egmla's "naive" form): the
@@ -18,6 +18,7 @@ less code. Attention runs through transformers' attention interface (sdpa by def
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -61,18 +62,35 @@ def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
             "none": nn.Identity}[kind]()
 
 
-def rotary(positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype):
-    """positions (B, T) -> cos, sin (B, 1, T, dim): the half-split ("rotate_half") layout."""
+def rotary(positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype,
+           freqs: list[list[int]] | None = None, spectrum: int | None = None):
+    """positions (B, T) -> cos, sin (B, 1, T, dim): the half-split ("rotate_half") layout, pair
+    i = dims (i, i + dim/2) at theta^(-2i / dim).
+
+    With `freqs` (one list of dim/2 indices j per RoPE key, a converted model's choice from the
+    spectrum of a wider head), pair i of key h rotates at theta^(-2 freqs[h][i] / spectrum):
+    cos, sin (B, keys, T, dim). Example: spectrum 24, freqs [[0, 3, 5, 11]] turns an 8-wide
+    key's pairs at the frequencies of a 24-wide head's pairs 0, 3, 5 and 11.
+    """
     work = torch.promote_types(dtype, torch.float32)
-    exponent = torch.arange(0, dim, 2, device=positions.device, dtype=torch.int64).to(work)
-    inv_freq = 1.0 / (theta ** (exponent / dim))
-    angles = positions.to(work)[..., None] * inv_freq  # (B, T, dim / 2)
-    angles = torch.cat((angles, angles), dim=-1)[:, None]  # (B, 1, T, dim)
+    if freqs is None:
+        exponent = torch.arange(0, dim, 2, device=positions.device, dtype=torch.int64).to(work)
+        inv_freq = 1.0 / (theta ** (exponent / dim))  # (dim / 2,)
+    else:
+        exponent = 2 * torch.tensor(freqs, device=positions.device, dtype=torch.int64)
+        inv_freq = 1.0 / (theta ** (exponent.to(work) / spectrum))  # (keys, dim / 2)
+    inv_freq = inv_freq.view(-1, 1, dim // 2)  # (1 or keys, 1, dim / 2)
+    angles = positions.to(work)[:, None, :, None] * inv_freq  # (B, 1 or keys, T, dim / 2)
+    angles = torch.cat((angles, angles), dim=-1)  # (B, 1 or keys, T, dim)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, T, D): pairs (i, i + D/2) rotate by one angle."""
+    """x (B, heads, T, D) by cos/sin (B, 1 or keys, T, D), each key's angles shared by
+    heads / keys consecutive heads of x: pairs (i, i + D/2) rotate by one angle."""
+    if cos.shape[1] not in (1, x.shape[1]):
+        repeat = x.shape[1] // cos.shape[1]
+        cos, sin = cos.repeat_interleave(repeat, dim=1), sin.repeat_interleave(repeat, dim=1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -123,8 +141,9 @@ def eager_attention(module, query, key, value, attention_mask, scaling, dropout=
 
 class EgmlaCache(Cache):
     """Per layer, the two per-token tensors the variant caches (K, V for MHA; c, k_rope for MLA
-    and EG-MLA), grown by concatenation so storage equals what is cached; plus, for EG-MLA with
-    gate_position="kv", the token ids (int32), stored once for all layers."""
+    and EG-MLA, k_rope's rope_heads keys side by side), grown by concatenation so storage
+    equals what is cached; plus, for EG-MLA with gate_position="kv", the token ids (int32),
+    stored once for all layers."""
 
     def __init__(self, config: EgmlaConfig) -> None:
         super().__init__(layers=[DynamicLayer() for _ in range(config.num_hidden_layers)])
@@ -217,16 +236,28 @@ class EgmlaMLA(nn.Module):
 
     c = RMSNorm(W_DKV x) and k_rope = RoPE(W_KR x) are cached; K/V are rebuilt from c:
     [k_nope; v] = W_UKV c (MLA), Norm(W_UKV c * g) (EG-MLA, gate_position="kv"), or W_UKV c'
-    with c' = Norm(c * g) cached instead of c (gate_position="latent"); g = W_UE E[token id].
+    with c' = Norm(c * g) cached instead of c (gate_position="latent"); g = W_UE E[token id],
+    or g = 1 + W_UE E[token id] with `gate_residual`.
+
+    A model converted from GQA (egmla.upcycle) may take more general forms, each off by default
+    (DeepSeek's MLA): no norm on c (`latent_norm` false); G = `n_kv_heads` K/V heads
+    up-projected from c, query head i reading head i // (H / G); Hr = `rope_heads` RoPE keys per
+    token, query head i reading key i // (H / Hr), each key and its query heads rotating at the
+    key's own frequencies (`rope_freqs`, per layer); `d_nope` 0. Attention then runs over
+    lcm(G, Hr) K/V heads, grouped like GQA.
     """
 
     def __init__(self, config: EgmlaConfig, layer_idx: int) -> None:
         super().__init__()
         a, d, H = config.attention, config.hidden_size, config.num_attention_heads
         self.config, self.layer_idx, self.is_causal = config, layer_idx, True
-        self.n_heads, self.num_key_value_groups = H, 1
         self.d_c, self.d_q = a["d_c"], a.get("d_q")
         self.d_nope, self.d_rope, self.d_v = a["d_nope"], a["d_rope"], a["d_v"]
+        self.n_heads, self.n_kv, self.rope_heads = H, a.get("n_kv_heads") or H, a.get("rope_heads", 1)
+        self.attn_heads = math.lcm(self.n_kv, self.rope_heads)  # K/V heads attended (H by default)
+        self.num_key_value_groups = H // self.attn_heads
+        freqs = a.get("rope_freqs")
+        self.rope_freqs = None if freqs is None else freqs[layer_idx]  # per RoPE key
         self.scaling = (self.d_nope + self.d_rope) ** -0.5
         q_width = H * (self.d_nope + self.d_rope)
         if self.d_q is None:
@@ -235,40 +266,55 @@ class EgmlaMLA(nn.Module):
             self.q_a_proj = nn.Linear(d, self.d_q, bias=False)
             self.q_a_layernorm = EgmlaRMSNorm(self.d_q, config.rms_norm_eps)
             self.q_b_proj = nn.Linear(self.d_q, q_width, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(d, self.d_c + self.d_rope, bias=False)
-        self.kv_a_layernorm = EgmlaRMSNorm(self.d_c, config.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(self.d_c, H * (self.d_nope + self.d_v), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.d_c + self.rope_heads * self.d_rope, bias=False)
+        self.kv_a_layernorm = (EgmlaRMSNorm(self.d_c, config.rms_norm_eps)
+                               if a.get("latent_norm", True) else nn.Identity())
+        kv_width = self.n_kv * (self.d_nope + self.d_v)
+        self.kv_b_proj = nn.Linear(self.d_c, kv_width, bias=False)
         self.o_proj = nn.Linear(H * self.d_v, d, bias=False)
         self.gate_position = a.get("gate_position") if a["type"] == "egmla" else None
         if self.gate_position is not None:
-            gated = H * (self.d_nope + self.d_v) if self.gate_position == "kv" else self.d_c
+            gated = kv_width if self.gate_position == "kv" else self.d_c
             self.gate_embed_proj = nn.Linear(a["d_e"], gated, bias=False)  # W_UE
             self.gate_norm = make_norm(a["gate_norm"], gated, config.rms_norm_eps)
+            self.gate_residual = a.get("gate_residual", False)
+
+    def gate(self, gate_table: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        """g = W_UE E[id] (or 1 + W_UE E[id]) for the ids (B, S): (B, S, gated width)."""
+        g = self.gate_embed_proj(gate_table(ids))
+        return g + 1 if self.gate_residual else g
 
     def forward(self, x, positions, mask, cache, key_ids, gate_table=None, token_ids=None,
                 **kwargs):
+        # H query heads, G K/V heads, Hr RoPE keys, A = lcm(G, Hr) heads attended
         B, T, _ = x.shape
-        H, n, r = self.n_heads, self.d_nope, self.d_rope
+        H, G, Hr, A = self.n_heads, self.n_kv, self.rope_heads, self.attn_heads
+        n, r, dv = self.d_nope, self.d_rope, self.d_v
         q = self.q_proj(x) if self.d_q is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_rope = q.view(B, T, H, n + r).transpose(1, 2).split([n, r], dim=-1)
-        cos, sin = rotary(positions, r, self.config.rope_theta, x.dtype)
-        q_rope = apply_rope(q_rope, cos, sin)
+        cos, sin = rotary(positions, r, self.config.rope_theta, x.dtype, self.rope_freqs, n + r)
+        q_rope = apply_rope(q_rope, cos, sin)  # (B, H, T, r)
 
-        c, k_rope = self.kv_a_proj_with_mqa(x).split([self.d_c, r], dim=-1)
+        c, k_rope = self.kv_a_proj_with_mqa(x).split([self.d_c, Hr * r], dim=-1)
         c = self.kv_a_layernorm(c)  # (B, T, d_c)
         if self.gate_position == "latent":
-            c = self.gate_norm(c * self.gate_embed_proj(gate_table(token_ids)))
-        k_rope = apply_rope(k_rope[:, None], cos, sin)[:, 0]  # (B, T, r): one key for all heads
+            c = self.gate_norm(c * self.gate(gate_table, token_ids))
+        k_rope = apply_rope(k_rope.view(B, T, Hr, r).transpose(1, 2), cos, sin)  # (B, Hr, T, r)
+        k_rope = k_rope.transpose(1, 2).reshape(B, T, Hr * r)  # cached flat: tokens on dim -2
         if cache is not None:
-            c, k_rope = cache.update(c, k_rope, self.layer_idx)  # (B, S, d_c), (B, S, r)
+            c, k_rope = cache.update(c, k_rope, self.layer_idx)  # (B, S, d_c), (B, S, Hr * r)
         S = c.shape[1]
 
-        kv = self.kv_b_proj(c)  # (B, S, H * (n + d_v))
+        kv = self.kv_b_proj(c)  # (B, S, G * (n + d_v))
         if self.gate_position == "kv":
-            kv = self.gate_norm(kv * self.gate_embed_proj(gate_table(key_ids)))
-        k_nope, v = kv.view(B, S, H, n + self.d_v).transpose(1, 2).split([n, self.d_v], dim=-1)
-        k = torch.cat((k_nope, k_rope[:, None].expand(B, H, S, r)), dim=-1)
-        query = torch.cat((q_nope, q_rope), dim=-1)
+            kv = self.gate_norm(kv * self.gate(gate_table, key_ids))
+        k_nope, v = kv.view(B, S, G, n + dv).transpose(1, 2).split([n, dv], dim=-1)  # (B, G, S, .)
+        k_rope = k_rope.view(B, S, Hr, r).transpose(1, 2)  # (B, Hr, S, r)
+        if A != G:
+            k_nope, v = k_nope.repeat_interleave(A // G, dim=1), v.repeat_interleave(A // G, dim=1)
+        k_rope = k_rope.expand(B, A, S, r) if Hr == 1 else k_rope.repeat_interleave(A // Hr, dim=1)
+        k = torch.cat((k_nope, k_rope), dim=-1)  # (B, A, S, n + r)
+        query = torch.cat((q_nope, q_rope), dim=-1)  # (B, H, T, n + r)
         out, _ = _attention_function(self.config)(
             self, query, k, v, mask, scaling=self.scaling, dropout=0.0, **kwargs
         )
