@@ -68,7 +68,8 @@ class AttentionConfig:
     A variant declares here what other code would otherwise have to ask it by type: its
     parameter counts, the label comparisons use, and how it exports (`native_architecture`, the
     transformers architecture a native export targets, or None with `native_refusal` saying
-    why; `hf_layout`, the weight-name families of the remote-code export)."""
+    why, and `native_refusal_reason` for a config of a native type that architecture still
+    cannot hold; `hf_layout`, the weight-name families of the remote-code export)."""
 
     type: ClassVar[str] = ""
     native_architecture: ClassVar[str | None] = None
@@ -101,6 +102,13 @@ class AttentionConfig:
     def as_reference(self) -> AttentionConfig:
         """This attention computed the plain way (what exported modeling code runs)."""
         return self
+
+    def native_refusal_reason(self, model: ModelConfig) -> str | None:
+        """Why this config has no native export, in one line, or None when it has one."""
+        if self.native_architecture is None:
+            return self.native_refusal or (f"attention type {self.type!r} has no native "
+                                           "transformers architecture")
+        return None
 
 
 @dataclass
@@ -220,6 +228,29 @@ class MLAConfig(AttentionConfig):
         if self.rope_freqs is None:
             return None
         return tuple(tuple(freqs) for freqs in self.rope_freqs[layer])
+
+    def native_refusal_reason(self, model: ModelConfig) -> str | None:
+        """DeepSeek-V3 holds DeepSeek's MLA only: each converted form is refused, named."""
+        reason = super().native_refusal_reason(model)  # a type with no native form says so first
+        if reason:
+            return reason
+        refused = [
+            (not self.latent_norm, "latent_norm=False",
+             "DeepSeek-V3 always applies an RMSNorm (kv_a_layernorm) to the latent"),
+            (self.kv_heads(model) != model.n_heads, f"n_kv_heads={self.n_kv_heads}",
+             "DeepSeek-V3 up-projects one key and value per query head"),
+            (self.rope_heads != 1, f"rope_heads={self.rope_heads}",
+             "DeepSeek-V3 caches one RoPE key shared by every head"),
+            (self.rope_freqs is not None, "rope_freqs (set)",
+             "DeepSeek-V3 rotates at the standard frequencies theta^(-2i / qk_rope_head_dim)"),
+            (self.d_nope == 0, "d_nope=0",
+             "no DeepSeek-V3 has qk_nope_head_dim 0, and its readers are not known to accept it"),
+        ]
+        for is_refused, option, why in refused:
+            if is_refused:
+                return (f"attention.{option}: {why}; this converted form exports with "
+                        "--format hf (remote code) only")
+        return None
 
     def layer_params(self, model: ModelConfig) -> int:
         d, h, g = model.d_model, model.n_heads, self.kv_heads(model)

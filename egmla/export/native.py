@@ -21,6 +21,9 @@ What has no counterpart is refused with NativeExportError naming it, never appro
 
 - EG-MLA: its token-ID embedding gate (a per-token table multiplied into the KV path) exists in
   no architecture transformers or vLLM ship. Use `--format hf` (egmla's remote-code export).
+- MLA in a converted GQA model's form (no latent norm, grouped K/V heads, several RoPE keys,
+  chosen RoPE frequencies, d_nope 0): DeepSeek-V3 holds none of them; the attention config
+  names the option (`native_refusal_reason`). Use `--format hf`.
 - MLA with norm_eps != 1e-6: DeepSeek-V3's latent norms (q_a / kv_a_layernorm) use eps 1e-6 in
   transformers whatever rms_norm_eps says (vLLM uses rms_norm_eps), while egmla has one
   norm_eps; only 1e-6 means the same model everywhere.
@@ -63,10 +66,10 @@ def native_architecture(config: ModelConfig) -> str:
     Raises NativeExportError for EG-MLA and for anything else the architecture cannot hold.
     """
     a = config.attention
+    reason = a.native_refusal_reason(config)  # the variant knows what its architecture holds
+    if reason:
+        raise NativeExportError(reason)
     arch = a.native_architecture
-    if arch is None:
-        raise NativeExportError(a.native_refusal or f"attention type {a.type!r} has no native "
-                                "transformers architecture")
     if arch == "deepseek_v3" and config.norm_eps != DEEPSEEK_LATENT_NORM_EPS:
         raise NativeExportError(
             f"norm_eps={config.norm_eps}: DeepSeek-V3's latent norms always use eps="

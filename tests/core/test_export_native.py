@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +241,40 @@ def test_mha_with_indivisible_d_model_is_refused():
 def test_a_non_float_dtype_is_refused():
     with pytest.raises(NativeExportError, match="floating-point"):
         native_config(tiny_config(MHAConfig(), True), torch.int8)
+
+
+# A converted GQA model's forms of MLA (egmla.upcycle): DeepSeek-V3 holds none of them, and the
+# refusal names the option. Each case sets one option off its default.
+CONVERTED_FORMS = {
+    "latent_norm=False": {"latent_norm": False},
+    "n_kv_heads=2": {"n_kv_heads": 2},
+    "rope_heads=2": {"rope_heads": 2},
+    "rope_freqs": {"rope_freqs": [[[0, 2, 5, 7]], [[1, 3, 4, 6]]]},
+    "d_nope=0": {"d_nope": 0},
+}
+
+
+@pytest.mark.parametrize("option", list(CONVERTED_FORMS))
+def test_a_converted_mla_form_is_refused_naming_the_option(option):
+    shape = {"d_c": 16, "d_nope": 8, "d_rope": 8, "d_v": 12}
+    config = tiny_config(MLAConfig(**{**shape, **CONVERTED_FORMS[option]}), False)
+    named = re.escape(f"attention.{option}")
+    for call in (lambda: native_architecture(config), lambda: native_config(config, torch.float32)):
+        with pytest.raises(NativeExportError, match=f"{named}.*--format hf") as err:
+            call()
+        assert "\n" not in str(err.value)
+    torch.manual_seed(0)
+    with pytest.raises(NativeExportError, match=named):
+        native_state_dict(Transformer(config))
+
+
+def test_n_kv_heads_equal_to_n_heads_is_plain_mla_and_exports():
+    config = tiny_config(MLAConfig(d_c=16, d_nope=8, d_rope=8, d_v=12, n_kv_heads=4), False)
+    assert native_architecture(config) == "deepseek_v3"
+
+
+def test_egmla_in_a_converted_form_is_refused_for_its_gate_first():
+    attention = EGMLAConfig(d_c=16, d_nope=8, d_rope=8, d_v=12, d_e=16, latent_norm=False,
+                            gate_residual=True)
+    with pytest.raises(NativeExportError, match="embedding gate"):
+        native_architecture(tiny_config(attention, False))
