@@ -326,6 +326,8 @@ class TrainConfig:
 
     def model_config(self) -> ModelConfig:
         if self.init is not None:
+            _check(self.init != "???", "init: missing; pass init=<export directory> (python -m "
+                   "egmla.upcycle writes one)")
             _check(not self.model, "init= and a model section both given: the run's model is "
                    "the init export's (drop the model section, e.g. override /model: null)")
             try:

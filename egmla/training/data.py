@@ -100,6 +100,7 @@ class TextDataModule(_StepDataModule):
     def __init__(self, data: DataConfig, seed: int, max_steps: int, indexed: bool = False) -> None:
         super().__init__(data, seed, max_steps, indexed)
         self.tokenizer = None
+        self.train_tokens = None  # the flat training tokens (setup)
 
     def _source(self):
         if self.data.kind in ("corpus", "recovery"):
@@ -135,11 +136,12 @@ class TextDataModule(_StepDataModule):
                               f"vocabulary ({size})")
 
     def baselines(self) -> dict[str, float]:
-        return {"unigram_val_loss": unigram_loss(self.train_set.tokens, self.val_sets[0].tokens,
+        return {"unigram_val_loss": unigram_loss(self.train_tokens, self.val_sets[0].tokens,
                                                  len(self.load_tokenizer()))}
 
     def setup(self, stage: str | None = None) -> None:
         _, train, val = self._tokens()
+        self.train_tokens = train
         self.train_set = PackedDataset(train, self.data.seq_len)
         if self.indexed:
             self.train_set = Indexed(self.train_set)

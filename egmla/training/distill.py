@@ -42,10 +42,12 @@ def topk_kl(student_logits: torch.Tensor, teacher_logp: torch.Tensor,
     logits = student_logits.float()
     log_z = logits.logsumexp(-1)  # (...)
     log_q = logits.gather(-1, teacher_idx) - log_z[..., None]  # (..., K)
-    log_q_rest = logits.scatter(-1, teacher_idx, float("-inf")).logsumexp(-1) - log_z
     p = teacher_logp.float().exp()
-    p_rest = (1.0 - p.sum(-1)).clamp_min(0.0)
     kl = (p * (teacher_logp.float() - log_q)).sum(-1)
+    if teacher_idx.shape[-1] == logits.shape[-1]:
+        return kl  # no rest bucket (1 - sum p is rounding, not mass)
+    log_q_rest = logits.scatter(-1, teacher_idx, float("-inf")).logsumexp(-1) - log_z
+    p_rest = (1.0 - p.sum(-1)).clamp_min(0.0)
     rest = torch.where(p_rest > 0, p_rest * (p_rest.clamp_min(1e-30).log() - log_q_rest),
                        torch.zeros_like(p_rest))
     return kl + rest

@@ -17,9 +17,11 @@ Per layer, with G KV heads of width d_h (R = H / G query heads each) and r = rop
    stacked as the up-projection is laid out ([K_nope,0; V_0; K_nope,1; V_1; ...], N = G (2 d_h
    - r) rows), are factored in float64: W ~ U_k S_k V_k^T, the latent c = V_k^T h (d_c wide,
    W_DKV) and the up-projection U_k S_k (W_UKV, one block per KV head, shared by its query
-   heads). `svd="whitened"` factors W L instead (L L^T the covariance of the layer's inputs on
-   calibration text), so the error is small where the inputs are: MHA2MLA's activation-aware
-   option. At d_c = N nothing is cut: the model equals the original with RoPE removed from
+   heads): `svd="plain"`, MHA2MLA's default. `svd="whitened"` (the default here) factors W L
+   instead (L L^T the second moment of the layer's inputs on calibration text), so the error
+   is small where the inputs are: MHA2MLA's activation-aware option. On SmolLM2 it is the
+   difference between a usable and a broken starting point (docs/upcycling.md: held-out
+   perplexity 215 against 9,703 at d_c 96). At d_c = N nothing is cut: the model equals the original with RoPE removed from
    the unselected pairs (exactly, in exact arithmetic), and with r = d_h it equals the original.
 3. EG-MLA (`to="egmla"`). By default the gate starts as the identity (`gate_form="identity"`):
    g = 1 + W_UE E[id] with W_UE = 0, no gate norm, no latent norm, so step 0 computes the MLA
@@ -42,7 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from egmla.config import ConfigError, EGMLAConfig, MHAConfig, MLAConfig, ModelConfig
+from egmla.config import ConfigError, EGMLAConfig, MLAConfig, ModelConfig
+from egmla.models.attention.common import RopeKV
 from egmla.models.transformer import Transformer
 from egmla.upcycle.rope import RULES, select_frequencies
 from egmla.upcycle.svd import SVD_KINDS, factor
@@ -92,19 +95,23 @@ def convert(model: Transformer, *, to: str, d_c: int, rope_dims: int, rule: str 
 
 
 def upcycle(model: Transformer, *, to: str, d_c: int, rope_dims: int, rule: str = "2norm",
-            calibration: torch.Tensor | None = None, svd: str = "plain",
+            calibration: torch.Tensor | None = None, svd: str = "whitened",
             gate_form: str = "identity", gate_position: str | None = None,
             d_e: int | None = None, gate_group_size: int | None = None, seed: int = 0,
-            batch_size: int = 4, progress: bool = False) -> Upcycled:
+            batch_size: int = 4, progress: bool = False,
+            stats: list[LayerStats] | None = None) -> Upcycled:
     """Convert `model` and record what was chosen (see the module docstring).
 
     `calibration` (N, T) token ids: needed by `rule="2norm"`, `svd="whitened"` and
     `gate_form="paper"`. `gate_position` ("kv" or "latent"), `d_e`, `gate_group_size`: the EG-MLA
-    gate (GATE_DEFAULTS). `seed` draws the gate tables. `progress`: a bar over layers.
+    gate (GATE_DEFAULTS). `seed` draws the gate tables. `progress`: a bar over the calibration.
+    `stats`: `calibration_stats(model, calibration)` computed once for several conversions of
+    the same model and calibration (else computed here).
     """
     source = model.config
-    _check_source(source)
-    G, d_h = source.attention.kv_heads(source), source.attention.head_size(source)
+    layers = _source_layers(model)
+    d_h = layers[0].rope.dim
+    H, G = source.n_heads, layers[0].wk.shape[0] // d_h
     options = {"to": to, "d_c": d_c, "rope_dims": rope_dims, "rule": rule, "svd": svd}
     _check_choice("to", to, TARGETS)
     _check_choice("rule", rule, RULES)
@@ -128,24 +135,31 @@ def upcycle(model: Transformer, *, to: str, d_c: int, rope_dims: int, rule: str 
                "gate_form='paper' is the kv gate followed by LayerNorm: gate_position must be kv")
         options.update(gate, seed=seed)
 
-    stats = (collect_stats(model, calibration, batch_size=batch_size, progress=progress,
-                           covariance=svd == "whitened" or gate_form == "paper")
-             if calibration is not None else None)
-    freqs = [select_frequencies(model.layers[i].attn, rule, rope_dims,
-                                None if stats is None else stats[i])
+    if stats is None and calibration is not None:
+        stats = collect_stats(model, layers, calibration, batch_size=batch_size,
+                              progress=progress, covariance=svd == "whitened")
+    _check(stats is None or len(stats) == source.n_layers, "stats: one per layer")
+    freqs = [select_frequencies(G, d_h, rule, rope_dims, None if stats is None else stats[i])
              for i in range(source.n_layers)]
-    config = _target_config(source, to, d_c, rope_dims, freqs, gate)
+    config = _target_config(source, G, d_h, to, d_c, rope_dims, freqs, gate)
     with torch.no_grad():
         dtype = model.tok_emb.weight.dtype
         target = Transformer(config).to(dtype)
         target.load_state_dict(_carried_weights(model), strict=False)  # embeddings, norms, MLPs
         energy = []
-        for i, (src, dst) in enumerate(zip(model.layers, target.layers)):
+        for i, (src, dst) in enumerate(zip(layers, target.layers)):
             layer_stats = None if stats is None else stats[i]
-            energy.append(_convert_layer(src.attn, dst.attn, freqs[i], d_c, svd, layer_stats))
+            energy.append(_convert_layer(src, dst.attn, H, freqs[i], d_c, svd, layer_stats))
         fitted = _init_gate(target, gate, seed, model, calibration, batch_size)
     n_tokens = 0 if calibration is None else int(calibration.numel())
     return Upcycled(target.eval(), options, freqs, energy, n_tokens, fitted)
+
+
+def calibration_stats(model: Transformer, calibration: torch.Tensor, batch_size: int = 4,
+                      progress: bool = False) -> list[LayerStats]:
+    """The calibration sums every rule and SVD kind needs, for reuse across conversions."""
+    return collect_stats(model, _source_layers(model), calibration, batch_size=batch_size,
+                         progress=progress, covariance=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,21 +175,26 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     _check(value in choices, f"{name}={value!r}: must be one of {', '.join(choices)}")
 
 
-def _check_source(config: ModelConfig) -> None:
-    a = config.attention
-    _check(isinstance(a, MHAConfig) and type(a) is MHAConfig,
-           f"the source model's attention is {a.type!r}: only MHA/GQA models (Llama "
-           "architecture) convert")
+def _source_layers(model: Transformer) -> list[RopeKV]:
+    """Each layer's attention as plain RoPE attention over K and V heads (what MHA/GQA layers
+    declare, `AttentionLayer.rope_kv_attention`), with the standard RoPE; else refused."""
+    layers = [block.attn.rope_kv_attention() for block in model.layers]
+    kind = model.config.attention.type
+    _check(all(a is not None for a in layers),
+           f"the source model's attention is {kind!r}: only MHA/GQA models (Llama architecture) "
+           "convert")
+    for a in layers:
+        _check(a.rope.freqs is None and abs(a.scale - a.rope.dim**-0.5) < 1e-12,
+               f"the source model's attention ({kind!r}) is not standard RoPE attention")
+    return layers
 
 
 # --------------------------------------------------------------------------------------------
 # The target
 
 
-def _target_config(source: ModelConfig, to: str, d_c: int, rope_dims: int,
+def _target_config(source: ModelConfig, G: int, d_h: int, to: str, d_c: int, rope_dims: int,
                    freqs: list[list[list[int]]], gate: dict[str, Any]) -> ModelConfig:
-    a = source.attention
-    G, d_h = a.kv_heads(source), a.head_size(source)
     latent = {"d_c": d_c, "d_nope": d_h - rope_dims, "d_rope": rope_dims, "d_v": d_h,
               "latent_norm": False, "n_kv_heads": G, "rope_heads": G, "rope_freqs": freqs}
     if to == "mla":
@@ -198,14 +217,15 @@ def _carried_weights(model: Transformer) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if ".attn." not in k}
 
 
-def _convert_layer(src: nn.Module, dst: nn.Module, freqs: list[list[int]], d_c: int, svd: str,
-                   stats: LayerStats | None) -> float:
+def _convert_layer(src: RopeKV, dst: nn.Module, H: int, freqs: list[list[int]], d_c: int,
+                   svd: str, stats: LayerStats | None) -> float:
     """Write one converted attention layer's weights into `dst`; return the energy kept."""
-    H, G, d_h = src.n_heads, src.n_kv, src.head_dim
+    d_h = src.rope.dim
+    G = src.wk.shape[0] // d_h
     R, half = H // G, d_h // 2
-    wq = src.wq.weight.double().view(H, d_h, -1)  # (H, d_h, d)
-    wk = src.wk.weight.double().view(G, d_h, -1)  # (G, d_h, d)
-    wv = src.wv.weight.double().view(G, d_h, -1)
+    wq = src.wq.double().view(H, d_h, -1)  # (H, d_h, d)
+    wk = src.wk.double().view(G, d_h, -1)  # (G, d_h, d)
+    wv = src.wv.double().view(G, d_h, -1)
     q_rows, k_rope, kv_rows = [], [], []
     for g in range(G):
         rope = list(freqs[g]) + [j + half for j in freqs[g]]  # half-split: pair i = (i, i + r/2)
@@ -220,7 +240,7 @@ def _convert_layer(src: nn.Module, dst: nn.Module, freqs: list[list[int]], d_c: 
     dst.wq.weight.copy_(torch.cat(q_rows))
     dst.wkv_a.weight.copy_(torch.cat([down, *k_rope]))
     dst.wkv_b.weight.copy_(up)
-    dst.wo.weight.copy_(src.wo.weight)
+    dst.wo.weight.copy_(src.wo)
     return energy
 
 

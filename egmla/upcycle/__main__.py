@@ -44,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="RoPE dims kept per KV head (default 8: four frequency pairs)")
     p.add_argument("--rule", choices=RULES, default="2norm",
                    help="which frequency pairs keep RoPE (default 2norm, MHA2MLA's best)")
-    p.add_argument("--svd", choices=SVD_KINDS, default="plain",
-                   help="plain, or whitened by the inputs' covariance (activation-aware)")
+    p.add_argument("--svd", choices=SVD_KINDS, default="whitened",
+                   help="whitened by the inputs' second moment (activation-aware; default), or "
+                        "plain (MHA2MLA's default)")
     g = p.add_argument_group("EG-MLA's gate (--to egmla)")
     g.add_argument("--gate-form", choices=GATE_FORMS, default="identity",
                    help="identity: g = 1 + W_UE E[id] starting at 1 (step 0 equals the MLA "

@@ -17,14 +17,14 @@ heads of a group summed; RoPE does not change a pair's norm, so it is measured b
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 RULES = ("2norm", "uniform", "high", "low")
 
 
-def select_frequencies(attn: nn.Module, rule: str, rope_dims: int, stats=None) -> list[list[int]]:
-    """The kept pairs of each of `attn`'s KV heads, ascending: [G][rope_dims / 2]."""
-    G, d_h = attn.n_kv, attn.head_dim
+def select_frequencies(G: int, d_h: int, rule: str, rope_dims: int, stats=None
+                       ) -> list[list[int]]:
+    """The kept pairs of each of a layer's G KV heads of width d_h, ascending: [G][rope_dims/2].
+    `stats` (egmla.upcycle.stats.LayerStats): the layer's calibration sums, for `2norm`."""
     half, keep = d_h // 2, rope_dims // 2
     if rule == "high":
         return [list(range(keep)) for _ in range(G)]

@@ -7,29 +7,30 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
-from torch import nn
 from tqdm.auto import tqdm
 
+from egmla.models.attention.common import RopeKV
 from egmla.models.transformer import Transformer
 
 
 class LayerStats:
     """Running sums over calibration tokens for one attention layer."""
 
-    def __init__(self, attn: nn.Module, covariance: bool) -> None:
-        self.attn = attn
+    def __init__(self, attn: RopeKV, covariance: bool) -> None:
+        self.wq, self.wk = attn.wq.detach().double(), attn.wk.detach().double()
+        self.head_dim = d_h = attn.rope.dim
+        self.n_heads, self.n_kv = self.wq.shape[0] // d_h, self.wk.shape[0] // d_h
         self.tokens = 0
-        self.q_norms = torch.zeros(attn.n_heads, attn.head_dim // 2, dtype=torch.float64)
-        self.k_norms = torch.zeros(attn.n_kv, attn.head_dim // 2, dtype=torch.float64)
-        d = attn.wq.weight.shape[1]
+        self.q_norms = torch.zeros(self.n_heads, d_h // 2, dtype=torch.float64)
+        self.k_norms = torch.zeros(self.n_kv, d_h // 2, dtype=torch.float64)
+        d = self.wq.shape[1]
         self.moment = torch.zeros(d, d, dtype=torch.float64) if covariance else None
 
     def add(self, x: torch.Tensor) -> None:
         """x (B, T, d): the layer's attention inputs for a batch."""
-        a = self.attn
         x = x.detach().reshape(-1, x.shape[-1]).double()  # (N, d)
-        q = (x @ a.wq.weight.double().T).view(len(x), a.n_heads, a.head_dim)
-        k = (x @ a.wk.weight.double().T).view(len(x), a.n_kv, a.head_dim)
+        q = (x @ self.wq.T).view(len(x), self.n_heads, self.head_dim)
+        k = (x @ self.wk.T).view(len(x), self.n_kv, self.head_dim)
         self.q_norms += pair_norms(q).sum(0)
         self.k_norms += pair_norms(k).sum(0)
         if self.moment is not None:
@@ -38,8 +39,8 @@ class LayerStats:
 
     def pair_scores(self) -> torch.Tensor:
         """(G, d_h/2): per KV head, sum over its query heads of mean |q_j| * mean |k_j|."""
-        a, n = self.attn, max(self.tokens, 1)
-        q = (self.q_norms / n).view(a.n_kv, a.n_heads // a.n_kv, -1)  # (G, R, d_h/2)
+        n = max(self.tokens, 1)
+        q = (self.q_norms / n).view(self.n_kv, self.n_heads // self.n_kv, -1)  # (G, R, d_h/2)
         return (q * (self.k_norms / n)[:, None]).sum(1)
 
     def covariance(self) -> torch.Tensor | None:
@@ -53,11 +54,12 @@ def pair_norms(x: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(a.square() + b.square())
 
 
-def collect_stats(model: Transformer, calibration: torch.Tensor, batch_size: int = 4,
-                  progress: bool = False, covariance: bool = False) -> list[LayerStats]:
+def collect_stats(model: Transformer, layers: list[RopeKV], calibration: torch.Tensor,
+                  batch_size: int = 4, progress: bool = False,
+                  covariance: bool = False) -> list[LayerStats]:
     """One pass of `model` over `calibration` (N, T) token ids, gathering each attention
-    layer's LayerStats from its inputs."""
-    stats = [LayerStats(block.attn, covariance) for block in model.layers]
+    layer's LayerStats (`layers`: its weights) from its inputs."""
+    stats = [LayerStats(attn, covariance) for attn in layers]
     for _ in attention_inputs(model, calibration, batch_size, progress, "calibrate",
                               lambda i, x: stats[i].add(x)):
         pass

@@ -23,9 +23,22 @@ def test_there_is_something_to_compose():
     assert {"cpu", "gpu", "ddp", "fsdp", "ddp_cpu"} <= set(TRAINERS)
 
 
+@pytest.fixture(scope="module")
+def an_export(tmp_path_factory):
+    """For the experiments that start from an export (init=, e.g. upcycle_smollm2)."""
+    from egmla.checkpoint import save_export
+    from egmla.presets import preset
+
+    return save_export(Transformer(preset("tiny-mla")), tmp_path_factory.mktemp("init") / "x")
+
+
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
-def test_every_experiment_composes_and_builds_its_model(experiment):
+def test_every_experiment_composes_and_builds_its_model(experiment, an_export):
     raw = compose_config([f"experiment={experiment}"])
+    if raw.get("init") == "???":  # the experiment needs an export to start from
+        with pytest.raises(ConfigError, match="init: missing; pass init=<export directory>"):
+            TrainConfig.from_dict(raw)
+        raw = compose_config([f"experiment={experiment}", f"init={an_export}"])
     if raw["data"]["kind"] == "hf":
         assert raw["data"]["hf"]["path"]  # the experiment names its dataset
     config = TrainConfig.from_dict(raw)

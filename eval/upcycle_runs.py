@@ -1,0 +1,361 @@
+"""Issue 38's measurements end to end, resumable: `python -m eval.upcycle_runs`.
+
+SmolLM2-135M-Instruct (GQA: 30 layers, 9 query heads, 3 KV heads of 64) converted to MLA and
+EG-MLA at MHA2MLA's three cache sizes (rope_dims 8 per KV head; d_c 96, 48, 24: 120, 72, 48
+cached elements per token per layer against the original's 384), then recovered by
+distillation from the original (`experiment=upcycle_smollm2`). Phases, each skipping what its
+committed record already holds:
+
+1. step0: the training-free table: held-out perplexity and KL to the original on the recovery
+   domain and on the unseen embedded corpus, for MLA at the three sizes under the three rules
+   (2norm, uniform, high; whitened SVD), plain SVD beside it, EG-MLA identity-start (both gate
+   positions) at the two smaller sizes, and the paper's gate form at the smallest;
+   -> <results>/step0.{json,md}
+2. train: arm by arm (ARMS), convert (python -m egmla.upcycle) then recover to 1M tokens with
+   exports at 0.1M and 0.3M; each export measured as in step0 right after;
+   -> <results>/runs/<arm>.json
+3. context: perplexity against context length up to 4,096 tokens, at 0 and at 1M tokens;
+4. lm_eval: the offline lm-eval tasks (corpus cloze, corpus perplexity, MQAR in words) through
+   the `egmla` model, at 0 and at 1M tokens;
+5. summary: tables, paired differences over seeds, plots -> <results>/summary.{json,md}, *.png
+
+    python -m eval.upcycle_runs                          # everything (hours; resumable)
+    python -m eval.upcycle_runs --phases step0           # the training-free table only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = "SmolLM2-135M-Instruct"
+ROPE_DIMS = 8
+SIZES = (96, 48, 24)
+RULE = "2norm"  # MHA2MLA's best, and this codebase's default (docs/upcycling.md: the step-0 table)
+TOKENS_PER_STEP = 8 * 512  # experiment=upcycle_smollm2
+STEPS = 244  # 1.0M tokens
+CURVE_STEPS = (24, 73)  # 0.1M and 0.3M tokens
+PHASES = ("step0", "train", "context", "lm_eval", "summary")
+LM_EVAL_TASKS = ("corpus_cloze", "corpus_perplexity", "mqar_recall")
+
+
+class PipelineError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One recovery run: a conversion and a seed (the data order and the gate tables)."""
+
+    to: str
+    d_c: int
+    gate_position: str | None = None  # EG-MLA only
+    gate_form: str = "identity"
+    seed: int = 0
+    transfer_steps: int = 0
+
+    @property
+    def name(self) -> str:
+        kind = "mla" if self.to == "mla" else (
+            "egmla-paper" if self.gate_form == "paper" else f"egmla-{self.gate_position}")
+        transfer = f"-transfer{self.transfer_steps}" if self.transfer_steps else ""
+        return f"{kind}-dc{self.d_c}{transfer}-s{self.seed}"
+
+    @property
+    def family(self) -> str:
+        """The arm without its seed (what seeds are paired over)."""
+        return self.name.rsplit("-s", 1)[0]
+
+    def convert_args(self) -> list[str]:
+        args = ["--model", SOURCE, "--to", self.to, "--d-c", str(self.d_c),
+                "--rope-dims", str(ROPE_DIMS), "--rule", RULE, "--seed", str(self.seed)]
+        if self.to == "egmla":
+            args += ["--gate-form", self.gate_form]
+            if self.gate_form == "identity":
+                args += ["--gate-position", self.gate_position]
+        return args
+
+
+def _arms() -> list[Arm]:
+    small = [Arm("mla", 24), Arm("egmla", 24, "kv"), Arm("egmla", 24, "latent")]
+    seeds = [Arm(a.to, a.d_c, a.gate_position, seed=s) for s in (1, 2) for a in small]
+    rest = [Arm("mla", 48), Arm("egmla", 48, "kv"), Arm("egmla", 48, "latent"), Arm("mla", 96),
+            Arm("egmla", 24, "kv", gate_form="paper"),
+            Arm("mla", 24, transfer_steps=CURVE_STEPS[0])]
+    return small + seeds + rest
+
+
+# The smallest cache's three arms first (the headline, with their seeds), then the rest.
+ARMS = _arms()
+
+
+# --------------------------------------------------------------------------------------------
+# Records
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _context() -> dict[str, Any]:
+    from egmla.provenance import provenance
+
+    info = provenance()
+    try:
+        info["load_avg"] = os.getloadavg()
+    except OSError:
+        pass
+    return info
+
+
+class Measurer:
+    """The original model, the held-out windows, and the measurements of an export."""
+
+    def __init__(self) -> None:
+        import torch
+
+        from egmla.imports import load_pretrained
+        from eval.upcycle import eval_windows
+
+        torch.manual_seed(0)
+        self.original, self.tokenizer = load_pretrained(SOURCE, dtype=torch.float32)
+        self.original.eval()
+        self.windows = {d: eval_windows(self.tokenizer, d) for d in ("recovery", "corpus")}
+
+    def measure(self, model) -> dict[str, Any]:
+        from eval.upcycle import quality
+
+        model.eval()
+        spec = model.cache_spec()
+        import torch
+
+        out = {d: quality(model, self.original, w) for d, w in self.windows.items()}
+        out["kv_elements_per_token"] = spec.elements_per_token()
+        out["kv_bytes_per_token_bf16"] = spec.bytes_per_token(torch.bfloat16)
+        out["params"] = model.num_params()
+        out["params_without_lookup_tables"] = model.num_params(include_gate_tables=False)
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Phase 1: the training-free table
+
+
+def step0_plan() -> list[dict[str, Any]]:
+    rows = [{"to": "mla", "d_c": d, "rule": r, "svd": "whitened"}
+            for d in SIZES for r in ("2norm", "uniform", "high")]
+    rows += [{"to": "mla", "d_c": d, "rule": RULE, "svd": "plain"} for d in SIZES]
+    rows += [{"to": "mla", "d_c": 3 * (128 - ROPE_DIMS), "rule": r, "svd": "whitened"}
+             for r in ("2norm", "uniform", "high")]  # full rank: partial RoPE's cost alone
+    rows += [{"to": "egmla", "d_c": d, "rule": RULE, "svd": "whitened", "gate_position": p}
+             for d in SIZES[1:] for p in ("kv", "latent")]
+    rows += [{"to": "egmla", "d_c": SIZES[-1], "rule": RULE, "svd": "whitened",
+              "gate_form": "paper"}]
+    return rows
+
+
+def _key(row: dict[str, Any]) -> str:
+    return json.dumps(row, sort_keys=True)
+
+
+def step0(results: Path, log) -> None:
+    path = results / "step0.json"
+    record = _read_json(path) or {"rows": []}
+    done = {_key(r["conversion"]) for r in record["rows"]}
+    todo = [r for r in step0_plan() if _key(r) not in done]
+    if not todo:
+        log("step0: done")
+        return
+    from egmla.upcycle import calibration_stats, upcycle
+    from egmla.upcycle.__main__ import calibration_ids
+
+    measurer = Measurer()
+    if not any(r.get("original") for r in record["rows"]):
+        record["original"] = measurer.measure(measurer.original)
+    calibration = calibration_ids(measurer.tokenizer, 32768, 512)
+    stats = calibration_stats(measurer.original, calibration)
+    for row in todo:
+        started = time.perf_counter()
+        result = upcycle(measurer.original, rope_dims=ROPE_DIMS, calibration=calibration,
+                         stats=stats, **row)
+        entry = {"conversion": row, **measurer.measure(result.model),
+                 "energy_kept_mean": sum(result.energy) / len(result.energy),
+                 "energy_kept_min": min(result.energy),
+                 **({"gate": result.gate} if result.gate else {}),
+                 "seconds": round(time.perf_counter() - started, 1)}
+        record["rows"].append(entry)
+        record["context"] = _context()
+        record["calibration_tokens"] = int(calibration.numel())
+        _write_json(path, record)
+        log(f"step0: {row} ppl {entry['recovery']['ppl']:.1f} / {entry['corpus']['ppl']:.1f} "
+            f"kl {entry['recovery']['kl']:.3f} / {entry['corpus']['kl']:.3f}")
+    (results / "step0.md").write_text(step0_markdown(record))
+
+
+def step0_markdown(record: dict[str, Any]) -> str:
+    o = record["original"]
+    lines = ["# Training-free conversion of SmolLM2-135M-Instruct (step 0)", "",
+             f"Held-out perplexity and KL(original || converted) in nats per token; "
+             f"{o['recovery']['tokens']:,} tokens per domain. Original: perplexity "
+             f"{o['recovery']['ppl']:.2f} (recovery domain), {o['corpus']['ppl']:.2f} "
+             f"(embedded corpus); {o['kv_elements_per_token']:,} cached elements per token.", "",
+             "| target | d_c | rule | SVD | gate | KV elem./token | energy kept (mean, min) "
+             "| ppl recovery | ppl corpus | KL recovery | KL corpus |",
+             "|---|---:|---|---|---|---:|---|---:|---:|---:|---:|"]
+    for r in record["rows"]:
+        c = r["conversion"]
+        gate = ("" if c["to"] == "mla" else
+                "paper" if c.get("gate_form") == "paper" else f"identity, {c['gate_position']}")
+        lines.append(
+            f"| {c['to']} | {c['d_c']} | {c['rule']} | {c['svd']} | {gate} | "
+            f"{r['kv_elements_per_token']:,} | {r['energy_kept_mean']:.3f}, "
+            f"{r['energy_kept_min']:.3f} | {r['recovery']['ppl']:.1f} | {r['corpus']['ppl']:.1f} "
+            f"| {r['recovery']['kl']:.3f} | {r['corpus']['kl']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Phase 2: recovery
+
+
+def _run(cmd: list[str], log_file: Path, log) -> None:
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    log(f"{' '.join(cmd[1:5])} ... (log {log_file})")
+    with log_file.open("a") as out:
+        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if done.returncode != 0:
+        raise PipelineError(f"{' '.join(cmd[1:5])} failed (exit {done.returncode}); see {log_file}")
+    log(f"done in {time.perf_counter() - started:.0f} s")
+
+
+def train_command(arm: Arm, run_dir: Path, extra: list[str]) -> list[str]:
+    return [sys.executable, str(ROOT / "train.py"), "experiment=upcycle_smollm2",
+            f"init={run_dir / 'init'}", f"seed={arm.seed}", f"name=upcycle-{arm.name}",
+            f"hydra.run.dir={run_dir}", f"distill.transfer_steps={arm.transfer_steps}",
+            "wandb.mode=offline", *extra]
+
+
+def points(run_dir: Path) -> dict[int, Path]:
+    """The exports of a run by optimizer step: 0 (the conversion), the curve's, the final."""
+    found = {0: run_dir / "init"}
+    found.update({s: run_dir / "exports" / f"step{s}" for s in CURVE_STEPS})
+    found[STEPS] = run_dir / "export"
+    return found
+
+
+def table_rows_trained(init: Path, final: Path) -> dict[str, int] | None:
+    """EG-MLA: how many of the gate tables' rows changed during recovery (a row changes only
+    when its token was read, AdamW with no weight decay on tables), of how many."""
+    from egmla.checkpoint import read_weights
+
+    a, b = read_weights(init / "model.safetensors"), read_weights(final / "model.safetensors")
+    names = [k for k in a if k.endswith("gate_table.weight")]
+    if not names:
+        return None
+    changed = sum(int((a[k] != b[k]).any(-1).sum()) for k in names)
+    rows = sum(a[k].shape[0] for k in names)
+    per_table = sorted({int((a[k] != b[k]).any(-1).sum()) for k in names})
+    return {"tables": len(names), "rows_per_table": a[names[0]].shape[0],
+            "rows_changed_total": changed, "rows_total": rows,
+            "rows_changed_per_table_min_max": [per_table[0], per_table[-1]]}
+
+
+def train_arm(arm: Arm, runs_dir: Path, results: Path, extra: list[str], log,
+              measurer_box: list) -> None:
+    path = results / "runs" / f"{arm.name}.json"
+    record = _read_json(path)
+    if record and str(STEPS) in record.get("points", {}):
+        return
+    run_dir = runs_dir / arm.name
+    from egmla.checkpoint import is_export
+
+    if not is_export(run_dir / "init"):
+        _run([sys.executable, "-m", "egmla.upcycle", *arm.convert_args(),
+              "--out", str(run_dir / "init"), "--overwrite"], run_dir / "convert.log", log)
+    if not is_export(run_dir / "export"):
+        _run(train_command(arm, run_dir, extra), run_dir / "train.log", log)
+    if not measurer_box:
+        measurer_box.append(Measurer())
+    measurer = measurer_box[0]
+    from egmla.checkpoint import load_export
+
+    record = record or {"arm": asdict(arm), "name": arm.name, "family": arm.family,
+                        "points": {}}
+    for step, export in points(run_dir).items():
+        if str(step) in record["points"]:
+            continue
+        if not is_export(export):
+            raise PipelineError(f"{export}: missing (the run did not write it)")
+        record["points"][str(step)] = {"tokens": step * TOKENS_PER_STEP,
+                                       **measurer.measure(load_export(export))}
+    info = _read_json(run_dir / "run_info.json") or {}
+    summary = _read_json(run_dir / "summary.json") or {}
+    conversion = _read_json(run_dir / "init" / "config.json") or {}
+    record.update({
+        "conversion": conversion.get("extra", {}).get("upcycle"),
+        "fit_seconds": summary.get("fit_seconds"), "val_loss": summary.get("val_loss"),
+        "starts": [{k: s.get(k) for k in ("git", "time", "hardware", "resumed_from")}
+                   for s in info.get("starts", [])],
+        "gate_rows": table_rows_trained(run_dir / "init", run_dir / "export"),
+        "context": _context(),
+    })
+    _write_json(path, record)
+    final = record["points"][str(STEPS)]
+    log(f"{arm.name}: ppl {final['recovery']['ppl']:.2f} / {final['corpus']['ppl']:.2f}, "
+        f"KL {final['recovery']['kl']:.3f} / {final['corpus']['kl']:.3f}")
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.upcycle_runs",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    p.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "upcycle")
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "upcycle")
+    p.add_argument("--arms", nargs="+", default=None, help="only these arms (by name)")
+    p.add_argument("--train-args", nargs=argparse.REMAINDER, default=[],
+                   help="more train.py overrides (a rehearsal: trainer.max_steps=...)")
+    args = p.parse_args(argv)
+
+    def log(message: str) -> None:
+        print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+
+    arms = [a for a in ARMS if args.arms is None or a.name in args.arms]
+    try:
+        if "step0" in args.phases:
+            step0(args.results, log)
+        if "train" in args.phases:
+            box: list = []
+            for arm in arms:
+                train_arm(arm, args.runs_dir, args.results, args.train_args, log, box)
+    except PipelineError as err:
+        print(f"python -m eval.upcycle_runs: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
