@@ -40,9 +40,8 @@ SOURCE = "SmolLM2-135M-Instruct"
 ROPE_DIMS = 8
 SIZES = (96, 48, 24)
 RULE = "2norm"  # MHA2MLA's best, and this codebase's default (docs/upcycling.md: the step-0 table)
-TOKENS_PER_STEP = 8 * 512  # experiment=upcycle_smollm2
-STEPS = 244  # 1.0M tokens
-CURVE_STEPS = (24, 73)  # 0.1M and 0.3M tokens
+STEPS = 244  # experiment=upcycle_smollm2: 1.0M tokens (8 x 512 a step)
+CURVE_STEPS = (24, 73)  # its export_steps: 0.1M and 0.3M tokens
 PHASES = ("step0", "train", "context", "lm_eval", "summary")
 LM_EVAL_TASKS = ("corpus_cloze", "corpus_perplexity", "mqar_recall")
 
@@ -256,11 +255,22 @@ def train_command(arm: Arm, run_dir: Path, extra: list[str]) -> list[str]:
 
 
 def points(run_dir: Path) -> dict[int, Path]:
-    """The exports of a run by optimizer step: 0 (the conversion), the curve's, the final."""
+    """The exports of a run by optimizer step, as its config.json says: 0 (the conversion),
+    the curve's (export_steps), the final (trainer.max_steps)."""
+    config = _read_json(run_dir / "config.json") or {}
+    last = config.get("trainer", {}).get("max_steps", STEPS)
     found = {0: run_dir / "init"}
-    found.update({s: run_dir / "exports" / f"step{s}" for s in CURVE_STEPS})
-    found[STEPS] = run_dir / "export"
+    found.update({s: run_dir / "exports" / f"step{s}" for s in config.get("export_steps", [])
+                  if s < last})
+    found[last] = run_dir / "export"
     return found
+
+
+def tokens_per_step(run_dir: Path) -> int:
+    data = (_read_json(run_dir / "config.json") or {}).get("data", {})
+    accumulate = (_read_json(run_dir / "config.json") or {}).get("trainer", {}).get(
+        "accumulate_grad_batches", 1)
+    return data.get("batch_size", 8) * data.get("seq_len", 512) * accumulate
 
 
 def table_rows_trained(init: Path, final: Path) -> dict[str, int] | None:
@@ -284,7 +294,7 @@ def train_arm(arm: Arm, runs_dir: Path, results: Path, extra: list[str], log,
               measurer_box: list) -> None:
     path = results / "runs" / f"{arm.name}.json"
     record = _read_json(path)
-    if record and str(STEPS) in record.get("points", {}):
+    if record and record.get("complete"):
         return
     run_dir = runs_dir / arm.name
     from egmla.checkpoint import is_export
@@ -306,7 +316,7 @@ def train_arm(arm: Arm, runs_dir: Path, results: Path, extra: list[str], log,
             continue
         if not is_export(export):
             raise PipelineError(f"{export}: missing (the run did not write it)")
-        record["points"][str(step)] = {"tokens": step * TOKENS_PER_STEP,
+        record["points"][str(step)] = {"tokens": step * tokens_per_step(run_dir),
                                        **measurer.measure(load_export(export))}
     info = _read_json(run_dir / "run_info.json") or {}
     summary = _read_json(run_dir / "summary.json") or {}
@@ -317,12 +327,73 @@ def train_arm(arm: Arm, runs_dir: Path, results: Path, extra: list[str], log,
         "starts": [{k: s.get(k) for k in ("git", "time", "hardware", "resumed_from")}
                    for s in info.get("starts", [])],
         "gate_rows": table_rows_trained(run_dir / "init", run_dir / "export"),
-        "context": _context(),
+        "context": _context(), "complete": True,
     })
     _write_json(path, record)
-    final = record["points"][str(STEPS)]
+    final = record["points"][str(max(map(int, record["points"])))]
     log(f"{arm.name}: ppl {final['recovery']['ppl']:.2f} / {final['corpus']['ppl']:.2f}, "
         f"KL {final['recovery']['kl']:.3f} / {final['corpus']['kl']:.3f}")
+
+
+# --------------------------------------------------------------------------------------------
+# Phases 3 and 4: long context and lm-eval, at 0 and at the final budget (seed-0 arms, and the
+# original once)
+
+
+def ends(arm: Arm, runs_dir: Path) -> dict[str, Path]:
+    found = points(runs_dir / arm.name)
+    return {"0": found[0], str(max(found)): found[max(found)]}
+
+
+def context(arms: list[Arm], runs_dir: Path, results: Path, log) -> None:
+    from egmla.checkpoint import is_export, load_export
+    from eval.upcycle import LONG_WINDOW, LONG_WINDOWS, context_curve, eval_windows
+
+    path = results / "context.json"
+    record = _read_json(path) or {"curves": {}}
+    windows = None
+    jobs = [("original", "0", None)] + [(a.name, step, export) for a in arms if a.seed == 0
+                                       for step, export in ends(a, runs_dir).items()]
+    for name, step, export in jobs:
+        key = f"{name}@{step}"
+        if key in record["curves"] or (export is not None and not is_export(export)):
+            continue
+        if windows is None:
+            from egmla.imports import load_pretrained
+
+            original, tokenizer = load_pretrained(SOURCE)
+            windows = eval_windows(tokenizer, "corpus", LONG_WINDOWS, LONG_WINDOW)
+        model = original if export is None else load_export(export)
+        started = time.perf_counter()
+        record["curves"][key] = context_curve(model.eval(), windows)
+        record["context"] = _context()
+        _write_json(path, record)
+        log(f"context {key}: {time.perf_counter() - started:.0f} s")
+
+
+def lm_eval(arms: list[Arm], runs_dir: Path, results: Path, log, limit: int | None = None
+            ) -> None:
+    from egmla.checkpoint import is_export
+    from eval.compare import lm_eval_metrics
+
+    path = results / "lm_eval.json"
+    record = _read_json(path) or {"scores": {}}
+    jobs = [("original", "0", SOURCE)] + [(a.name, step, export) for a in arms if a.seed == 0
+                                          for step, export in ends(a, runs_dir).items()]
+    for name, step, export in jobs:
+        key = f"{name}@{step}"
+        if key in record["scores"] or (name != "original" and not is_export(export)):
+            continue
+        out = runs_dir / "lm_eval" / key.replace("@", "-")
+        cmd = [sys.executable, "-m", "eval.lm_eval", "--model", "egmla", "--model_args",
+               f"pretrained={export}", "--tasks", ",".join(LM_EVAL_TASKS), "--include_path",
+               str(ROOT / "eval" / "tasks"), "--output_path", str(out / "eval"),
+               "--batch_size", "8", *(["--limit", str(limit)] if limit else [])]
+        _run(cmd, out / "lm_eval.log", log)
+        record["scores"][key] = lm_eval_metrics(out)
+        record["tasks"], record["limit"] = list(LM_EVAL_TASKS), limit
+        record["context"] = _context()
+        _write_json(path, record)
 
 
 # --------------------------------------------------------------------------------------------
@@ -336,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "upcycle")
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "upcycle")
     p.add_argument("--arms", nargs="+", default=None, help="only these arms (by name)")
+    p.add_argument("--lm-eval-limit", type=int, default=None,
+                   help="score only the first documents of each task (a rehearsal)")
     p.add_argument("--train-args", nargs=argparse.REMAINDER, default=[],
                    help="more train.py overrides (a rehearsal: trainer.max_steps=...)")
     args = p.parse_args(argv)
@@ -351,6 +424,14 @@ def main(argv: list[str] | None = None) -> int:
             box: list = []
             for arm in arms:
                 train_arm(arm, args.runs_dir, args.results, args.train_args, log, box)
+        if "context" in args.phases:
+            context(arms, args.runs_dir, args.results, log)
+        if "lm_eval" in args.phases:
+            lm_eval(arms, args.runs_dir, args.results, log, args.lm_eval_limit)
+        if "summary" in args.phases:
+            from eval.upcycle_summary import write_summary
+
+            write_summary(args.results, log)
     except PipelineError as err:
         print(f"python -m eval.upcycle_runs: error: {err}", file=sys.stderr)
         return 1

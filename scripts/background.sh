@@ -4,6 +4,7 @@
 #
 #   1. the gating study (issue 17):          python -m eval.study
 #   2. the activation-locality runs (issue 19): python -m eval.locality_runs
+#   3. the upcycling runs (issue 38):           python -m eval.upcycle_runs
 #
 # They run from a detached worktree of HEAD (WORKTREE, default /tmp/egmla-background), so that
 # editing this checkout does not change code under a running job; their records are written
@@ -14,8 +15,9 @@
 #   nohup bash scripts/background.sh > runs/background.log 2>&1 &
 #
 # Settings (environment): PY (the interpreter, default .venv/bin/python), WORKTREE, RUNS (run
-# directories, default runs/background), RESULTS (default benchmarks/results), STUDY_ARGS and
-# LOCALITY_ARGS (more arguments for each command, e.g. STUDY_ARGS=--dry-run).
+# directories, default runs/background), RESULTS (default benchmarks/results), STUDY_ARGS,
+# LOCALITY_ARGS and UPCYCLE_ARGS (more arguments for each command, e.g. STUDY_ARGS=--dry-run),
+# JOBS (which of study, locality, upcycle to run; default all three, in that order).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HERE=$PWD
@@ -33,9 +35,20 @@ fi
 mkdir -p "$RUNS"
 export PYTHONPATH=$WORKTREE WANDB_MODE=disabled HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 cd "$WORKTREE"
-echo "$(date -u +%FT%TZ) background: the study, at $(git rev-parse --short HEAD)"
-"$PY" -m eval.study --runs-dir "$RUNS/study" --results "$RESULTS/study" ${STUDY_ARGS:-}
-echo "$(date -u +%FT%TZ) background: the activation-locality runs"
-"$PY" -m eval.locality_runs --runs-dir "$RUNS/locality" --results "$RESULTS/locality" \
-    ${LOCALITY_ARGS:-}
+JOBS=${JOBS:-study locality upcycle}
+echo "$(date -u +%FT%TZ) background: $JOBS, at $(git rev-parse --short HEAD)"
+if [[ " $JOBS " == *" study "* ]]; then
+    echo "$(date -u +%FT%TZ) background: the study"
+    "$PY" -m eval.study --runs-dir "$RUNS/study" --results "$RESULTS/study" ${STUDY_ARGS:-}
+fi
+if [[ " $JOBS " == *" locality "* ]]; then
+    echo "$(date -u +%FT%TZ) background: the activation-locality runs"
+    "$PY" -m eval.locality_runs --runs-dir "$RUNS/locality" --results "$RESULTS/locality" \
+        ${LOCALITY_ARGS:-}
+fi
+if [[ " $JOBS " == *" upcycle "* ]]; then
+    echo "$(date -u +%FT%TZ) background: the upcycling runs"
+    "$PY" -m eval.upcycle_runs --runs-dir "$RUNS/upcycle" --results "$RESULTS/upcycle" \
+        ${UPCYCLE_ARGS:-}
+fi
 echo "$(date -u +%FT%TZ) background: done"

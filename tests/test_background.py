@@ -1,5 +1,6 @@
-"""scripts/background.sh, the restart command of the long computations: it runs the study and
-then the locality runs from a detached worktree of HEAD, writing records where it is told."""
+"""scripts/background.sh, the restart command of the long computations: it runs the study, the
+locality runs and the upcycling runs from a detached worktree of HEAD, writing records where it
+is told."""
 
 from __future__ import annotations
 
@@ -9,18 +10,21 @@ import sys
 from support import ROOT
 
 
-def test_the_background_script_runs_both_jobs_from_a_worktree_of_head(tmp_path):
+def test_the_background_script_runs_the_jobs_from_a_worktree_of_head(tmp_path):
     worktree = tmp_path / "worktree"
     env = {"PATH": "/usr/bin:/bin", "PY": sys.executable, "WORKTREE": str(worktree),
            "RUNS": str(tmp_path / "runs"), "RESULTS": str(tmp_path / "results"),
-           "STUDY_ARGS": "--dry-run", "LOCALITY_ARGS": "--steps losses"}
+           "STUDY_ARGS": "--dry-run", "LOCALITY_ARGS": "--steps losses",
+           "UPCYCLE_ARGS": "--phases summary"}
     try:
         run = subprocess.run(["bash", "scripts/background.sh"], capture_output=True, text=True,
                              cwd=ROOT, env=env, timeout=300)
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, cwd=ROOT).stdout.strip()
-        assert f"the study, at {head}" in run.stdout and "background: done" in run.stdout
+        assert f"study locality upcycle, at {head}" in run.stdout
+        assert "the upcycling runs" in run.stdout and "background: done" in run.stdout
+        assert (tmp_path / "results" / "upcycle" / "summary.md").is_file()
         assert "lr" in run.stdout  # the study's dry run lists its phases' runs
         assert (worktree / "eval" / "study.py").is_file()
     finally:

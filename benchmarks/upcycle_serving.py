@@ -1,0 +1,129 @@
+"""What the converted SmolLM2 models buy a server: sequences of 2,048 tokens in a fixed KV budget.
+
+For the original SmolLM2-135M-Instruct (GQA: 11,520 cached elements per token) and each given
+export (MLA and EG-MLA conversions, `eval.upcycle_runs`), in one run, float32, the same budget:
+the blocks the budget holds (the bytes `PagedKVCache` allocates, checked against
+`cache_spec()`), how many 2,048-token sequences fit, and decode tokens/s through the engine
+with that many sequences at once (at most --max-seqs) and with the number the original fits,
+so that both the gain from capacity and the cost per token show. The models run in turn, the
+order rotating each repeat; the median of the repeats is reported.
+
+    python benchmarks/upcycle_serving.py --model mla24=runs/upcycle/mla-dc24-s0/export \\
+        --model egmla-kv24=runs/upcycle/egmla-kv-dc24-s0/export
+    python benchmarks/upcycle_serving.py --quick ...   # a smoke test: 8 MiB, 256 tokens
+
+Writes benchmarks/results/upcycle/serving.{json,md} (serving_quick.* with --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # measure the checkout this script is in
+_spec = importlib.util.spec_from_file_location("serve_capacity", HERE / "serve_capacity.py")
+serve_capacity = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(serve_capacity)
+SOURCE = "SmolLM2-135M-Instruct"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", action="append", default=[], metavar="NAME=EXPORT",
+                   help="a converted export to measure beside the original (repeatable)")
+    p.add_argument("--kv-mib", type=int, default=256, help="the KV budget (default 256 MiB)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--decode-tokens", type=int, default=16,
+                   help="of which generated (default 16; the rest is prompt)")
+    p.add_argument("--measure-steps", type=int, default=8,
+                   help="decode steps timed with every sequence decoding (default 8)")
+    p.add_argument("--max-seqs", type=int, default=32, help="concurrency cap (default 32)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-batched-tokens", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="8 MiB, 256-token sequences, 1 repeat")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.kv_mib, args.seq_len, args.repeats, args.measure_steps = 8, 256, 1, 3
+    for item in args.model:
+        if "=" not in item:
+            p.error(f"--model {item!r}: expected NAME=EXPORT")
+    return args
+
+
+def main(argv=None) -> int:
+    from egmla.checkpoint import load_export
+    from egmla.imports import load_pretrained
+    from egmla.provenance import provenance
+
+    args = parse_args(argv)
+    models = {"original": load_pretrained(SOURCE, dtype=torch.float32)[0].eval()}
+    for item in args.model:
+        name, path = item.split("=", 1)
+        models[name] = load_export(path, dtype=torch.float32).eval()
+    caps = {name: serve_capacity.capacity(name, m, args) for name, m in models.items()}
+    common = max(1, min(caps["original"]["fit_sequences"], args.max_seqs))
+    runs: dict[str, dict[str, list[dict]]] = {n: {"at_fit": [], "at_common": []} for n in models}
+    names = list(models)
+    for repeat in range(args.repeats):
+        order = names[repeat % len(names):] + names[:repeat % len(names)]
+        for name in order:
+            n_fit = max(1, min(caps[name]["fit_sequences"], args.max_seqs))
+            runs[name]["at_fit"].append(serve_capacity.decode_throughput(models[name], args, n_fit))
+            runs[name]["at_common"].append(
+                serve_capacity.decode_throughput(models[name], args, common))
+            print(f"repeat {repeat} {name}: {runs[name]['at_fit'][-1]['decode_tokens_per_s']} "
+                  f"tok/s at {n_fit}, {runs[name]['at_common'][-1]['decode_tokens_per_s']} at "
+                  f"{common}", flush=True)
+    rows = []
+    for name in names:
+        row = {**caps[name], "kv_elements_per_token": models[name].cache_spec().elements_per_token()}
+        for key in ("at_fit", "at_common"):
+            tps = [r["decode_tokens_per_s"] for r in runs[name][key] if r["decode_tokens_per_s"]]
+            row[key] = {"concurrency": runs[name][key][0]["concurrency"],
+                        "decode_tokens_per_s_median": statistics.median(tps) if tps else None,
+                        "decode_tokens_per_s": tps}
+        rows.append(row)
+    meta = {**provenance(), "config": vars(args), "load_avg": os.getloadavg(),
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    out = HERE / "results" / "upcycle"
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "serving_quick" if args.quick else "serving"
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown(meta, rows, args))
+    print((out / f"{stem}.md").read_text())
+    return 0
+
+
+def markdown(meta: dict, rows: list[dict], args) -> str:
+    lines = [f"# Converted SmolLM2 served at a fixed KV budget ({args.kv_mib} MiB, float32)", "",
+             f"{meta['time_utc']}; git {meta['git']['sha'][:10]}"
+             f"{' (dirty tree)' if meta['git']['dirty'] else ''}; "
+             f"load {', '.join(f'{x:.2f}' for x in meta['load_avg'])}. Sequences of "
+             f"{args.seq_len} tokens ({args.seq_len - args.decode_tokens} prompt + "
+             f"{args.decode_tokens} generated); decode tok/s over {args.measure_steps} steps with "
+             f"every sequence decoding, median of {args.repeats} interleaved repeats.", "",
+             "| model | KV elem./token | KV bytes/token | blocks | sequences fit | N | decode tok/s "
+             "| N common | decode tok/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        a, c = r["at_fit"], r["at_common"]
+        fmt = lambda x: "" if x is None else f"{x:,.1f}"  # noqa: E731
+        lines.append(f"| {r['model']} | {r['kv_elements_per_token']:,} | "
+                     f"{r['kv_bytes_per_token']:,} | {r['blocks']:,} | {r['fit_sequences']:,} | "
+                     f"{a['concurrency']} | {fmt(a['decode_tokens_per_s_median'])} | "
+                     f"{c['concurrency']} | {fmt(c['decode_tokens_per_s_median'])} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

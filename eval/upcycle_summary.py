@@ -1,0 +1,194 @@
+"""The upcycling record summarized (eval.upcycle_runs' last phase): the recovery curve of every
+arm, EG-MLA against MLA paired by seed at the smallest cache, attention transfer against KL
+alone, the gate rows trained, and two plots (quality against KV bytes per token; quality
+against recovery tokens). Reads <results>/runs/*.json, step0.json, context.json,
+lm_eval.json; writes summary.json, summary.md, quality_vs_kv.png, recovery_curve.png."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from eval.compare import interval, paired, png_bytes
+
+# The headline family: EG-MLA (each gate position) against MLA at the same cache size,
+# recovered the same way; Holm-adjusted over these two.
+FAMILY = (("egmla-kv-dc24", "mla-dc24"), ("egmla-latent-dc24", "mla-dc24"))
+METRICS = (("corpus", "kl"), ("recovery", "kl"), ("corpus", "loss"), ("recovery", "loss"))
+
+
+def _runs(results: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted((results / "runs").glob("*.json"))]
+
+
+def _final(run: dict[str, Any]) -> dict[str, Any] | None:
+    pts = run["points"]
+    return pts[max(pts, key=int)] if pts else None
+
+
+def by_family(runs: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
+    out: dict[str, dict[int, dict[str, Any]]] = {}
+    for r in runs:
+        out.setdefault(r["family"], {})[r["arm"]["seed"]] = r
+    return out
+
+
+def holm(pvalues: list[float]) -> list[float]:
+    """Holm's step-down adjustment of a family of p-values, in the given order."""
+    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
+    adjusted, running = [0.0] * len(pvalues), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(pvalues) - rank) * pvalues[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def paired_p(diffs: list[float]) -> float | None:
+    """Two-sided paired t-test p-value of the mean difference (None below two seeds)."""
+    if len(diffs) < 2:
+        return None
+    from scipy.stats import ttest_1samp
+
+    return float(ttest_1samp(diffs, 0.0).pvalue)
+
+
+def comparisons(families: dict[str, dict[int, dict[str, Any]]], step: str) -> list[dict]:
+    rows = []
+    for arm, base in FAMILY:
+        if arm not in families or base not in families:
+            continue
+        for domain, metric in METRICS:
+            def value(r):
+                p = r["points"].get(step)
+                return None if p is None else p[domain][metric]
+            mine = {s: v for s, r in families[arm].items() if (v := value(r)) is not None}
+            theirs = {s: v for s, r in families[base].items() if (v := value(r)) is not None}
+            seeds = sorted(set(mine) & set(theirs))
+            diff = paired(mine, theirs)
+            rows.append({"arm": arm, "against": base, "domain": domain, "metric": metric,
+                         "seeds": seeds, **diff,
+                         "p": paired_p([mine[s] - theirs[s] for s in seeds])})
+    for domain, metric in METRICS:  # Holm over the family, per metric
+        group = [r for r in rows if (r["domain"], r["metric"]) == (domain, metric)
+                 and r["p"] is not None]
+        for r, adj in zip(group, holm([r["p"] for r in group])):
+            r["p_holm"] = adj
+    return rows
+
+
+def arm_table(families: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str, Any]]:
+    rows = []
+    for family, seeds in sorted(families.items()):
+        steps = sorted({int(s) for r in seeds.values() for s in r["points"]})
+        for step in steps:
+            pts = [r["points"][str(step)] for r in seeds.values() if str(step) in r["points"]]
+            row = {"arm": family, "step": step, "tokens": pts[0]["tokens"], "seeds": len(pts),
+                   "kv_elements_per_token": pts[0]["kv_elements_per_token"],
+                   "kv_bytes_per_token_bf16": pts[0]["kv_bytes_per_token_bf16"],
+                   "params": pts[0]["params"],
+                   "params_without_lookup_tables": pts[0]["params_without_lookup_tables"]}
+            for domain, metric in (*METRICS, ("corpus", "ppl"), ("recovery", "ppl")):
+                row[f"{domain}_{metric}"] = interval([p[domain][metric] for p in pts])
+            rows.append(row)
+    return rows
+
+
+def _fmt(ci: dict[str, Any], digits: int = 3) -> str:
+    if ci["low"] is None:
+        return f"{ci['mean']:.{digits}f}"
+    return f"{ci['mean']:.{digits}f} [{ci['low']:.{digits}f}, {ci['high']:.{digits}f}]"
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    lines = ["# Upcycling SmolLM2-135M-Instruct: recovery by distillation", "",
+             "Held-out perplexity and KL(original || model) in nats per token, on the recovery "
+             "domain (unseen documents of the mixture recovered on) and the embedded corpus "
+             "(a domain the recovery never sees). Mean [95% interval] over seeds where there "
+             "are several. KV: cached elements per token (30 layers).", "",
+             "| arm | tokens | seeds | KV elem. | KL corpus | KL recovery | ppl corpus "
+             "| ppl recovery |", "|---|---:|---:|---:|---|---|---|---|"]
+    for r in summary["arms"]:
+        lines.append(f"| {r['arm']} | {r['tokens']:,} | {r['seeds']} | "
+                     f"{r['kv_elements_per_token']:,} | {_fmt(r['corpus_kl'])} | "
+                     f"{_fmt(r['recovery_kl'])} | {_fmt(r['corpus_ppl'], 1)} | "
+                     f"{_fmt(r['recovery_ppl'], 1)} |")
+    lines += ["", "## EG-MLA against MLA at the smallest cache, paired by seed", "",
+              "Differences (arm minus MLA) at the final budget; Holm-adjusted over the two "
+              "gate positions per metric.", "",
+              "| arm | metric | seeds | difference [95%] | p | p (Holm) |",
+              "|---|---|---:|---|---:|---:|"]
+    for c in summary["comparisons"]:
+        ci = {"mean": c["mean"], "low": c["low"], "high": c["high"]}
+        p = "" if c["p"] is None else f"{c['p']:.3f}"
+        ph = "" if c.get("p_holm") is None else f"{c['p_holm']:.3f}"
+        lines.append(f"| {c['arm']} | {c['domain']} {c['metric']} | {len(c['seeds'])} | "
+                     f"{_fmt(ci, 4)} | {p} | {ph} |")
+    if summary.get("gate_rows"):
+        lines += ["", "## Gate table rows trained", ""]
+        for arm, rows in summary["gate_rows"].items():
+            lines.append(f"- {arm}: {rows['rows_changed_per_table_min_max'][0]:,}-"
+                         f"{rows['rows_changed_per_table_min_max'][1]:,} of "
+                         f"{rows['rows_per_table']:,} rows per table changed "
+                         f"({rows['tables']} tables)")
+    return "\n".join(lines) + "\n"
+
+
+def plots(summary: dict[str, Any]) -> dict[str, bytes]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = {}
+    finals = {}
+    for r in summary["arms"]:
+        if r["arm"] not in finals or r["step"] > finals[r["arm"]]["step"]:
+            finals[r["arm"]] = r
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for arm, r in sorted(finals.items()):
+        ci = r["corpus_kl"]
+        yerr = None if ci["low"] is None else [[ci["mean"] - ci["low"]], [ci["high"] - ci["mean"]]]
+        ax.errorbar(r["kv_bytes_per_token_bf16"] / 1024, ci["mean"], yerr=yerr, fmt="o",
+                    capsize=3, label=f"{arm} ({r['seeds']} seed{'s' * (r['seeds'] > 1)})")
+    ax.set_xlabel("KV cache per token, KiB (bf16, 30 layers)")
+    ax.set_ylabel("KL to the original, nats/token (embedded corpus)")
+    ax.set_title("After recovery: quality against cache size (95% intervals over seeds)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out["quality_vs_kv.png"] = png_bytes(fig)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for arm in sorted(finals):
+        rows = sorted((r for r in summary["arms"] if r["arm"] == arm), key=lambda r: r["step"])
+        ax.plot([max(r["tokens"], 1e4) for r in rows], [r["corpus_kl"]["mean"] for r in rows],
+                marker="o", label=arm)
+    ax.set_xscale("log")
+    ax.set_xlabel("recovery tokens (0 drawn at 10^4)")
+    ax.set_ylabel("KL to the original, nats/token (embedded corpus)")
+    ax.set_title("Recovery curve (seed means)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out["recovery_curve.png"] = png_bytes(fig)
+    plt.close(fig)
+    return out
+
+
+def write_summary(results: Path, log) -> dict[str, Any]:
+    runs = _runs(results)
+    families = by_family(runs)
+    final_step = str(max((int(s) for r in runs for s in r["points"]), default=0))
+    summary = {"arms": arm_table(families), "comparisons": comparisons(families, final_step),
+               "gate_rows": {r["name"]: r["gate_rows"] for r in runs if r.get("gate_rows")},
+               "fit_seconds": {r["name"]: r.get("fit_seconds") for r in runs}}
+    for name in ("step0", "context", "lm_eval"):
+        path = results / f"{name}.json"
+        if path.is_file():
+            summary[name] = json.loads(path.read_text())
+    (results / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    (results / "summary.md").write_text(markdown(summary))
+    if runs:
+        for name, data in plots(summary).items():
+            (results / name).write_bytes(data)
+    log(f"summary: {len(runs)} runs -> {results / 'summary.md'}")
+    return summary

@@ -1,0 +1,118 @@
+"""The upcycling measurements (eval.upcycle) against direct computations, the recovery mixture
+(egmla.data.recovery) keeps out what is evaluated, and the summary's statistics
+(eval.upcycle_summary) against scipy and hand-worked cases."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from egmla.data.recovery import EVALUATED, recovery_documents, recovery_texts
+from egmla.models import Transformer
+from egmla.presets import preset
+from eval.upcycle import context_curve, quality
+from eval.upcycle_runs import ARMS, Arm, points
+from eval.upcycle_summary import comparisons, holm, markdown, write_summary
+
+
+def test_quality_is_the_perplexity_and_kl_written_out():
+    torch.manual_seed(0)
+    a, b = Transformer(preset("tiny-mla")).eval(), Transformer(preset("tiny-gqa2")).eval()
+    windows = torch.randint(0, 256, (5, 9), generator=torch.Generator().manual_seed(1))
+    got = quality(a, b, windows, batch_size=2)
+    with torch.no_grad():
+        log_q = a(windows[:, :-1]).log_softmax(-1)
+        log_p = b(windows[:, :-1]).log_softmax(-1)
+    nll = -log_q.gather(-1, windows[:, 1:, None]).mean().item()
+    assert got["ppl"] == pytest.approx(math.exp(nll), rel=1e-5)
+    assert got["kl"] == pytest.approx((log_p.exp() * (log_p - log_q)).sum(-1).mean().item(),
+                                      rel=1e-5)
+    assert quality(a, a, windows)["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert got["tokens"] == 40
+
+
+def test_the_context_curve_averages_each_bucket_of_positions():
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny-mha")).eval()
+    windows = torch.randint(0, 256, (2, 21), generator=torch.Generator().manual_seed(2))
+    curve = context_curve(model, windows, buckets=(0, 5, 12, 20))
+    with torch.no_grad():
+        losses = -model(windows[:, :-1]).log_softmax(-1).gather(-1, windows[:, 1:, None])[..., 0]
+    assert [(c["from"], c["to"]) for c in curve] == [(0, 5), (5, 12), (12, 20)]
+    assert curve[1]["loss"] == pytest.approx(losses[:, 5:12].mean().item(), rel=1e-5)
+
+
+def test_the_recovery_mixture_holds_no_evaluated_text_and_holds_documents_out_whole():
+    docs = recovery_documents()
+    names = [d.name for d in docs]
+    assert not any(n.split("/", 1)[1] in EVALUATED for n in names if n.startswith("metadata/"))
+    assert not any("/test/" in n or "/idlelib/" in n or "/encodings/" in n for n in names)
+    assert {d.kind for d in docs} == {"code", "prose"}
+    train, val, fingerprint = recovery_texts(0.05)
+    assert not set(train) & set(val) and len(val) < len(train)
+    lines = ("And God said, Let there be light", "wherefore art thou Romeo")  # the corpus's
+    assert not any(line.lower() in t.lower() for t in train + val for line in lines)
+    assert fingerprint == recovery_texts(0.05)[2]
+
+
+def test_holm_adjusts_like_the_step_down_procedure():
+    # worked: p = (0.01, 0.04, 0.03) -> sorted 0.01*3, 0.03*2, 0.04*1 -> 0.03, 0.06, 0.06
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])
+
+
+def _record(arm: Arm, kl: float, steps=(0, 244)) -> dict:
+    point = {"tokens": 0, "kv_elements_per_token": 1440, "kv_bytes_per_token_bf16": 2880,
+             "params": 1, "params_without_lookup_tables": 1}
+    return {"arm": {"seed": arm.seed}, "name": arm.name, "family": arm.family,
+            "points": {str(s): {**point, "tokens": s * 4096,
+                                **{d: {"kl": kl + s / 1000, "loss": kl, "ppl": math.exp(kl)}
+                                   for d in ("corpus", "recovery")}} for s in steps}}
+
+
+def test_the_paired_comparison_equals_scipys_paired_test(tmp_path):
+    from scipy.stats import ttest_rel
+
+    mla = {0: 1.00, 1: 1.10, 2: 0.95}
+    kv = {0: 0.90, 1: 1.02, 2: 0.91}
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for seed in (0, 1, 2):
+        for arm, kl in ((Arm("mla", 24, seed=seed), mla[seed]),
+                        (Arm("egmla", 24, "kv", seed=seed), kv[seed])):
+            (runs / f"{arm.name}.json").write_text(json.dumps(_record(arm, kl)))
+    summary = write_summary(tmp_path, lambda m: None)
+    row = next(c for c in summary["comparisons"] if c["arm"] == "egmla-kv-dc24"
+               and (c["domain"], c["metric"]) == ("corpus", "kl"))
+    assert row["mean"] == pytest.approx(sum(kv[s] - mla[s] for s in mla) / 3)
+    assert row["p"] == pytest.approx(ttest_rel(list(kv.values()), list(mla.values())).pvalue)
+    assert row["p_holm"] == pytest.approx(row["p"])  # alone in its family here
+    text = (tmp_path / "summary.md").read_text()
+    assert "egmla-kv-dc24" in text and (tmp_path / "quality_vs_kv.png").stat().st_size > 1000
+    assert markdown(summary) == text
+
+
+def test_the_arms_cover_the_issue():
+    names = {a.name for a in ARMS}
+    for size in (96, 48, 24):
+        assert f"mla-dc{size}-s0" in names
+    for size in (48, 24):
+        for position in ("kv", "latent"):
+            assert f"egmla-{position}-dc{size}-s0" in names
+    assert "egmla-paper-dc24-s0" in names
+    for seed in (1, 2):
+        assert {f"mla-dc24-s{seed}", f"egmla-kv-dc24-s{seed}", f"egmla-latent-dc24-s{seed}"} <= names
+
+
+def test_points_follow_the_run_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"trainer": {"max_steps": 10},
+                                                      "export_steps": [3, 12]}))
+    assert sorted(points(tmp_path)) == [0, 3, 10]
+    assert points(tmp_path)[3] == tmp_path / "exports" / "step3"
+
+
+def test_comparisons_skip_what_has_no_partner():
+    assert comparisons({"mla-dc24": {}}, "244") == []

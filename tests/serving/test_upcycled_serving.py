@@ -1,0 +1,114 @@
+"""A converted SmolLM2 (EG-MLA, the smallest cache) served for real: `python -m serve` and the
+OpenAI client over loopback give the engine's greedy tokens, the engine allocates the cache the
+conversion promises, and the transformers export (trust_remote_code) generates the same tokens
+(issue 38's acceptance)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from egmla.checkpoint import read_export_config
+from serve import LLM, SamplingParams
+from support import ROOT
+
+pytestmark = pytest.mark.slow
+PROMPT = "def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n"
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("upcycled") / "egmla-kv24"
+    done = subprocess.run(
+        [sys.executable, "-m", "egmla.upcycle", "--model", "SmolLM2-135M-Instruct", "--to",
+         "egmla", "--d-c", "24", "--calibration-tokens", "4096", "--out", str(out)],
+        capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine_tokens(converted):
+    llm = LLM(str(converted), kv_cache_memory=64 * 2**20)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0))[0]
+    return llm, list(out.outputs[0].token_ids), list(out.prompt_token_ids)
+
+
+def test_the_engine_allocates_the_cache_the_conversion_promises(converted, engine_tokens):
+    llm = engine_tokens[0]
+    _, meta = read_export_config(converted)
+    record = meta["extra"]["upcycle"]
+    assert record["kv_elements_per_token"] == 30 * (24 + 3 * 8)  # (d_c + G r) x 30 layers
+    engine = llm.engine
+    per_token = engine.cache.nbytes() / (engine.config.num_blocks * engine.config.block_size)
+    spec = engine.model.cache_spec()
+    assert per_token == spec.bytes_per_token(engine.cache.dtype)
+    # c, k_rope (3 x 8) per layer, the token id once: no decompressed K/V anywhere
+    assert spec.elements_per_token() == 30 * 48
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_python_m_serve_and_the_openai_client_give_the_engines_tokens(converted, engine_tokens,
+                                                                      tmp_path):
+    from openai import OpenAI
+
+    tokens = engine_tokens[1]
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serve", "--model", str(converted), "--port", str(port),
+         "--kv-cache-memory", "64MiB", "--log-level", "warning"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.1)
+        client = OpenAI(base_url=url + "/v1", api_key="none")
+        reply = client.completions.create(model=converted.name, prompt=PROMPT, max_tokens=12,
+                                          temperature=0, logprobs=1)
+        assert reply.usage.completion_tokens == 12
+        assert reply.choices[0].text == engine_tokens[0].tokenizer.decode(tokens)
+        chat = client.chat.completions.create(
+            model=converted.name, messages=[{"role": "user", "content": "Say hello."}],
+            max_tokens=8, temperature=0)
+        assert chat.choices[0].message.content
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_the_transformers_export_generates_the_engines_greedy_tokens(converted, engine_tokens,
+                                                                   tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, tokens, prompt = engine_tokens
+    out = tmp_path / "hf"
+    done = subprocess.run([sys.executable, "-m", "egmla.export", "--checkpoint", str(converted),
+                           "--format", "hf", "--out", str(out)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((out / "config.json").read_text())["auto_map"]
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert AutoTokenizer.from_pretrained(out).encode(PROMPT) == prompt
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        generated = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert generated[0, ids.shape[1]:].tolist() == tokens
