@@ -185,6 +185,7 @@ def write_summary(results: Path, log) -> dict[str, Any]:
         path = results / f"{name}.json"
         if path.is_file():
             summary[name] = json.loads(path.read_text())
+    results.mkdir(parents=True, exist_ok=True)
     (results / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     (results / "summary.md").write_text(markdown(summary))
     if runs:
