@@ -86,10 +86,11 @@ def test_python_m_serve_and_the_openai_client_give_the_engines_tokens(converted,
                                           temperature=0, logprobs=1)
         assert reply.usage.completion_tokens == 12
         assert reply.choices[0].text == engine_tokens[0].tokenizer.decode(tokens)
-        chat = client.chat.completions.create(
-            model=converted.name, messages=[{"role": "user", "content": "Say hello."}],
-            max_tokens=8, temperature=0)
-        assert chat.choices[0].message.content
+        messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+        chat = client.chat.completions.create(model=converted.name, messages=messages,
+                                              max_tokens=8, temperature=0)
+        expected = engine_tokens[0].chat(messages, SamplingParams(max_tokens=8, temperature=0))
+        assert chat.choices[0].message.content == expected[0].outputs[0].text
     finally:
         proc.terminate()
         proc.wait(timeout=30)
