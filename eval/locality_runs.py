@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from eval.pipeline import PipelineError, run_logged, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 # drelu first: the acceptance figure (its predicted-sparse speedup) is the one to have soonest
@@ -53,10 +53,6 @@ SWIGLU_SPARSITY = 0.5
 STEPS = ("train", "losses", "profile", "predictors", "benchmark")
 
 
-class PipelineError(RuntimeError):
-    pass
-
-
 def run_name(ffn: str, seed: int) -> str:
     return f"locality-{ffn}-s{seed}"
 
@@ -68,25 +64,6 @@ def train_command(ffn: str, seed: int, runs_dir: Path, extra: list[str]) -> list
             f"hydra.run.dir={runs_dir / run_name(ffn, seed)}", *extra]
 
 
-def _run(cmd: list[str], log_file: Path, log) -> None:
-    log_file.parent.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    log(f"{' '.join(cmd[1:4])} ... (log {log_file})")
-    with log_file.open("w") as out:
-        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if done.returncode != 0:
-        raise PipelineError(f"{' '.join(cmd[1:4])} failed (exit {done.returncode}); see {log_file}")
-    log(f"done in {time.perf_counter() - started:.0f} s")
-
-
-def write_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 def train(ffn: str, seed: int, args, log, need_model: bool) -> dict[str, Any]:
     """The run's record, training it first unless the record exists and its model is not
     needed (or is there)."""
@@ -96,7 +73,7 @@ def train(ffn: str, seed: int, args, log, need_model: bool) -> dict[str, Any]:
     if record_file.is_file() and (not need_model or (export / "config.json").is_file()):
         return json.loads(record_file.read_text())
     if not (directory / "summary.json").is_file() or not (export / "config.json").is_file():
-        _run(train_command(ffn, seed, args.runs_dir, args.overrides), args.runs_dir / f"{name}.log",
+        run_logged(train_command(ffn, seed, args.runs_dir, args.overrides), args.runs_dir / f"{name}.log",
              log)
         shutil.rmtree(directory / "checkpoints", ignore_errors=True)  # only a resume needs them
     summary = json.loads((directory / "summary.json").read_text())
@@ -205,7 +182,7 @@ def locality(command: str, model: str, name: str, args, log,
         return
     cmd = [sys.executable, "-m", "eval.locality", command, "--model", model, "--out", str(work),
            *firing_args(sparsity), *getattr(args, f"{command}_args")]
-    _run(cmd, args.runs_dir / f"{name}-{command}.log", log)
+    run_logged(cmd, args.runs_dir / f"{name}-{command}.log", log)
     out.mkdir(parents=True, exist_ok=True)
     for file in (f"{command}.json", f"{command}.md", "profile.png"):
         if (work / file).is_file():
@@ -258,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, str(ROOT / "benchmarks" / "activation_locality.py"),
                    "--out", str(args.results), "--add", "--model", model, *target,
                    *args.benchmark_args]
-            _run(cmd, args.runs_dir / f"{name}-benchmark.log", log)
+            run_logged(cmd, args.runs_dir / f"{name}-benchmark.log", log)
 
     try:
         records = []

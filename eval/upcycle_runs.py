@@ -28,14 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from eval.pipeline import ROOT, PipelineError, run_logged, write_json
 SOURCE = "SmolLM2-135M-Instruct"
 ROPE_DIMS = 8
 SIZES = (96, 48, 24)
@@ -44,10 +43,6 @@ STEPS = 244  # experiment=upcycle_smollm2: 1.0M tokens (8 x 512 a step)
 CURVE_STEPS = (24, 73)  # its export_steps: 0.1M and 0.3M tokens
 PHASES = ("step0", "train", "context", "lm_eval", "summary")
 LM_EVAL_TASKS = ("corpus_cloze", "corpus_perplexity", "mqar_recall")
-
-
-class PipelineError(RuntimeError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -98,13 +93,6 @@ ARMS = _arms()
 
 # --------------------------------------------------------------------------------------------
 # Records
-
-
-def _write_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -203,7 +191,7 @@ def step0(results: Path, log) -> None:
         record["rows"].append(entry)
         record["context"] = _context()
         record["calibration_tokens"] = int(calibration.numel())
-        _write_json(path, record)
+        write_json(path, record)
         log(f"step0: {row} ppl {entry['recovery']['ppl']:.1f} / {entry['corpus']['ppl']:.1f} "
             f"kl {entry['recovery']['kl']:.3f} / {entry['corpus']['kl']:.3f}")
     (results / "step0.md").write_text(step0_markdown(record))
@@ -233,18 +221,6 @@ def step0_markdown(record: dict[str, Any]) -> str:
 
 # --------------------------------------------------------------------------------------------
 # Phase 2: recovery
-
-
-def _run(cmd: list[str], log_file: Path, log) -> None:
-    log_file.parent.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    log(f"{' '.join(cmd[1:5])} ... (log {log_file})")
-    with log_file.open("a") as out:
-        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if done.returncode != 0:
-        raise PipelineError(f"{' '.join(cmd[1:5])} failed (exit {done.returncode}); see {log_file}")
-    log(f"done in {time.perf_counter() - started:.0f} s")
 
 
 def train_command(arm: Arm, run_dir: Path, extra: list[str]) -> list[str]:
@@ -300,10 +276,10 @@ def train_arm(arm: Arm, runs_dir: Path, results: Path, extra: list[str], log,
     from egmla.checkpoint import is_export
 
     if not is_export(run_dir / "init"):
-        _run([sys.executable, "-m", "egmla.upcycle", *arm.convert_args(),
-              "--out", str(run_dir / "init"), "--overwrite"], run_dir / "convert.log", log)
-    if not is_export(run_dir / "export"):
-        _run(train_command(arm, run_dir, extra), run_dir / "train.log", log)
+        run_logged([sys.executable, "-m", "egmla.upcycle", *arm.convert_args(),
+                    "--out", str(run_dir / "init"), "--overwrite"], run_dir / "convert.log", log)
+    if not is_export(run_dir / "export"):  # a resumed run's log keeps its earlier starts
+        run_logged(train_command(arm, run_dir, extra), run_dir / "train.log", log, append=True)
     if not measurer_box:
         measurer_box.append(Measurer())
     measurer = measurer_box[0]
@@ -329,7 +305,7 @@ def train_arm(arm: Arm, runs_dir: Path, results: Path, extra: list[str], log,
         "gate_rows": table_rows_trained(run_dir / "init", run_dir / "export"),
         "context": _context(), "complete": True,
     })
-    _write_json(path, record)
+    write_json(path, record)
     final = record["points"][str(max(map(int, record["points"])))]
     log(f"{arm.name}: ppl {final['recovery']['ppl']:.2f} / {final['corpus']['ppl']:.2f}, "
         f"KL {final['recovery']['kl']:.3f} / {final['corpus']['kl']:.3f}")
@@ -367,7 +343,7 @@ def context(arms: list[Arm], runs_dir: Path, results: Path, log) -> None:
         started = time.perf_counter()
         record["curves"][key] = context_curve(model.eval(), windows)
         record["context"] = _context()
-        _write_json(path, record)
+        write_json(path, record)
         log(f"context {key}: {time.perf_counter() - started:.0f} s")
 
 
@@ -389,11 +365,11 @@ def lm_eval(arms: list[Arm], runs_dir: Path, results: Path, log, limit: int | No
                f"pretrained={export}", "--tasks", ",".join(LM_EVAL_TASKS), "--include_path",
                str(ROOT / "eval" / "tasks"), "--output_path", str(out / "eval"),
                "--batch_size", "8", *(["--limit", str(limit)] if limit else [])]
-        _run(cmd, out / "lm_eval.log", log)
+        run_logged(cmd, out / "lm_eval.log", log)
         record["scores"][key] = lm_eval_metrics(out)
         record["tasks"], record["limit"] = list(LM_EVAL_TASKS), limit
         record["context"] = _context()
-        _write_json(path, record)
+        write_json(path, record)
 
 
 # --------------------------------------------------------------------------------------------

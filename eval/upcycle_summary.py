@@ -134,44 +134,56 @@ def markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plots(summary: dict[str, Any]) -> dict[str, bytes]:
+KL_LABEL = "KL to the original, nats/token (embedded corpus)"
+
+
+def _png(draw, xlabel: str, title: str) -> bytes:
+    """A 7 x 4.5 in figure drawn by draw(ax), labelled, with a legend, as PNG bytes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = {}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    draw(ax)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(KL_LABEL)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    data = png_bytes(fig)
+    plt.close(fig)
+    return data
+
+
+def plots(summary: dict[str, Any]) -> dict[str, bytes]:
     finals = {}
     for r in summary["arms"]:
         if r["arm"] not in finals or r["step"] > finals[r["arm"]]["step"]:
             finals[r["arm"]] = r
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for arm, r in sorted(finals.items()):
-        ci = r["corpus_kl"]
-        yerr = None if ci["low"] is None else [[ci["mean"] - ci["low"]], [ci["high"] - ci["mean"]]]
-        ax.errorbar(r["kv_bytes_per_token_bf16"] / 1024, ci["mean"], yerr=yerr, fmt="o",
-                    capsize=3, label=f"{arm} ({r['seeds']} seed{'s' * (r['seeds'] > 1)})")
-    ax.set_xlabel("KV cache per token, KiB (bf16, 30 layers)")
-    ax.set_ylabel("KL to the original, nats/token (embedded corpus)")
-    ax.set_title("After recovery: quality against cache size (95% intervals over seeds)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    out["quality_vs_kv.png"] = png_bytes(fig)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for arm in sorted(finals):
-        rows = sorted((r for r in summary["arms"] if r["arm"] == arm), key=lambda r: r["step"])
-        ax.plot([max(r["tokens"], 1e4) for r in rows], [r["corpus_kl"]["mean"] for r in rows],
-                marker="o", label=arm)
-    ax.set_xscale("log")
-    ax.set_xlabel("recovery tokens (0 drawn at 10^4)")
-    ax.set_ylabel("KL to the original, nats/token (embedded corpus)")
-    ax.set_title("Recovery curve (seed means)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    out["recovery_curve.png"] = png_bytes(fig)
-    plt.close(fig)
-    return out
+
+    def quality_vs_kv(ax) -> None:
+        for arm, r in sorted(finals.items()):
+            ci = r["corpus_kl"]
+            yerr = (None if ci["low"] is None
+                    else [[ci["mean"] - ci["low"]], [ci["high"] - ci["mean"]]])
+            ax.errorbar(r["kv_bytes_per_token_bf16"] / 1024, ci["mean"], yerr=yerr, fmt="o",
+                        capsize=3, label=f"{arm} ({r['seeds']} seed{'s' * (r['seeds'] > 1)})")
+
+    def recovery_curve(ax) -> None:
+        for arm in sorted(finals):
+            rows = sorted((r for r in summary["arms"] if r["arm"] == arm), key=lambda r: r["step"])
+            ax.plot([max(r["tokens"], 1e4) for r in rows], [r["corpus_kl"]["mean"] for r in rows],
+                    marker="o", label=arm)
+        ax.set_xscale("log")
+
+    return {
+        "quality_vs_kv.png": _png(quality_vs_kv, "KV cache per token, KiB (bf16, 30 layers)",
+                                  "After recovery: quality against cache size (95% intervals "
+                                  "over seeds)"),
+        "recovery_curve.png": _png(recovery_curve, "recovery tokens (0 drawn at 10^4)",
+                                   "Recovery curve (seed means)"),
+    }
 
 
 def write_summary(results: Path, log) -> dict[str, Any]:

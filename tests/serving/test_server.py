@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,7 +27,7 @@ from egmla.models import Transformer
 from egmla.presets import preset
 from serve import LLM, SamplingParams
 from support import ROOT
-from support.server import serving
+from support.server import free_port, served_by_cli, serving
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -259,40 +258,19 @@ def test_full_queue_answers_503_and_the_server_carries_on(smollm2):
 # ---- python -m serve ---------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_cli_serves_a_training_export(tmp_path):
     torch.manual_seed(0)
     export = save_export(Transformer(preset("tiny-egmla")), tmp_path / "tiny-run")
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "serve", "--model", str(export), "--port", str(port),
-         "--kv-cache-memory", "4MiB", "--dtype", "bfloat16", "--kv-cache-dtype", "float32",
-         "--log-level", "warning"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(300):
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.1)
+    args = ["--model", str(export), "--kv-cache-memory", "4MiB", "--dtype", "bfloat16",
+            "--kv-cache-dtype", "float32", "--log-level", "warning"]
+    with served_by_cli(args, cwd=tmp_path, tries=300) as (url, _):
         assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "tiny-run"
         reply = httpx.post(url + "/v1/completions",
                            json={"model": "tiny-run", "prompt": [5, 6, 7], "max_tokens": 5})
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
         text = httpx.post(url + "/v1/completions", json={"model": "tiny-run", "prompt": "hi"})
         assert text.status_code == 400 and "no tokenizer" in text.json()["error"]["message"]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -5,21 +5,17 @@ conversion promises, and the transformers export (trust_remote_code) generates t
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import socket
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 import torch
 
 from egmla.checkpoint import read_export_config
 from serve import LLM, SamplingParams
 from support import ROOT
+from support.server import served_by_cli
 
 pytestmark = pytest.mark.slow
 PROMPT = "def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n"
@@ -56,31 +52,13 @@ def test_the_engine_allocates_the_cache_the_conversion_promises(converted, engin
     assert spec.elements_per_token() == 30 * 48
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_python_m_serve_and_the_openai_client_give_the_engines_tokens(converted, engine_tokens,
                                                                       tmp_path):
     from openai import OpenAI
 
     tokens = engine_tokens[1]
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "serve", "--model", str(converted), "--port", str(port),
-         "--kv-cache-memory", "64MiB", "--log-level", "warning"],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.1)
+    with served_by_cli(["--model", str(converted), "--kv-cache-memory", "64MiB", "--log-level",
+                        "warning"], cwd=tmp_path) as (url, _):
         client = OpenAI(base_url=url + "/v1", api_key="none")
         reply = client.completions.create(model=converted.name, prompt=PROMPT, max_tokens=12,
                                           temperature=0, logprobs=1)
@@ -91,9 +69,6 @@ def test_python_m_serve_and_the_openai_client_give_the_engines_tokens(converted,
                                               max_tokens=8, temperature=0)
         expected = engine_tokens[0].chat(messages, SamplingParams(max_tokens=8, temperature=0))
         assert chat.choices[0].message.content == expected[0].outputs[0].text
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_the_transformers_export_generates_the_engines_greedy_tokens(converted, engine_tokens,

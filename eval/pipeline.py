@@ -1,0 +1,40 @@
+"""What the resumable research pipelines share (eval.locality_runs, eval.upcycle_runs): a step
+run as a subprocess with its output in a log file, and records written atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class PipelineError(RuntimeError):
+    """A step failed; the message says which and where its log is."""
+
+
+def run_logged(cmd: list[str], log_file: Path, log, append: bool = False) -> None:
+    """Run `cmd` from the repository root with its output in `log_file` (appended to with
+    `append`, so a resumed step keeps its earlier starts' output); PipelineError if it fails."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    what = " ".join(cmd[1:4])
+    log(f"{what} ... (log {log_file})")
+    with log_file.open("a" if append else "w") as out:
+        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if done.returncode != 0:
+        raise PipelineError(f"{what} failed (exit {done.returncode}); see {log_file}")
+    log(f"done in {time.perf_counter() - started:.0f} s")
+
+
+def write_json(path: Path, data: Any) -> None:
+    """`data` as JSON at `path`, written to a temporary sibling and renamed into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
