@@ -94,6 +94,20 @@ def arm_table(families: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str, 
     return rows
 
 
+def transfer_comparison(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The MLA d_c 24 seed-0 run with a layer-wise attention-transfer stage first, beside the
+    one with KL alone: final KL and the wall time each took (compute, on one machine)."""
+    out = {}
+    for r in runs:
+        if r["family"].startswith("mla-dc24") and r["arm"]["seed"] == 0:
+            final = _final(r)
+            label = ("transfer, then KL" if r["arm"].get("transfer_steps") else "KL alone")
+            out[f"{label} ({r['name']})"] = {"fit_seconds": r.get("fit_seconds"),
+                                             "corpus_kl": final["corpus"]["kl"],
+                                             "recovery_kl": final["recovery"]["kl"]}
+    return out if len(out) == 2 else {}
+
+
 def _fmt(ci: dict[str, Any], digits: int = 3) -> str:
     if ci["low"] is None:
         return f"{ci['mean']:.{digits}f}"
@@ -124,6 +138,13 @@ def markdown(summary: dict[str, Any]) -> str:
         ph = "" if c.get("p_holm") is None else f"{c['p_holm']:.3f}"
         lines.append(f"| {c['arm']} | {c['domain']} {c['metric']} | {len(c['seeds'])} | "
                      f"{_fmt(ci, 4)} | {p} | {ph} |")
+    transfer = summary.get("transfer")
+    if transfer:
+        lines += ["", "## Attention transfer first, against KL alone (mla-dc24, seed 0)", "",
+                  "| recipe | fit seconds | KL corpus | KL recovery |", "|---|---:|---:|---:|"]
+        for name, t in transfer.items():
+            lines.append(f"| {name} | {t['fit_seconds']} | {t['corpus_kl']:.3f} | "
+                         f"{t['recovery_kl']:.3f} |")
     if summary.get("gate_rows"):
         lines += ["", "## Gate table rows trained", ""]
         for arm, rows in summary["gate_rows"].items():
@@ -193,6 +214,7 @@ def write_summary(results: Path, log) -> dict[str, Any]:
     summary = {"arms": arm_table(families), "comparisons": comparisons(families, final_step),
                "gate_rows": {r["name"]: r["gate_rows"] for r in runs if r.get("gate_rows")},
                "fit_seconds": {r["name"]: r.get("fit_seconds") for r in runs}}
+    summary["transfer"] = transfer_comparison(runs)
     for name in ("step0", "context", "lm_eval"):
         path = results / f"{name}.json"
         if path.is_file():
