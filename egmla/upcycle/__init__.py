@@ -108,32 +108,18 @@ def upcycle(model: Transformer, *, to: str, d_c: int, rope_dims: int, rule: str 
     `stats`: `calibration_stats(model, calibration)` computed once for several conversions of
     the same model and calibration (else computed here).
     """
+    options, gate = check_options(model, to=to, d_c=d_c, rope_dims=rope_dims, rule=rule,
+                                  svd=svd, gate_form=gate_form, gate_position=gate_position,
+                                  d_e=d_e, gate_group_size=gate_group_size)
+    if to == "egmla":
+        options["seed"] = seed
+    needs_data = rule == "2norm" or svd == "whitened" or bool(gate) and gate_form == "paper"
+    _check(not needs_data or calibration is not None,
+           f"rule={rule!r}, svd={svd!r}, gate_form={gate_form!r}: needs calibration token ids")
     source = model.config
     layers = _source_layers(model)
     d_h = layers[0].rope.dim
     H, G = source.n_heads, layers[0].wk.shape[0] // d_h
-    options = {"to": to, "d_c": d_c, "rope_dims": rope_dims, "rule": rule, "svd": svd}
-    _check_choice("to", to, TARGETS)
-    _check_choice("rule", rule, RULES)
-    _check_choice("svd", svd, SVD_KINDS)
-    full = G * (2 * d_h - rope_dims)
-    _check(isinstance(rope_dims, int) and 2 <= rope_dims <= d_h and rope_dims % 2 == 0,
-           f"rope_dims={rope_dims!r}: must be even, in [2, {d_h}] (the head width)")
-    _check(isinstance(d_c, int) and 1 <= d_c <= full,
-           f"d_c={d_c!r}: must be in [1, {full}]; {full} = {G} KV heads x (2 x {d_h} - "
-           f"rope_dims {rope_dims}) keeps everything")
-    needs_data = rule == "2norm" or svd == "whitened" or (to == "egmla" and gate_form == "paper")
-    _check(not needs_data or calibration is not None,
-           f"rule={rule!r}, svd={svd!r}, gate_form={gate_form!r}: needs calibration token ids")
-    gate = {}
-    if to == "egmla":
-        _check_choice("gate_form", gate_form, GATE_FORMS)
-        gate = {"gate_form": gate_form, **GATE_DEFAULTS,
-                **{k: v for k, v in (("gate_position", gate_position), ("d_e", d_e),
-                                     ("gate_group_size", gate_group_size)) if v is not None}}
-        _check(gate_form != "paper" or gate["gate_position"] == "kv",
-               "gate_form='paper' is the kv gate followed by LayerNorm: gate_position must be kv")
-        options.update(gate, seed=seed)
 
     if stats is None and calibration is not None:
         stats = collect_stats(model, layers, calibration, batch_size=batch_size,
@@ -153,6 +139,41 @@ def upcycle(model: Transformer, *, to: str, d_c: int, rope_dims: int, rule: str 
         fitted = _init_gate(target, gate, seed, model, calibration, batch_size)
     n_tokens = 0 if calibration is None else int(calibration.numel())
     return Upcycled(target.eval(), options, freqs, energy, n_tokens, fitted)
+
+
+def check_options(model: Transformer, *, to: str, d_c: int, rope_dims: int,
+                  rule: str = "2norm", svd: str = "whitened", gate_form: str = "identity",
+                  gate_position: str | None = None, d_e: int | None = None,
+                  gate_group_size: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every check `upcycle` makes of its options against `model`, before any calibration or
+    conversion work (UpcycleError naming the value); returns the record's options and the
+    gate's settings (empty for MLA)."""
+    source = model.config
+    layers = _source_layers(model)
+    d_h = layers[0].rope.dim
+    G = layers[0].wk.shape[0] // d_h
+    _check_choice("to", to, TARGETS)
+    _check_choice("rule", rule, RULES)
+    _check_choice("svd", svd, SVD_KINDS)
+    full = G * (2 * d_h - rope_dims) if isinstance(rope_dims, int) else 0
+    _check(isinstance(rope_dims, int) and 2 <= rope_dims <= d_h and rope_dims % 2 == 0,
+           f"rope_dims={rope_dims!r}: must be even, in [2, {d_h}] (the head width)")
+    _check(isinstance(d_c, int) and 1 <= d_c <= full,
+           f"d_c={d_c!r}: must be in [1, {full}]; {full} = {G} KV heads x (2 x {d_h} - "
+           f"rope_dims {rope_dims}) keeps everything")
+    options = {"to": to, "d_c": d_c, "rope_dims": rope_dims, "rule": rule, "svd": svd}
+    gate: dict[str, Any] = {}
+    if to == "egmla":
+        _check_choice("gate_form", gate_form, GATE_FORMS)
+        gate = {"gate_form": gate_form, **GATE_DEFAULTS,
+                **{k: v for k, v in (("gate_position", gate_position), ("d_e", d_e),
+                                     ("gate_group_size", gate_group_size)) if v is not None}}
+        _check(gate_form != "paper" or gate["gate_position"] == "kv",
+               "gate_form='paper' is the kv gate followed by LayerNorm: gate_position must be kv")
+        options.update(gate)
+    placeholder = [[list(range(rope_dims // 2))] * G] * source.n_layers
+    _target_config(source, G, d_h, to, d_c, rope_dims, placeholder, gate)  # its shape checks
+    return options, gate
 
 
 def calibration_stats(model: Transformer, calibration: torch.Tensor, batch_size: int = 4,

@@ -23,7 +23,7 @@ import torch
 
 from egmla.checkpoint import CheckpointError, save_export
 from egmla.config import ConfigError
-from egmla.upcycle import GATE_FORMS, TARGETS, UpcycleError, upcycle
+from egmla.upcycle import GATE_FORMS, TARGETS, UpcycleError, check_options, upcycle
 from egmla.upcycle.rope import RULES
 from egmla.upcycle.svd import SVD_KINDS
 
@@ -110,6 +110,9 @@ def _run(args: argparse.Namespace) -> int:
         raise UpcycleError("--gate-position, --d-e and --gate-group-size are for --to egmla")
     started = time.perf_counter()
     model, tokenizer = load_pretrained(args.model, dtype=torch.float32)
+    check_options(model, to=args.to, d_c=args.d_c, rope_dims=args.rope_dims, rule=args.rule,
+                  svd=args.svd, gate_form=args.gate_form, gate_position=args.gate_position,
+                  d_e=args.d_e, gate_group_size=args.gate_group_size)  # before any calibration
     calibration = None
     if args.calibration_tokens:
         if tokenizer is None:
