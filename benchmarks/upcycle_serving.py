@@ -10,7 +10,7 @@ order rotating each repeat; the median of the repeats is reported.
 
     python benchmarks/upcycle_serving.py --model mla24=runs/upcycle/mla-dc24-s0/export \\
         --model egmla-kv24=runs/upcycle/egmla-kv-dc24-s0/export
-    python benchmarks/upcycle_serving.py --quick ...   # a smoke test: 8 MiB, 256 tokens
+    python benchmarks/upcycle_serving.py --quick ...   # a smoke test: 16 MiB, 256 tokens
 
 Writes benchmarks/results/upcycle/serving.{json,md} (serving_quick.* with --quick).
 """
@@ -51,10 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-batched-tokens", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="8 MiB, 256-token sequences, 1 repeat")
+    p.add_argument("--quick", action="store_true", help="16 MiB, 256-token sequences, 1 repeat")
     args = p.parse_args(argv)
     if args.quick:
-        args.kv_mib, args.seq_len, args.repeats, args.measure_steps = 8, 256, 1, 3
+        args.kv_mib, args.seq_len, args.repeats, args.measure_steps = 16, 256, 1, 3
     for item in args.model:
         if "=" not in item:
             p.error(f"--model {item!r}: expected NAME=EXPORT")
@@ -72,13 +72,17 @@ def main(argv=None) -> int:
         name, path = item.split("=", 1)
         models[name] = load_export(path, dtype=torch.float32).eval()
     caps = {name: serve_capacity.capacity(name, m, args) for name, m in models.items()}
-    common = max(1, min(caps["original"]["fit_sequences"], args.max_seqs))
+    short = [n for n, c in caps.items() if c["fit_sequences"] < 1]
+    if short:
+        raise SystemExit(f"--kv-mib {args.kv_mib} holds no sequence of --seq-len {args.seq_len} "
+                         f"for {', '.join(short)}: give a larger budget")
+    common = min(caps["original"]["fit_sequences"], args.max_seqs)
     runs: dict[str, dict[str, list[dict]]] = {n: {"at_fit": [], "at_common": []} for n in models}
     names = list(models)
     for repeat in range(args.repeats):
         order = names[repeat % len(names):] + names[:repeat % len(names)]
         for name in order:
-            n_fit = max(1, min(caps[name]["fit_sequences"], args.max_seqs))
+            n_fit = min(caps[name]["fit_sequences"], args.max_seqs)
             runs[name]["at_fit"].append(serve_capacity.decode_throughput(models[name], args, n_fit))
             runs[name]["at_common"].append(
                 serve_capacity.decode_throughput(models[name], args, common))
