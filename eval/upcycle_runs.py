@@ -377,11 +377,15 @@ def lm_eval(arms: list[Arm], runs_dir: Path, results: Path, log, limit: int | No
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m eval.upcycle_runs",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
-    p.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "upcycle")
-    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "upcycle")
+    p = argparse.ArgumentParser(prog="python -m eval.upcycle_runs", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="arms: " + ", ".join(a.name for a in ARMS))
+    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES),
+                   help="which phases, in their order (default: all)")
+    p.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "upcycle",
+                   help="run directories (default runs/upcycle)")
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "upcycle",
+                   help="the record (default benchmarks/results/upcycle)")
     p.add_argument("--arms", nargs="+", default=None, help="only these arms (by name)")
     p.add_argument("--lm-eval-limit", type=int, default=None,
                    help="score only the first documents of each task (a rehearsal)")
@@ -392,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
 
+    unknown = sorted(set(args.arms or ()) - {a.name for a in ARMS})
+    if unknown:
+        p.error(f"--arms {', '.join(unknown)}: unknown; the arms are listed by --help")
     arms = [a for a in ARMS if args.arms is None or a.name in args.arms]
     try:
         if "step0" in args.phases:
