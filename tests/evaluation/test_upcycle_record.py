@@ -116,3 +116,35 @@ def test_points_follow_the_run_config(tmp_path):
 
 def test_comparisons_skip_what_has_no_partner():
     assert comparisons({"mla-dc24": {}}, "244") == []
+
+
+def test_gate_rows_trained_counts_the_rows_that_changed(tmp_path):
+    from egmla.checkpoint import save_export
+    from eval.upcycle_runs import table_rows_trained
+
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny-egmla", attention={
+        "type": "egmla", "d_c": 8, "d_e": 4, "d_nope": 16, "d_rope": 8, "d_v": 16,
+        "gate_group_size": 2})).eval()
+    before = save_export(model, tmp_path / "a")
+    with torch.no_grad():
+        model.layers[0].attn.gate_table.weight[[3, 7, 200]] += 1.0  # one shared table
+    after = save_export(model, tmp_path / "b")
+    rows = table_rows_trained(before, after)
+    assert rows["tables"] == 1 and rows["rows_per_table"] == 256
+    assert rows["rows_changed_total"] == 3
+    assert table_rows_trained(before, before)["rows_changed_total"] == 0
+    mla = save_export(Transformer(preset("tiny-mla")), tmp_path / "mla")
+    assert table_rows_trained(mla, mla) is None
+
+
+def test_transfer_is_compared_with_kl_alone_only_when_both_ran():
+    from eval.upcycle_summary import transfer_comparison
+
+    plain, transfer = _record(Arm("mla", 24), 1.0), _record(Arm("mla", 24, transfer_steps=24), 0.9)
+    plain["arm"]["transfer_steps"], transfer["arm"]["transfer_steps"] = 0, 24
+    plain["fit_seconds"], transfer["fit_seconds"] = 100.0, 90.0
+    assert transfer_comparison([plain]) == {}
+    both = transfer_comparison([plain, transfer])
+    assert both["transfer, then KL (mla-dc24-transfer24-s0)"]["fit_seconds"] == 90.0
+    assert both["KL alone (mla-dc24-s0)"]["corpus_kl"] == pytest.approx(1.0 + 0.244)
