@@ -106,7 +106,10 @@ def kl_to(model_dir, teacher_dir, ids) -> float:
 def test_a_converted_model_recovers_toward_its_teacher(teacher_and_student, tmp_path):
     teacher, student = teacher_and_student
     run_dir = tmp_path / "run"
-    done = run_train(distill_args(teacher, student, run_dir))
+    # every weight trains here: the experiment's attention-only default moves this tiny random
+    # model's KL by 3% in 12 steps (4.47 -> 4.34), too little to tell from noise; attention-only
+    # training is checked by the next test
+    done = run_train(distill_args(teacher, student, run_dir, "distill.train=all"))
     assert done.returncode == 0, done.stderr[-3000:]
     ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(9))
     before, after = kl_to(student, teacher, ids), kl_to(run_dir / "export", teacher, ids)
