@@ -1,4 +1,4 @@
-"""The GPU check (issue 20): one prepared run for a lent GPU machine, within about 5 minutes.
+"""The GPU check (issue 20): one prepared run for a lent GPU machine, within about 7 minutes.
 
 The lent machine has PyTorch, Lightning and transformers, and none of hydra-core, wandb,
 datasets, lm-eval, fastapi, uvicorn or gguf, and no registry access; so everything here runs on
@@ -9,9 +9,11 @@ ids (no tokenizer), and needs only torch, numpy, safetensors, tqdm and Lightning
    sampling repeats, and prefill + decode logits equal a full forward (bf16, a tolerance);
 2. decode: single-stream tok/s (prefill excluded) and batched output tok/s at 1, 16, 64 in
    bf16 through `serve.LLM`;
-3. serving: a mixed workload (prompts 16-256 tokens, outputs 16-64) through `LLM.generate`;
-4. training: tokens/s of the LightningModule in bf16-mixed, eager and with torch.compile;
-5. the attention path: the backend `auto` picks and why (serve.attention), PyTorch's SDPA
+3. variants: decode tok/s at batch 1 and 64 and KV bytes per token for SmolLM2's GQA and the
+   MLA and EG-MLA forms that issue 38 converts it to (d_c 24);
+4. serving: a mixed workload (prompts 16-256 tokens, outputs 16-64) through `LLM.generate`;
+5. training: tokens/s of the LightningModule in bf16-mixed, eager and with torch.compile;
+6. the attention path: the backend `auto` picks and why (serve.attention), PyTorch's SDPA
    backends enabled, whether flash-attn is importable (it cannot be installed there; its path
    is tested here only against its documented interface). Decode is measured under `auto`,
    `sdpa` (gather + SDPA), `flex` (FlexAttention in place) and `auto` compiled
@@ -124,11 +126,11 @@ def decode_by_engine(device, dtype, batches: list[int], new_tokens: int, repeats
     return out
 
 
-def decode(device, dtype, batches: list[int], new_tokens: int, repeats: int,
+def decode(device, dtype, batches: list[int], new_tokens: int, repeats: int, shape=None,
            **engine_args) -> dict[str, Any]:
     from serve import LLM, SamplingParams
 
-    model = model_of(SMOLLM2, dtype, device)
+    model = model_of(shape or SMOLLM2, dtype, device)
     llm = LLM(model, num_blocks=max(batches) * (64 + new_tokens) // 16 + 16, block_size=16,
               max_num_seqs=max(batches), enable_prefix_caching=False, **engine_args)
     engine = llm.engine
@@ -155,6 +157,44 @@ def decode(device, dtype, batches: list[int], new_tokens: int, repeats: int,
         rows[str(batch)] = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
     return {"dtype": str(dtype), "new_tokens": new_tokens, "attention": engine.attention_backend,
             "enforce_eager": engine.config.enforce_eager, "by_batch": rows}
+
+
+def converted_forms(shape: dict) -> dict[str, dict]:
+    """The shape's GQA attention and the forms that issue 38 converts it to at its smallest cache
+    (d_c 24, 8 RoPE dims per KV head: python -m egmla.upcycle --d-c 24 --rope-dims 8;
+    docs/upcycling.md)."""
+    gqa = shape["attention"]
+    head = shape["d_model"] // shape["n_heads"]
+    rope = min(8, head // 2)
+    converted = {"d_c": 24, "d_nope": head - rope, "d_rope": rope, "d_v": head,
+                 "latent_norm": False, "n_kv_heads": gqa["n_kv_heads"],
+                 "rope_heads": gqa["n_kv_heads"]}
+    gate = {"d_e": 32, "gate_norm": "none", "gate_group_size": 2, "gate_init": "identity",
+            "gate_residual": True}
+    return {"original (GQA)": gqa, "mla d_c 24": {"type": "mla", **converted},
+            "egmla-kv d_c 24": {"type": "egmla", **converted, **gate, "gate_position": "kv"},
+            "egmla-latent d_c 24": {"type": "egmla", **converted, **gate,
+                                    "gate_position": "latent"}}
+
+
+def variants(device, dtype, batches: list[int], new_tokens: int, repeats: int
+             ) -> dict[str, Any]:
+    """Decode tok/s of SmolLM2's shape with each of its converted_forms (random weights: speed
+    and cache size do not depend on them), under the default engine, with the KV bytes per
+    token of the cache it allocates."""
+    from egmla.models.transformer import cache_spec_for
+    from egmla.config import ModelConfig
+
+    out = {}
+    for name, attention in converted_forms(SMOLLM2).items():
+        shape = {**SMOLLM2, "attention": attention}
+        spec = cache_spec_for(ModelConfig.from_dict(shape))
+        try:
+            out[name] = {"kv_bytes_per_token": spec.bytes_per_token(dtype),
+                         **decode(device, dtype, batches, new_tokens, repeats, shape=shape)}
+        except Exception as error:  # noqa: BLE001 - one variant failing must not lose the rest
+            out[name] = {"error": f"{type(error).__name__}: {error}"}
+    return out
 
 
 def serving(device, dtype, requests: int, longest: int = 256) -> dict[str, Any]:
@@ -278,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         ("attention_path", lambda: attention_path(device)),
         ("decode", lambda: decode_by_engine(device, dtype, [1, 4] if args.quick else [1, 16, 64],
                                             8 if args.quick else 128, 1 if args.quick else 3)),
+        ("variants", lambda: variants(device, dtype, [1, 4] if args.quick else [1, 64],
+                                      8 if args.quick else 128, 1 if args.quick else 2)),
         ("serving", lambda: serving(device, dtype, 4 if args.quick else 64,
                                     96 if args.quick else 256)),
         ("training", lambda: training(device, 3 if args.quick else 20, 64 if args.quick else 512,

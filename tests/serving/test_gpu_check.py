@@ -19,7 +19,7 @@ def test_the_gpu_check_runs_every_part_in_its_cpu_smoke_mode(tmp_path):
                          timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     report = json.loads((tmp_path / "gpu_check_quick.json").read_text())
-    for part in ("checks", "attention_path", "decode", "serving", "training"):
+    for part in ("checks", "attention_path", "decode", "variants", "serving", "training"):
         assert "error" not in report[part], (part, report[part])
     assert report["checks"]["passed"] and report["checks"]["greedy_equals_cpu"]
     assert report["checks"]["greedy_equals_cpu_by_engine"] == {
@@ -31,6 +31,12 @@ def test_the_gpu_check_runs_every_part_in_its_cpu_smoke_mode(tmp_path):
         assert decoded["attention"] == attention and decoded["by_batch"]["1"]["decode_tok_s"] > 0
     assert report["decode"]["auto_compiled"]["enforce_eager"] is False
     assert report["training"]["eager"]["tokens_per_s"] > 0
+    variants = report["variants"]
+    for name in ("original (GQA)", "mla d_c 24", "egmla-kv d_c 24", "egmla-latent d_c 24"):
+        assert "error" not in variants[name] and variants[name]["by_batch"]["4"]["decode_tok_s"] > 0
+    # the converted caches are smaller than the original's: d_c + 3 RoPE keys against 2 n_kv d_h
+    assert variants["mla d_c 24"]["kv_bytes_per_token"] < variants["original (GQA)"][
+        "kv_bytes_per_token"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
