@@ -50,6 +50,15 @@ TINY = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 1
         "max_seq_len": 256, "attention": {"type": "mha", "n_kv_heads": 2}}
 
 
+def failure(error: BaseException) -> dict[str, Any]:
+    """A part's error for the record, with the end of its traceback (its causes too: the engine
+    wraps a step's error), since the GPU machine is gone by the time anyone reads it."""
+    import traceback
+
+    lines = "".join(traceback.format_exception(error)).splitlines()
+    return {"error": f"{type(error).__name__}: {error}", "traceback": lines[-40:]}
+
+
 def sync(device) -> None:
     import torch
 
@@ -122,7 +131,7 @@ def decode_by_engine(device, dtype, batches: list[int], new_tokens: int, repeats
             out[name] = decode(device, dtype, batches[:: max(1, len(batches) - 1)],
                                max(8, new_tokens // 2), max(1, repeats - 1), **args)
         except Exception as error:  # noqa: BLE001 - one engine failing must not lose the rest
-            out[name] = {"error": f"{type(error).__name__}: {error}"}
+            out[name] = failure(error)
     return out
 
 
@@ -180,8 +189,8 @@ def converted_forms(shape: dict) -> dict[str, dict]:
 def variants(device, dtype, batches: list[int], new_tokens: int, repeats: int
              ) -> dict[str, Any]:
     """Decode tok/s of SmolLM2's shape with each of its converted_forms (random weights: speed
-    and cache size do not depend on them), under the default engine, with the KV bytes per
-    token of the cache it allocates."""
+    and cache size do not depend on them), the GQA layers attending by `sdpa` (MLA and EG-MLA
+    gather their latent history under every backend), with the KV bytes per token."""
     from egmla.models.transformer import cache_spec_for
     from egmla.config import ModelConfig
 
@@ -191,9 +200,10 @@ def variants(device, dtype, batches: list[int], new_tokens: int, repeats: int
         spec = cache_spec_for(ModelConfig.from_dict(shape))
         try:
             out[name] = {"kv_bytes_per_token": spec.bytes_per_token(dtype),
-                         **decode(device, dtype, batches, new_tokens, repeats, shape=shape)}
+                         **decode(device, dtype, batches, new_tokens, repeats, shape=shape,
+                                  attention_backend="sdpa")}
         except Exception as error:  # noqa: BLE001 - one variant failing must not lose the rest
-            out[name] = {"error": f"{type(error).__name__}: {error}"}
+            out[name] = failure(error)
     return out
 
 
@@ -284,6 +294,9 @@ def machine(device) -> dict[str, Any]:
         info.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
                     gpu_memory_gib=round(torch.cuda.get_device_properties(device).total_memory
                                          / 2**30, 1))
+    if os.environ.get("EGMLA_GIT_SHA"):  # a copied working tree whose .git is not its commit
+        info["git"] = os.environ["EGMLA_GIT_SHA"]
+        return info
     try:
         import subprocess
 
@@ -299,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke test)")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the script")
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--parts", default=None,
+                   help="comma-separated parts to run (default all: checks, attention_path, "
+                        "decode, variants, serving, training)")
     args = p.parse_args(argv)
     import torch
 
@@ -325,6 +341,14 @@ def main(argv: list[str] | None = None) -> int:
         ("training", lambda: training(device, 3 if args.quick else 20, 64 if args.quick else 512,
                                       2 if args.quick else 16, compiled=gpu or not args.quick)),
     ]
+    if args.parts:
+        chosen = args.parts.split(",")
+        unknown = sorted(set(chosen) - {n for n, _ in parts})
+        if unknown:
+            print(f"error: unknown --parts {','.join(unknown)}; the parts are "
+                  f"{', '.join(n for n, _ in parts)}", file=sys.stderr)
+            return 2
+        parts = [(n, run) for n, run in parts if n in chosen]
     if args.quick and not gpu:  # SmolLM2's shape is too slow for a CPU smoke test
         SMOLLM2.update(TINY)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -334,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             report[name] = {**run(), "seconds": round(time.perf_counter() - t0, 1)}
         except Exception as error:  # noqa: BLE001 - one part failing must not lose the others
-            report[name] = {"error": f"{type(error).__name__}: {error}"}
+            report[name] = failure(error)
         print(f"{name}: {json.dumps(report[name])[:400]}", flush=True)
         report["seconds"] = round(time.perf_counter() - started, 1)
         # after every part: a run stopped by the time limit keeps what it measured
@@ -343,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         os.replace(tmp, path)
     print(f"wrote {path}")
     failed = [n for n, _ in parts if "error" in report[n]]
-    return 1 if failed or not report["checks"].get("passed") else 0
+    return 1 if failed or not report.get("checks", {"passed": True}).get("passed") else 0
 
 
 if __name__ == "__main__":

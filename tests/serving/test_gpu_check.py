@@ -4,6 +4,7 @@ mode), so that the lent GPU machine's few minutes are not spent finding a broken
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -34,6 +35,7 @@ def test_the_gpu_check_runs_every_part_in_its_cpu_smoke_mode(tmp_path):
     variants = report["variants"]
     for name in ("original (GQA)", "mla d_c 24", "egmla-kv d_c 24", "egmla-latent d_c 24"):
         assert "error" not in variants[name] and variants[name]["by_batch"]["4"]["decode_tok_s"] > 0
+        assert variants[name]["attention"] == "sdpa"
     # the converted caches are smaller than the original's: d_c + 3 RoPE keys against 2 n_kv d_h
     assert variants["mla d_c 24"]["kv_bytes_per_token"] < variants["original (GQA)"][
         "kv_bytes_per_token"]
@@ -45,3 +47,19 @@ def test_a_gpu_check_without_a_gpu_says_so_in_one_line(tmp_path):
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert run.returncode == 2 and "CUDA is not available" in run.stderr
     assert "Traceback" not in run.stderr and not list(tmp_path.iterdir())
+
+
+def test_the_gpu_check_runs_the_parts_asked_for_and_refuses_an_unknown_one(tmp_path):
+    run = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--quick",
+                          "--parts", "attention_path", "--out", str(tmp_path)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         env={**os.environ, "EGMLA_GIT_SHA": "0123abc"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads((tmp_path / "gpu_check_quick.json").read_text())
+    assert "attention_path" in report and "checks" not in report and "decode" not in report
+    assert report["machine"]["git"] == "0123abc"
+    bad = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu",
+                          "--parts", "decode,warp", "--out", str(tmp_path)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "unknown --parts warp" in bad.stderr
+    assert "Traceback" not in bad.stderr
