@@ -301,3 +301,27 @@ def test_training_step_reduces_loss():
         missing = [n for n, p in model.named_parameters() if p.grad is None]
         assert not missing, f"{name}: no gradient for {missing}"
         assert losses[-1] < losses[0], f"{name}: {losses}"
+
+
+def test_masked_attention_takes_sdpa_output_in_any_memory_layout(monkeypatch):
+    """On an H200, SDPA returned the grouped (B, G, R*T, Dv) output laid out as (B, R*T, G, Dv)
+    and `attend` failed every step with a view error; the result must not depend on layout."""
+    import torch.nn.functional as F
+
+    from egmla.models.attention import common
+
+    g = torch.Generator().manual_seed(0)
+    B, T, S, H, G, D = 2, 3, 7, 6, 2, 8
+    q, k, v = (torch.randn(B, n, h, D, generator=g) for n, h in ((T, H), (S, G), (S, G)))
+    positions = torch.arange(S - T, S).expand(B, T)
+    key_positions = torch.arange(S).expand(B, S)
+    want = common.attend(q, k, v, D**-0.5, positions, key_positions)
+    sdpa = F.scaled_dot_product_attention
+
+    def transposed_in_memory(*args, **kwargs):  # the same values, CUDA's layout
+        out = sdpa(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(common.F, "scaled_dot_product_attention", transposed_in_memory)
+    got = common.attend(q, k, v, D**-0.5, positions, key_positions)
+    assert torch.equal(got, want)

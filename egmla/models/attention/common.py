@@ -94,7 +94,9 @@ def attend(
     q = q.reshape(B, G, R * T, q.shape[-1])
     mask = _causal_mask(positions, key_positions, R)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (B, G, R*T, Dv)
-    return out.view(B, H, T, -1).transpose(1, 2)  # (B, T, H, Dv)
+    # reshape, not view: CUDA's SDPA kernels may return (B, G, R*T, Dv) laid out as
+    # (B, R*T, G, Dv) in memory, which no view can split (it failed a step on an H200)
+    return out.reshape(B, H, T, -1).transpose(1, 2)  # (B, T, H, Dv)
 
 
 _last_mask: tuple | None = None  # (positions, key_positions, their versions, R, mask)
