@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=10.0,
                    help="wall-clock seconds for the program and all its tests (%(default)s)")
     p.add_argument("--memory-mb", type=int, default=1024,
-                   help="address-space limit in MiB (%(default)s)")
+                   help="memory limit in MiB: of the whole run where the machine gives the "
+                        "sandbox a cgroup, and of each process's address space (%(default)s)")
     p.add_argument("--trace", action="store_true",
                    help="add a line trace of the first failing call")
     p.add_argument("--json", action="store_true", help="print the verdict as one JSON object")

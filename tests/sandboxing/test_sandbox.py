@@ -59,11 +59,16 @@ def _uid(pid: str) -> int | None:
 
 def contained(program: str, tests: list[str], limits: Limits = LIMITS, **kw):
     before = set(os.listdir("/tmp"))
+    mounts = Path("/proc/self/mountinfo").read_text()
     verdict = run(program, tests, limits=limits, **kw)
+    assert Path("/proc/self/mountinfo").read_text() == mounts
     assert verdict.wall_s < limits.timeout_s + MARGIN, verdict
     assert sandbox_uid_processes() == [], "a sandboxed process outlived its run"
     leftovers = {p for p in set(os.listdir("/tmp")) - before if p.startswith("egmla-sandbox")}
     assert not leftovers
+    cgroup = protections().cgroup
+    assert [n for _, parent in (cgroup.parents if cgroup else ()) for n in os.listdir(parent)
+            if n.startswith("egmla-sandbox")] == [], "a run's cgroup outlived it"
     return verdict
 
 
@@ -73,8 +78,8 @@ def test_protections_on_this_machine_are_reported():
     assert any("resource limits" in x for x in layers)
     assert any("verdict computed outside" in x for x in layers)
     if os.geteuid() == 0:  # these CI machines: the full set, so the hostile tests below are real
-        assert prot.uid is not None and set(prot.namespaces) == {"net", "pid", "mount"}
-        assert prot.read_only_filesystem and prot.warnings == ()
+        assert prot.uid is not None and set(prot.namespaces) == {"net", "pid", "mount", "ipc"}
+        assert prot.root is not None and prot.cgroup is not None and prot.warnings == ()
 
 
 def test_pass_fail_error_verdicts_with_details():
@@ -227,17 +232,31 @@ def test_no_network():
 
 
 def test_setsid_escape_leaves_no_background_process():
+    """The program's grandchild leaves its session and execs a sleeping interpreter (the only
+    executable in the private root); it is running when the test runs, and gone after."""
     marker = f"{time.time_ns() % 10**9}.25"
-    program = ("import os\n"
+    program = ("import os, sys\n"
+               "r, w = os.pipe()\n"
                "if os.fork() == 0:\n"
                "    os.setsid()\n"
-               "    if os.fork() == 0:\n"
-               f"        os.execv('/bin/sleep', ['sleep', '{marker}'])\n"
+               "    pid = os.fork()\n"
+               "    if pid == 0:\n"
+               f"        os.execv(sys.executable, [sys.executable, '-c', 'import time; "
+               f"time.sleep({marker})'])\n"
+               "    os.write(w, str(pid).encode())\n"
                "    os._exit(0)\n"
                "os.wait()\n"
-               "def f(x):\n    return x\n")
-    v = contained(program, ["assert f(3) == 3"])
-    assert v.status == "passed"
+               "escaped = int(os.read(r, 20))\n"
+               "def running():  # its command line, once it has exec'd\n"
+               "    import time\n"
+               "    for _ in range(300):\n"
+               "        with open(f'/proc/{escaped}/cmdline', 'rb') as f:\n"
+               "            line = f.read().decode().replace('\\0', ' ')\n"
+               "        if 'sleep' in line:\n"
+               "            return line\n"
+               "        time.sleep(0.01)\n")
+    v = contained(program, [f"assert '{marker}' in running()"])
+    assert v.status == "passed", v
     assert host_processes(marker) == []
 
 
@@ -434,7 +453,6 @@ def test_the_parents_environment_is_not_visible(monkeypatch):
 def test_a_weaker_machine_warns_instead_of_failing_silently():
     prot = protections()
     weaker = Protections(python=prot.python, uid=None, namespaces=(), user_namespace=False,
-                         read_only_filesystem=False,
                          warnings=("no namespaces (test): programs can open network "
                                    "connections",))
     with pytest.warns(RuntimeWarning, match="no namespaces"):
@@ -504,3 +522,4 @@ def test_an_unprivileged_user_gets_namespaces_and_a_read_only_filesystem(host_di
     assert result["verdicts"] == {"write": "error", "network": "error", "remount": "error",
                                   "good": "passed", "wrong": "failed"}
     assert victim.read_text() == "precious"
+
