@@ -523,3 +523,48 @@ def test_an_unprivileged_user_gets_namespaces_and_a_read_only_filesystem(host_di
                                   "good": "passed", "wrong": "failed"}
     assert victim.read_text() == "precious"
 
+
+BLOCK_TESTS = """import contextlib
+CASES = []
+for n in range(4):
+    CASES.append((n, n + 1))
+TABLE = dict(CASES)  # runs after the loop above, so it sees the four cases
+for n, want in TABLE.items():
+    assert f(n) == want
+if TABLE:
+    assert f(10) == 11
+with contextlib.suppress(KeyError):
+    assert f(1) == 2
+try:
+    assert f(2) == 3
+except ZeroDivisionError:
+    pass
+def test_last():
+    assert f(0) == 1
+"""
+
+
+def test_cli_asserts_inside_top_level_blocks_are_tests_in_file_order(tmp_path):
+    """Every top-level statement that can fail is a test: asserts inside `for`, `if`, `with`
+    and `try` count (a file of only those was "no tests found"), and the file runs in order."""
+    tests = tmp_path / "tests.py"
+    tests.write_text(BLOCK_TESTS)
+    only_loop = tmp_path / "loop.py"
+    only_loop.write_text("for n in range(3):\n    assert f(n) == n + 1\n")
+
+    def cli(program: str, tests_file) -> dict:
+        (tmp_path / "prog.py").write_text(program)
+        cmd = [sys.executable, "-m", "sandbox", str(tmp_path / "prog.py"),
+               "--tests", str(tests_file), "--timeout", "5", "--json"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert out.returncode in (0, 1), out.stderr
+        return json.loads(out.stdout)
+
+    right = cli(GOOD, tests)
+    assert right["status"] == "passed" and len(right["tests"]) == 6, right["tests"]
+    wrong = cli("def f(x):\n    return x + 2\n", tests)
+    assert [t["status"] for t in wrong["tests"]] == ["passed"] + ["failed"] * 5
+    assert wrong["tests"][1]["source"].startswith("TABLE = dict(CASES)")
+    assert (wrong["tests"][1]["expected"], wrong["tests"][1]["actual"]) == ("1", "2")
+    assert cli(GOOD, only_loop)["status"] == "passed"
+    assert cli("def f(x):\n    return x\n", only_loop)["status"] == "failed"
