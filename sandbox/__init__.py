@@ -5,21 +5,25 @@
     'passed'
 
 Each run is a fresh interpreter in its own session (`python -I -B -S`), started through
-`unshare` in new network, pid and mount namespaces where the machine allows it. Inside, the
-trusted judge (`runner.py`) forks a worker that drops to an unprivileged uid, gets CPU, memory,
-file-size, open-file and process limits, a scratch directory and a four-variable environment,
-and runs the program; the judge runs the tests itself, calling the program's functions through
-proxies that carry plain data across (see runner.py). The tests get only the program's names
-they use and never one that would hide a builtin, and the verdict comes back on a channel the
-program has no descriptor for. The wall-clock limit is enforced by the judge and again here,
-and the whole process tree is killed at the end of every run, normal or not. `protections()`
-says what this machine allows; each missing layer is a warning, never silent. docs/selfdebug.md
-("The sandbox") has the threat model.
+`unshare` in new network, pid, mount and IPC namespaces where the machine allows it. Inside, the
+trusted judge (`runner.py`) switches to a private root that holds the interpreter, its libraries
+and its standard library and nothing else of the machine (`rootfs.py`), with a size-capped tmpfs
+scratch, and forks a worker. The worker joins the run's cgroup (`cgroup.py`: memory and
+processes for the whole run), drops to an unprivileged uid, gets CPU, address-space, file-size
+and open-file limits and a four-variable environment, and runs the program; the judge runs the
+tests itself, calling the program's functions through proxies that carry plain data across
+(see runner.py). The tests get only the program's names they use and never one that would hide
+a builtin, and the verdict comes back on a channel the program has no descriptor for. The
+wall-clock limit is enforced by the judge and again here, and the whole process tree is killed
+at the end of every run, normal or not. `protections()` says what this machine allows; each
+missing layer is a warning, never silent. docs/selfdebug.md ("The sandbox") has the threat
+model.
 
 Statuses: passed; failed (a test's assertion, with expected and actual where the assert is
 `==`); error (the program raised: type, message, line; or it exited or crashed early);
-timeout (wall clock or CPU); memory (MemoryError under the memory limit); killed (output limit,
-or the program died of a signal).
+timeout (wall clock or CPU); memory (MemoryError under the address-space limit, or the kernel
+killed a process of the run at its memory limit); killed (output limit, or the program died of
+a signal).
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from sandbox import rootfs
+from sandbox.cgroup import CgroupUnavailable, Hierarchy, RunCgroup, find_hierarchy
+
 RUNNER = Path(__file__).resolve().parent / "runner.py"
 STATUSES = ("passed", "failed", "error", "timeout", "memory", "killed")
 SANDBOX_UID = 65534  # nobody
@@ -52,7 +59,12 @@ class SandboxError(RuntimeError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-run limits. `cpu_s` defaults to the timeout rounded up plus one second."""
+    """Per-run limits. `cpu_s` defaults to the timeout rounded up plus one second.
+
+    `memory_bytes` and `processes` bound the whole run, all its processes together, where the
+    machine gives the sandbox a cgroup (`Protections.cgroup`); `memory_bytes` is also every
+    process's address-space limit. `scratch_bytes` caps what the program can store in its
+    scratch directory (/tmp, which /dev/shm points to) in all."""
 
     timeout_s: float = 10.0
     memory_bytes: int = 1 << 30
@@ -60,21 +72,24 @@ class Limits:
     open_files: int = 64
     processes: int = 64
     output_bytes: int = 64 << 10  # kept of each of stdout and stderr; 64x this in all kills
+    scratch_bytes: int = 64 << 20
     cpu_s: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "memory_bytes", "file_size_bytes", "open_files", "processes",
-                     "output_bytes"):
+                     "output_bytes", "scratch_bytes"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
                 raise SandboxError(f"Limits.{name} must be a positive number, got {value!r}")
         if self.cpu_s is not None and not self.cpu_s >= 1:
             raise SandboxError(f"Limits.cpu_s must be >= 1, got {self.cpu_s!r}")
 
-    def rlimits(self) -> dict[str, int]:
-        return {"cpu": self.cpu_s or math.ceil(self.timeout_s) + 1, "as": self.memory_bytes,
-                "fsize": self.file_size_bytes, "nofile": self.open_files,
-                "nproc": self.processes, "core": 0}
+    def rlimits(self, whole_run: bool) -> dict[str, int]:
+        """Per-process limits; `whole_run`: a cgroup counts the run's processes, so no
+        RLIMIT_NPROC (which counts every process of the uid, other runs' included)."""
+        limits = {"cpu": self.cpu_s or math.ceil(self.timeout_s) + 1, "as": self.memory_bytes,
+                  "fsize": self.file_size_bytes, "nofile": self.open_files, "core": 0}
+        return limits if whole_run else {**limits, "nproc": self.processes}
 
 
 @dataclass(frozen=True)
@@ -83,15 +98,18 @@ class Protections:
 
     python: str
     uid: int | None  # the worker's uid, None when it keeps ours
-    namespaces: tuple[str, ...]  # of "net", "pid", "mount"
+    namespaces: tuple[str, ...]  # of "net", "pid", "mount", "ipc"
     user_namespace: bool  # the namespaces come from an unprivileged user namespace
-    read_only_filesystem: bool
+    root: tuple[tuple[str, ...], ...] | None = None  # the private root (sandbox/rootfs.py)
+    cgroup: Hierarchy | None = None  # where each run's cgroup is made; None: rlimits only
     warnings: tuple[str, ...] = ()
 
     def active(self) -> list[str]:
+        per_process = "CPU, address space, file size, open files, core"
         layers = ["separate process per run (fresh interpreter, -I -B -S)",
-                  "resource limits (CPU, address space, file size, open files, processes, core)",
-                  "wall-clock timeout and whole-tree kill", "scratch directory",
+                  f"resource limits per process ({per_process}"
+                  f"{'' if self.cgroup else ', processes of the uid'})",
+                  "wall-clock timeout and whole-tree kill", "size-capped scratch directory",
                   "minimal environment", "verdict computed outside the program's process"]
         if self.uid is not None:
             layers.append(f"unprivileged uid {self.uid}")
@@ -99,8 +117,14 @@ class Protections:
             layers.append("no network (network namespace)")
         if "pid" in self.namespaces:
             layers.append("own pid namespace")
-        if self.read_only_filesystem:
-            layers.append("read-only filesystem with private /tmp")
+        if "ipc" in self.namespaces:
+            layers.append("own IPC namespace (System V and POSIX IPC private to the run)")
+        if self.root is not None:
+            layers.append("private root: the interpreter and its standard library read-only, "
+                          "a tmpfs /tmp, nothing else of the machine")
+        if self.cgroup is not None:
+            layers.append(f"memory and process limits for the whole run "
+                          f"({self.cgroup.describe()})")
         return layers
 
 
@@ -147,19 +171,22 @@ def _runs(cmd: list[str]) -> bool:
     return _output(cmd) is not None
 
 
+NAMESPACES = ("--net", "--pid", "--mount", "--ipc", "--fork", "--kill-child", "--mount-proc")
+
+
 @functools.cache
 def protections(python: str | None = None) -> Protections:
     """Probe (once per process and interpreter) which isolation layers this machine allows."""
     notes: list[str] = []
-    root = os.geteuid() == 0
+    is_root = os.geteuid() == 0
     probe = ["-I", "-S", "-c", "import ctypes, json, resource, selectors, math, re, collections, "
              "sys; print(sys.version, sys.prefix)"]
     candidates = [python] if python else [sys.executable, shutil.which("python3"),
                                           "/usr/bin/python3"]
     candidates = [c for c in dict.fromkeys(candidates) if c]
-    chosen, uid = None, None
+    chosen, uid, drop = None, None, []
     setpriv = shutil.which("setpriv")
-    if root and setpriv:
+    if is_root and setpriv:
         drop = [setpriv, f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups"]
         # The judge runs as root and forks the worker, which then imports as the sandbox uid:
         # the interpreter must be the same one (version and stdlib) for both.
@@ -170,33 +197,44 @@ def protections(python: str | None = None) -> Protections:
                 break
         uid = SANDBOX_UID if chosen else None
     if chosen is None:
+        drop = []
         chosen = next((c for c in candidates if _runs([c] + probe)), None)
         if chosen is None:
             raise SandboxError(f"no usable Python interpreter for the sandbox among {candidates}")
-        if root:
+        if is_root:
             notes.append(f"programs run as root: no interpreter among {candidates} is runnable "
-                         f"by uid {SANDBOX_UID}, so the process limit is not enforced and "
-                         "files outside the scratch directory are writable unless the "
-                         "filesystem is read-only")
+                         f"by uid {SANDBOX_UID}, so files outside the scratch directory are "
+                         "writable unless the program has a private root")
     namespaces: tuple[str, ...] = ()
     user_ns = False
     unshare = shutil.which("unshare")
     if unshare:
-        base = [unshare, "--net", "--pid", "--mount", "--fork", "--kill-child", "--mount-proc"]
-        if root and _runs(base + ["true"]):
-            namespaces = ("net", "pid", "mount")
-        elif _runs([unshare, "--user", "--map-root-user"] + base[1:] + ["true"]):
-            namespaces, user_ns = ("net", "pid", "mount"), True
-    if not namespaces:
-        notes.append("no namespaces (unshare unavailable or not permitted): programs can open "
-                     "network connections and processes that escape the session are only "
-                     "found through the child-subreaper scan")
-    read_only = bool(namespaces)  # the judge remounts; the worker has no capability to undo it
+        if is_root and _runs([unshare, *NAMESPACES, "true"]):
+            namespaces = ("net", "pid", "mount", "ipc")
+        elif _runs([unshare, "--user", "--map-root-user", *NAMESPACES, "true"]):
+            namespaces, user_ns = ("net", "pid", "mount", "ipc"), True
+    root = None
+    if namespaces:
+        try:
+            root = rootfs.spec(chosen, rootfs.interpreter_files(drop + [chosen], ENV))
+        except rootfs.RootError as e:
+            raise SandboxError(str(e)) from None
+    else:
+        notes.append("no namespaces (unshare unavailable or not permitted): the program sees "
+                     "the machine's files, System V and POSIX IPC, and the network; processes "
+                     "that escape the session are only found through the child-subreaper scan")
     if user_ns:
-        notes.append("no uid drop (not root): the process limit counts all of this user's "
-                     "processes, and the program keeps this user's identity inside the sandbox")
+        notes.append("no uid drop (not root): the program keeps this user's identity inside "
+                     "the sandbox")
+    try:
+        hierarchy = find_hierarchy()
+    except CgroupUnavailable as e:
+        hierarchy = None
+        notes.append(f"no cgroup ({e}): the memory limit holds per process, not for the run, "
+                     "and the process limit counts every process of the program's uid on the "
+                     "machine, other runs' included")
     return Protections(python=chosen, uid=uid, namespaces=namespaces, user_namespace=user_ns,
-                       read_only_filesystem=read_only, warnings=tuple(notes))
+                       root=root, cgroup=hierarchy, warnings=tuple(notes))
 
 
 @functools.cache
@@ -210,7 +248,7 @@ def _command(prot: Protections) -> list[str]:
         cmd = [shutil.which("unshare") or "unshare"]
         if prot.user_namespace:
             cmd += ["--user", "--map-root-user"]
-        cmd += ["--net", "--pid", "--mount", "--fork", "--kill-child", "--mount-proc"]
+        cmd += list(NAMESPACES)
     return cmd + [prot.python, "-I", "-B", "-S", str(RUNNER)]
 
 
@@ -236,27 +274,54 @@ def run(program: str, tests: list[str], setup: str = "", limits: Limits | None =
     workdir = tempfile.mkdtemp(prefix="egmla-sandbox-")
     if prot.uid is not None:
         os.chmod(workdir, 0o711)
-    first = {"program": program, "limits": limits.rlimits(), "uid": prot.uid,
-             "isolate_filesystem": prot.read_only_filesystem, "workdir": workdir}
-    second = {"tests": list(tests), "setup": setup, "timeout": limits.timeout_s,
-              "max_output": limits.output_bytes, "trace": trace}
-    proc = subprocess.Popen(_command(prot), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=ENV, cwd=workdir,
-                            start_new_session=True)
+    group, oom_kills = None, 0
     try:
-        out, err = proc.communicate(_frame(first) + _frame(second),
-                                    timeout=limits.timeout_s + STARTUP_GRACE_S)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc)
-        out, err = proc.communicate()
-        timed_out = True
+        if prot.cgroup is not None:
+            try:
+                group = RunCgroup(prot.cgroup, limits.memory_bytes, limits.processes)
+            except CgroupUnavailable as e:
+                raise SandboxError(str(e)) from None
+        first = {"program": program, "limits": limits.rlimits(whole_run=group is not None),
+                 "uid": prot.uid, "workdir": workdir, "scratch_bytes": limits.scratch_bytes,
+                 "root": None if prot.root is None else [list(e) for e in prot.root],
+                 "cgroup_procs": group.procs_files() if group else []}
+        second = {"tests": list(tests), "setup": setup, "timeout": limits.timeout_s,
+                  "max_output": limits.output_bytes, "trace": trace}
+        proc = subprocess.Popen(_command(prot), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=ENV, cwd=workdir,
+                                start_new_session=True)
+        try:
+            out, err = proc.communicate(_frame(first) + _frame(second),
+                                        timeout=limits.timeout_s + STARTUP_GRACE_S)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc, "pid" in prot.namespaces)
+            out, err = proc.communicate()
+            timed_out = True
+        finally:
+            _kill_tree(proc, "pid" in prot.namespaces)
+        oom_kills = group.oom_kills() if group else 0
     finally:
-        _kill_tree(proc)
-        shutil.rmtree(workdir, ignore_errors=True)
-    wall = time.monotonic() - started
-    base = {"wall_s": round(wall, 4), "protections": prot.active(),
+        try:
+            if group is not None:
+                group.remove()
+        except OSError as e:
+            raise SandboxError(f"cannot remove the run's cgroup {e.filename}: {e.strerror}") \
+                from None
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    base = {"wall_s": round(time.monotonic() - started, 4), "protections": prot.active(),
             "warnings": list(prot.warnings)}
+    verdict = _verdict(proc, out, err, timed_out, limits, base)
+    if oom_kills:  # whatever the tests said: a process of the run died for want of memory
+        verdict.status = "memory"
+        verdict.reason = (f"the run's processes together reached its memory limit "
+                          f"({limits.memory_bytes} bytes): the kernel killed {oom_kills} of them")
+    return verdict
+
+
+def _verdict(proc: subprocess.Popen, out: bytes, err: bytes, timed_out: bool, limits: Limits,
+             base: dict) -> Verdict:
     if timed_out:
         return Verdict("timeout", f"no verdict within {limits.timeout_s + STARTUP_GRACE_S:g} s",
                        **base)
@@ -268,10 +333,6 @@ def run(program: str, tests: list[str], setup: str = "", limits: Limits | None =
             reason = f"the sandbox was killed by {signal.Signals(-proc.returncode).name}"
             return Verdict("killed", reason, **base)
         raise SandboxError(f"the sandbox's judge failed (exit {proc.returncode}): {tail}")
-    if raw.get("notes"):
-        base["warnings"] += raw["notes"]
-        for note in raw["notes"]:
-            _warn_once(note)
     return Verdict(raw["status"], raw["reason"], tests=raw["tests"],
                    program_error=raw.get("program_error"), stdout=raw["stdout"]["text"],
                    stderr=raw["stderr"]["text"],
@@ -279,16 +340,42 @@ def run(program: str, tests: list[str], setup: str = "", limits: Limits | None =
                    **base)
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """Kill the sandbox's session (with --kill-child and a pid namespace, that is everything)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _kill_tree(proc: subprocess.Popen, pid_namespace: bool) -> None:
+    """Kill the sandbox and return once every process of it is gone.
+
+    With namespaces `proc` is `unshare`, whose child is the judge, pid 1 of the sandbox's pid
+    namespace. Killed, the judge cannot be reaped before the kernel has killed and reaped every
+    other process of the namespace, and `unshare` exits only after reaping the judge: so once
+    `proc` has exited, nothing of the run is left (killing `unshare` first would orphan the
+    judge, and its namespace would die on its own time). Then the session, for whatever else
+    is in it, but only while `proc` is unreaped, so that its process group id cannot have
+    been reused."""
+    if proc.returncode is None and pid_namespace:
+        for pid in _children(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     try:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
         pass
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
 
 
 __all__ = ["STATUSES", "Limits", "Protections", "SandboxError", "Verdict", "protections", "run"]

@@ -1,10 +1,13 @@
 """`python -m sandbox PROGRAM.py --tests TESTS.py`: run a program against tests, safely.
 
-TESTS.py is ordinary Python. Its top-level `assert` statements and bare expressions (such as
-`check(candidate)`) are the tests, one each, and so is every top-level `def test_*()`; the rest
-(imports, helpers, constants) is setup, run first. The tests see the program's top-level
-functions that they use, by name, except that a builtin the tests use stays the builtin (a
-program's `def abs` does not replace it; see docs/selfdebug.md).
+TESTS.py is ordinary Python, run in file order. Every top-level statement that can fail is a
+test, one each: an `assert`, a `raise`, a bare expression (such as `check(candidate)`), a `for`,
+`while`, `if`, `with`, `try` or `match` holding one of those (outside nested functions), and a
+call of each top-level `def test_*()`. The other statements (imports, definitions, assignments)
+run in their place: those before the first test are the setup, each later one runs just before
+the test that follows it. The tests see the program's top-level functions that they use, by
+name, except that a builtin the tests use stays the builtin (a program's `def abs` does not
+replace it; see docs/selfdebug.md).
 
     python -m sandbox solution.py --tests tests.py --timeout 5 --json
 
@@ -23,20 +26,50 @@ from pathlib import Path
 from sandbox import Limits, SandboxError, protections, run
 
 
+COMPOUND = (ast.For, ast.AsyncFor, ast.While, ast.If, ast.With, ast.AsyncWith, ast.Try,
+            ast.TryStar, ast.Match)
+
+
+def can_fail(node: ast.stmt) -> bool:
+    """Whether a statement checks something (module docstring): a docstring does not."""
+    if isinstance(node, ast.Expr):
+        return not isinstance(node.value, ast.Constant)
+    if isinstance(node, (ast.Assert, ast.Raise)):
+        return True
+    if isinstance(node, COMPOUND):
+        blocks = [node.body, getattr(node, "orelse", []), getattr(node, "finalbody", [])]
+        blocks += [h.body for h in getattr(node, "handlers", [])]
+        blocks += [c.body for c in getattr(node, "cases", [])]
+        return any(can_fail(child) for block in blocks for child in block)
+    return False
+
+
 def split_tests(source: str, filename: str) -> tuple[str, list[str]]:
-    """TESTS.py -> (setup source, [one source per test])."""
+    """TESTS.py -> (setup source, [one source per test]), which run in the file's order.
+
+        import math            -> setup
+        for x in (1, 2):       -> test 0
+            assert f(x) > 0
+        y = f(3)               -> test 1: "y = f(3)\nassert y == math.pi"
+        assert y == math.pi
+    """
     tree = ast.parse(source, filename)
-    setup, cases = [], []
+    setup: list[str] = []
+    cases: list[str] = []
+    pending: list[str] = []  # statements after the first test, waiting for the next one
     for node in tree.body:
         segment = ast.get_source_segment(source, node) or ast.unparse(node)
-        if isinstance(node, (ast.Assert, ast.Expr)) and not (
-                isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
-            cases.append(segment)
+        if can_fail(node):
+            cases.append("\n".join(pending + [segment]))
+            pending = []
             continue
-        setup.append(segment)
+        (pending if cases else setup).append(segment)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
                 node.name.startswith("test_") and not node.args.args:
-            cases.append(f"{node.name}()")
+            cases.append("\n".join(pending + [f"{node.name}()"]))
+            pending = []
+    if pending and cases:  # trailing statements still run, and can still fail the last test
+        cases[-1] = "\n".join([cases[-1], *pending])
     return "\n".join(setup), cases
 
 
@@ -48,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=10.0,
                    help="wall-clock seconds for the program and all its tests (%(default)s)")
     p.add_argument("--memory-mb", type=int, default=1024,
-                   help="address-space limit in MiB (%(default)s)")
+                   help="memory limit in MiB: of the whole run where the machine gives the "
+                        "sandbox a cgroup, and of each process's address space (%(default)s)")
     p.add_argument("--trace", action="store_true",
                    help="add a line trace of the first failing call")
     p.add_argument("--json", action="store_true", help="print the verdict as one JSON object")
@@ -72,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         program = args.program.read_text()
         setup, cases = split_tests(args.tests.read_text(), str(args.tests))
         if not cases:
-            raise SandboxError(f"{args.tests}: no tests found (no top-level assert, expression "
-                               "or test_* function)")
+            raise SandboxError(f"{args.tests}: no tests found (no top-level statement that can "
+                               "fail: assert, raise, expression, a block holding one, or a "
+                               "test_* function)")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the verdict carries them
             verdict = run(program, cases, setup=setup, limits=limits, trace=args.trace)

@@ -54,8 +54,12 @@ REPR_CHARS = 300
 
 PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 4, 24, 36, 38
 CAP_VERSION_3 = 0x20080522
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
-    1, 2, 4, 8, 32, 4096, 16384, 1 << 18)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_NOATIME, MS_NODIRATIME = (
+    1, 2, 4, 8, 32, 1024, 2048)
+MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 4096, 16384, 1 << 18, 1 << 21, 1 << 24
+MNT_DETACH = 2
+DEVICES = ("null", "zero", "full", "random", "urandom")
+SCRATCH = "/tmp"  # inside the private root: the program's working directory, HOME and TMPDIR
 
 
 class Unsupported(TypeError):
@@ -277,16 +281,21 @@ def worker(program: str, req_fd: int, resp_fd: int) -> None:
 
 
 def start_worker(program: str, limits: dict, scratch: str, uid: int | None):
-    """Fork the worker with its limits and identity; returns (pid, req_w, resp_r, out_r, err_r)."""
+    """Fork the worker with its limits and identity; returns (pid, go_w, req_w, resp_r, out_r,
+    err_r). The worker waits for a byte on `go_w` before anything else: the judge first moves
+    it into the run's cgroup, so not one instruction of the program runs outside it."""
+    go_r, go_w = os.pipe()
     req_r, req_w = os.pipe()
     resp_r, resp_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     pid = os.fork()
     if pid:
-        for fd in (req_r, resp_w, out_w, err_w):
+        for fd in (go_r, req_r, resp_w, out_w, err_w):
             os.close(fd)
-        return pid, req_w, resp_r, out_r, err_r
+        return pid, go_w, req_w, resp_r, out_r, err_r
+    if os.read(go_r, 1) != b"g":  # the judge could not place us: never run the program
+        os._exit(70)
     try:  # the child: from here on nothing is trusted
         os.setpgid(0, 0)
         null = os.open(os.devnull, os.O_RDONLY)
@@ -697,33 +706,97 @@ def libc():
     return ctypes.CDLL(None, use_errno=True)
 
 
-def isolate_filesystem() -> list[str]:
-    """Remount every mount read-only in this (private) mount namespace and give the program
-    fresh tmpfs at /tmp, /var/tmp and /dev/shm. Returns the mount points it could not change."""
+def mount(source: str | None, target: str, fstype: str | None, flags: int,
+          data: str | None = None) -> None:
     c = libc()
     c.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
-    if c.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
-        return ["/ (private)"]
-    failed = []
-    points = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            options = fields[5].split(",")
-            points.append((fields[4].replace("\\040", " "), options))
-    for point, options in sorted(points, key=lambda p: p[0].count("/")):
-        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
-        flags |= (MS_NOSUID if "nosuid" in options else 0) | (MS_NODEV if "nodev" in options else 0)
-        flags |= MS_NOEXEC if "noexec" in options else 0
-        if point.startswith(("/proc", "/sys", "/dev/pts")) or "ro" in options:
-            continue
-        if c.mount(None, point.encode(), None, flags, None) != 0:
-            failed.append(point)
-    for point in ("/tmp", "/var/tmp", "/dev/shm"):
-        if os.path.isdir(point) and c.mount(b"tmpfs", point.encode(), b"tmpfs",
-                                            MS_NOSUID | MS_NODEV, b"size=64m,mode=1777") != 0:
-            failed.append(point)
-    return failed
+    enc = lambda s: None if s is None else s.encode()
+    if c.mount(enc(source), enc(target), enc(fstype), flags, enc(data)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {source or fstype or ''} on {target}: {os.strerror(err)}")
+
+
+def kept_flags(path: str) -> int:
+    """The flags of the mount holding `path` that a bind of it must keep: in a user namespace
+    the kernel refuses a remount that would drop them (they are locked)."""
+    f = os.statvfs(path).f_flag
+    flags = sum(ms for st, ms in ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV),
+                                  (os.ST_NOEXEC, MS_NOEXEC), (os.ST_NOATIME, MS_NOATIME),
+                                  (os.ST_NODIRATIME, MS_NODIRATIME)) if f & st)
+    return flags | (MS_RELATIME if f & os.ST_RELATIME else 0 if f & os.ST_NOATIME
+                    else MS_STRICTATIME)
+
+
+def bind_read_only(source: str, target: str, extra: int = MS_NOSUID | MS_NODEV) -> None:
+    mount(source, target, None, MS_BIND)
+    mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | extra | kept_flags(source))
+
+
+def pivot_root() -> None:
+    """pivot_root(".", "."): the current directory becomes `/` and the old root is stacked on
+    top of it, to be detached (man 2 pivot_root). glibc has no wrapper."""
+    number = {"x86_64": 155, "aarch64": 41, "riscv64": 41}.get(os.uname().machine)
+    if number is None:
+        raise OSError(0, f"pivot_root: no syscall number for {os.uname().machine}")
+    c = libc()
+    if c.syscall(number, b".", b".") != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"pivot_root: {os.strerror(err)}")
+    c.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    if c.umount2(b".", MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"detaching the old root: {os.strerror(err)}")
+    os.chdir("/")
+
+
+def private_root(entries: list, scratch_bytes: int, uid: int | None) -> None:
+    """Make a new root of the interpreter's files (`entries`, see sandbox/rootfs.py), devices,
+    /proc and a size-capped tmpfs scratch at /tmp, and switch this mount namespace to it; the
+    machine's own tree is then gone from the namespace, not merely read-only.
+
+    Built on a tmpfs mounted over the current directory (the supervisor's empty work
+    directory), which is ours alone once every mount is private to this namespace."""
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    new = os.getcwd()
+    mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=755")
+    at = lambda path: new + path
+
+    def parent(path: str) -> None:
+        os.makedirs(os.path.dirname(at(path)), mode=0o755, exist_ok=True)
+
+    for kind, path, *rest in entries:
+        if kind == "link":
+            parent(path)
+            os.symlink(rest[0], at(path))
+        elif kind == "dir":
+            os.makedirs(at(path), mode=0o755, exist_ok=True)
+            bind_read_only(path, at(path))
+        elif kind == "file":
+            parent(path)
+            os.close(os.open(at(path), os.O_CREAT | os.O_WRONLY, 0o644))
+            bind_read_only(path, at(path))
+        elif kind == "mask":  # e.g. site-packages inside a bound standard library
+            mount("tmpfs", at(path), "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                  "size=4k,mode=755")
+        else:
+            raise ValueError(f"unknown root entry {kind!r}")
+    os.makedirs(at("/dev"), mode=0o755)
+    for name in DEVICES:
+        os.close(os.open(at(f"/dev/{name}"), os.O_CREAT | os.O_WRONLY, 0o666))
+        bind_read_only(f"/dev/{name}", at(f"/dev/{name}"), extra=MS_NOSUID)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2"),
+                         ("shm", "/tmp")):  # POSIX shared memory and semaphores: the scratch
+        os.symlink(target, at(f"/dev/{name}"))
+    os.makedirs(at("/proc"), mode=0o555)
+    mount("proc", at("/proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.makedirs(at(SCRATCH), mode=0o755)
+    owner = "" if uid is None else f",uid={uid},gid={uid}"
+    mount("tmpfs", at(SCRATCH), "tmpfs", MS_NOSUID | MS_NODEV,
+          f"size={scratch_bytes},mode={'700' if uid is not None else '1777'}{owner}")
+    os.chdir(new)
+    pivot_root()
+    mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
 def reap_all(worker_pid: int) -> None:
@@ -777,6 +850,12 @@ def read_message(fd: int) -> dict:
     return json.loads(recv_exact(fd, size))
 
 
+def fail(message: str) -> None:
+    """The judge's own failure, as one line (the supervisor reports it as a SandboxError)."""
+    print(f"sandbox judge: {message}", file=sys.stderr)
+    sys.exit(3)
+
+
 def main() -> None:
     started = time.monotonic()
     # The verdict channel: a private duplicate of stdout (not inherited by the worker, which
@@ -786,22 +865,37 @@ def main() -> None:
     os.dup2(2, 1)
     request = read_message(0)  # limits and the program; the tests are read after the fork
     program = request["program"]
+    uid = request.get("uid")
     c = libc()
     c.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     c.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    notes = []
-    if request.get("isolate_filesystem"):
-        failed = isolate_filesystem()
-        if failed:
-            notes.append("could not make read-only: " + ", ".join(failed))
-    scratch = tempfile.mkdtemp(prefix="egmla-sandbox-", dir=None if request.get(
-        "isolate_filesystem") else request.get("workdir"))
-    uid = request.get("uid")
-    if uid is not None:
-        os.chown(scratch, uid, uid)
+    try:  # opened while /sys/fs/cgroup is still in view; the private root has no /sys
+        cgroups = [os.open(path, os.O_WRONLY) for path in request.get("cgroup_procs", [])]
+    except OSError as e:
+        fail(f"cannot open {e.filename}: {e.strerror}")
+    private = request.get("root") is not None
+    try:
+        if private:
+            private_root(request["root"], int(request["scratch_bytes"]), uid)
+            scratch = SCRATCH
+        else:
+            scratch = tempfile.mkdtemp(prefix="egmla-sandbox-", dir=request.get("workdir"))
+            if uid is not None:
+                os.chown(scratch, uid, uid)
+    except OSError as e:
+        fail(f"cannot build the program's private root: {e.strerror or e}")
     with open(os.path.join(scratch, PROGRAM_FILE), "w") as f:
         f.write(program)
-    pid, *pipes = start_worker(program, request["limits"], scratch, uid)
+    pid, go, *pipes = start_worker(program, request["limits"], scratch, uid)
+    try:
+        for fd in cgroups:
+            os.write(fd, str(pid).encode())
+            os.close(fd)
+        os.write(go, b"g")
+    except OSError as e:
+        reap_all(pid)
+        fail(f"cannot move the worker into the run's cgroup: {e.strerror}")
+    os.close(go)
     request.update(read_message(0))
     try:
         verdict = judge_program(request, pid, tuple(pipes), started)
@@ -809,8 +903,8 @@ def main() -> None:
         reap_all(pid)
         for fd in pipes:
             os.close(fd)
-        shutil.rmtree(scratch, ignore_errors=True)
-    verdict["notes"] = notes
+        if not private:  # the private root's scratch is a tmpfs that dies with the namespace
+            shutil.rmtree(scratch, ignore_errors=True)
     verdict["judge_wall_s"] = round(time.monotonic() - started, 4)
     sys.stdout.flush()
     write_all(verdict_fd, json.dumps(verdict).encode())

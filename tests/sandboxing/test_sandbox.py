@@ -59,11 +59,16 @@ def _uid(pid: str) -> int | None:
 
 def contained(program: str, tests: list[str], limits: Limits = LIMITS, **kw):
     before = set(os.listdir("/tmp"))
+    mounts = Path("/proc/self/mountinfo").read_text()
     verdict = run(program, tests, limits=limits, **kw)
+    assert Path("/proc/self/mountinfo").read_text() == mounts
     assert verdict.wall_s < limits.timeout_s + MARGIN, verdict
     assert sandbox_uid_processes() == [], "a sandboxed process outlived its run"
     leftovers = {p for p in set(os.listdir("/tmp")) - before if p.startswith("egmla-sandbox")}
     assert not leftovers
+    cgroup = protections().cgroup
+    assert [n for _, parent in (cgroup.parents if cgroup else ()) for n in os.listdir(parent)
+            if n.startswith("egmla-sandbox")] == [], "a run's cgroup outlived it"
     return verdict
 
 
@@ -73,8 +78,8 @@ def test_protections_on_this_machine_are_reported():
     assert any("resource limits" in x for x in layers)
     assert any("verdict computed outside" in x for x in layers)
     if os.geteuid() == 0:  # these CI machines: the full set, so the hostile tests below are real
-        assert prot.uid is not None and set(prot.namespaces) == {"net", "pid", "mount"}
-        assert prot.read_only_filesystem and prot.warnings == ()
+        assert prot.uid is not None and set(prot.namespaces) == {"net", "pid", "mount", "ipc"}
+        assert prot.root is not None and prot.cgroup is not None and prot.warnings == ()
 
 
 def test_pass_fail_error_verdicts_with_details():
@@ -227,17 +232,31 @@ def test_no_network():
 
 
 def test_setsid_escape_leaves_no_background_process():
+    """The program's grandchild leaves its session and execs a sleeping interpreter (the only
+    executable in the private root); it is running when the test runs, and gone after."""
     marker = f"{time.time_ns() % 10**9}.25"
-    program = ("import os\n"
+    program = ("import os, sys\n"
+               "r, w = os.pipe()\n"
                "if os.fork() == 0:\n"
                "    os.setsid()\n"
-               "    if os.fork() == 0:\n"
-               f"        os.execv('/bin/sleep', ['sleep', '{marker}'])\n"
+               "    pid = os.fork()\n"
+               "    if pid == 0:\n"
+               f"        os.execv(sys.executable, [sys.executable, '-c', 'import time; "
+               f"time.sleep({marker})'])\n"
+               "    os.write(w, str(pid).encode())\n"
                "    os._exit(0)\n"
                "os.wait()\n"
-               "def f(x):\n    return x\n")
-    v = contained(program, ["assert f(3) == 3"])
-    assert v.status == "passed"
+               "escaped = int(os.read(r, 20))\n"
+               "def running():  # its command line, once it has exec'd\n"
+               "    import time\n"
+               "    for _ in range(300):\n"
+               "        with open(f'/proc/{escaped}/cmdline', 'rb') as f:\n"
+               "            line = f.read().decode().replace('\\0', ' ')\n"
+               "        if 'sleep' in line:\n"
+               "            return line\n"
+               "        time.sleep(0.01)\n")
+    v = contained(program, [f"assert '{marker}' in running()"])
+    assert v.status == "passed", v
     assert host_processes(marker) == []
 
 
@@ -434,7 +453,6 @@ def test_the_parents_environment_is_not_visible(monkeypatch):
 def test_a_weaker_machine_warns_instead_of_failing_silently():
     prot = protections()
     weaker = Protections(python=prot.python, uid=None, namespaces=(), user_namespace=False,
-                         read_only_filesystem=False,
                          warnings=("no namespaces (test): programs can open network "
                                    "connections",))
     with pytest.warns(RuntimeWarning, match="no namespaces"):
@@ -504,3 +522,49 @@ def test_an_unprivileged_user_gets_namespaces_and_a_read_only_filesystem(host_di
     assert result["verdicts"] == {"write": "error", "network": "error", "remount": "error",
                                   "good": "passed", "wrong": "failed"}
     assert victim.read_text() == "precious"
+
+
+BLOCK_TESTS = """import contextlib
+CASES = []
+for n in range(4):
+    CASES.append((n, n + 1))
+TABLE = dict(CASES)  # runs after the loop above, so it sees the four cases
+for n, want in TABLE.items():
+    assert f(n) == want
+if TABLE:
+    assert f(10) == 11
+with contextlib.suppress(KeyError):
+    assert f(1) == 2
+try:
+    assert f(2) == 3
+except ZeroDivisionError:
+    pass
+def test_last():
+    assert f(0) == 1
+"""
+
+
+def test_cli_asserts_inside_top_level_blocks_are_tests_in_file_order(tmp_path):
+    """Every top-level statement that can fail is a test: asserts inside `for`, `if`, `with`
+    and `try` count (a file of only those was "no tests found"), and the file runs in order."""
+    tests = tmp_path / "tests.py"
+    tests.write_text(BLOCK_TESTS)
+    only_loop = tmp_path / "loop.py"
+    only_loop.write_text("for n in range(3):\n    assert f(n) == n + 1\n")
+
+    def cli(program: str, tests_file) -> dict:
+        (tmp_path / "prog.py").write_text(program)
+        cmd = [sys.executable, "-m", "sandbox", str(tmp_path / "prog.py"),
+               "--tests", str(tests_file), "--timeout", "5", "--json"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert out.returncode in (0, 1), out.stderr
+        return json.loads(out.stdout)
+
+    right = cli(GOOD, tests)
+    assert right["status"] == "passed" and len(right["tests"]) == 6, right["tests"]
+    wrong = cli("def f(x):\n    return x + 2\n", tests)
+    assert [t["status"] for t in wrong["tests"]] == ["passed"] + ["failed"] * 5
+    assert wrong["tests"][1]["source"].startswith("TABLE = dict(CASES)")
+    assert (wrong["tests"][1]["expected"], wrong["tests"][1]["actual"]) == ("1", "2")
+    assert cli(GOOD, only_loop)["status"] == "passed"
+    assert cli("def f(x):\n    return x\n", only_loop)["status"] == "failed"
