@@ -89,8 +89,10 @@ def program_for(p: Problem, code: str) -> str:
     if not entry:
         return code
     if re.search(rf"^\s*def\s+{re.escape(entry)}\s*\(", code, re.M):
+        # top-level imports only: a docstring line that begins "from the..." is prose
+        # (HumanEval/99, 115 and 129 have one), and an indented import is no module's
         imports = [line for line in p.prompt.splitlines()
-                   if re.match(r"\s*(import|from)\s+\w", line)]
+                   if re.match(r"(import|from)\s+\w", line)]
         return "\n".join(imports + [code]) if imports else code
     return p.prompt + code
 

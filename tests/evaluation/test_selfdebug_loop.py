@@ -73,6 +73,17 @@ def test_humaneval_programs_keep_the_prompts_imports():
     assert program_for(mbpp, "def f(): pass\n") == "def f(): pass\n"
 
 
+def test_humaneval_programs_take_no_docstring_line_for_an_import():
+    """HumanEval/99, 115 and 129 have docstring lines that begin with "from"/"import": taken as
+    imports, they made each reference solution an IndentationError."""
+    problems = {p.task_id: p for p in load_humaneval()}
+    for task in ("HumanEval/99", "HumanEval/115", "HumanEval/129"):
+        p = problems[task]
+        program = program_for(p, p.reference)  # the prompt and the canonical solution
+        compile(program, task, "exec")  # raised IndentationError before
+        assert run(program, p.visible_tests).status == "passed", task
+
+
 def test_feedback_modes_say_what_failed():
     program = program_for(ADD, "def add(x, y):\n    s = x + y\n    return s + 1\n")
     verdict = run(program, ADD.visible_tests, trace=True)
