@@ -179,7 +179,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
 
 @pytest.mark.slow
 def test_the_server_gives_the_in_process_results(smollm2_llm, tmp_path):
-    from test_server import MODEL, serving
+    from support.server import MODEL, serving
 
     from serve import LLM
 
