@@ -48,6 +48,44 @@ class InvalidRequest(ValueError):
 SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
+@dataclass(frozen=True)
+class Interval:
+    """The numbers a sampling parameter accepts: from `low` to `high` (math.inf: unbounded),
+    each end included unless `*_open`. Tests draw their values from these, so a changed range
+    is a tested range."""
+
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return (f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
+                f"{')' if self.high_open else ']'}")
+
+
+# What SamplingParams accepts for each numeric field that shapes a draw (the floats must also be
+# finite; top_k and seed are integers, top_k None meaning no cut). min_tokens is in [0,
+# max_tokens]. The sampler gives a valid draw for every value here (egmla.generate.sample_next).
+RANGES: dict[str, Interval] = {
+    "temperature": Interval(0),
+    "top_p": Interval(0, 1, low_open=True),
+    "min_p": Interval(0, 1),
+    "presence_penalty": Interval(-2, 2),
+    "frequency_penalty": Interval(-2, 2),
+    "repetition_penalty": Interval(0, low_open=True),
+    "top_k": Interval(-1),  # 0 and -1: every token (vLLM's -1)
+    "seed": Interval(*SEED_RANGE),
+}
+
+
 class StepFailed(RuntimeError):
     """A step raised: the requests it was running (`request_ids`) were failed and their blocks
     freed; the engine goes on with the others. The original exception is `__cause__`."""
@@ -141,26 +179,24 @@ class SamplingParams:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
             raise InvalidRequest(f"stop={self.stop!r}: must be a string or a list of strings", "stop")
         self.stop = tuple(stop)
-        low, high = SEED_RANGE
+        seeds, (low, high) = RANGES["seed"], SEED_RANGE
         rules = {  # field: (holds, what it must be)
             "n": (self.n >= 1, "must be >= 1"),
             "max_tokens": (self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
             "min_tokens": (0 <= self.min_tokens and (self.max_tokens is None
                                                      or self.min_tokens <= self.max_tokens),
                            "must be in [0, max_tokens]"),
-            "temperature": (self.temperature >= 0, "must be >= 0"),
-            "top_p": (0 < self.top_p <= 1, "must be in (0, 1]"),
-            "top_k": (self.top_k is None or self.top_k >= -1, "must be >= 1, or 0 or -1 (all)"),
-            "min_p": (0 <= self.min_p <= 1, "must be in [0, 1]"),
-            "presence_penalty": (-2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
-            "frequency_penalty": (-2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
-            "repetition_penalty": (self.repetition_penalty > 0, "must be > 0"),
+            **{name: (getattr(self, name) in RANGES[name], f"must be {RANGES[name]}")
+               for name in ("temperature", "top_p", "min_p", "presence_penalty",
+                            "frequency_penalty", "repetition_penalty")},
+            "top_k": (self.top_k is None or self.top_k in RANGES["top_k"],
+                      "must be >= 1, or 0 or -1 (all)"),
             "logprobs": (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                          f"must be in [0, {MAX_LOGPROBS}]"),
             "prompt_logprobs": (self.prompt_logprobs is None
                                 or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                                 f"must be in [0, {MAX_LOGPROBS}]"),
-            "seed": (self.seed is None or low <= self.seed and self.seed + self.n - 1 <= high,
+            "seed": (self.seed is None or self.seed in seeds and self.seed + self.n - 1 in seeds,
                      f"seed and seed + n - 1 (the last sample's seed) must be in [{low}, {high}]"),
         }
         for name, (holds, rule) in rules.items():
@@ -481,6 +517,10 @@ class LLMEngine:
             if bad is not None:
                 raise InvalidRequest(f"{name}[{bad}]={ids[bad]!r}: token ids must be integers in "
                                      f"[0, {vocab}) (the model's vocabulary)", name)
+        if params.min_tokens and len(set(params.stops_at())) >= vocab:
+            raise InvalidRequest(f"min_tokens={params.min_tokens}: every token of the vocabulary "
+                                 f"({vocab}) is a stop token (stop_token_ids and the EOS), so "
+                                 "none could be generated before min_tokens", "min_tokens")
         if total > limit or total <= len(prompt):
             raise InvalidRequest(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
                                  f"exceeds the model's context of {limit} tokens", "prompt",
@@ -795,10 +835,7 @@ class LLMEngine:
         if greedy is not None and _plain_greedy(seq):
             nxt = greedy
         else:
-            scores = penalize(logits, seq.prompt, seq.output, p) if p.penalized() else logits
-            if len(seq.output) < p.min_tokens and stops:
-                scores = scores.clone()
-                scores[list(stops)] = float("-inf")
+            scores = sampling_scores(logits, seq.prompt, seq.output, p)
             nxt = int(sample_next(scores[None], p.temperature, p.top_k_or_none,
                                   p.top_p if p.top_p < 1 else None, seq.generator, p.min_p)[0])
         if p.logprobs is not None:
@@ -877,6 +914,9 @@ def _forward_groups(lengths: list[int], max_padding: float = 0.25) -> list[list[
     return groups + ([group] if group else [])
 
 
+_F32_MAX = torch.finfo(torch.float32).max
+
+
 def penalize(logits: torch.Tensor, prompt: list[int], output: list[int],
              p: SamplingParams) -> torch.Tensor:
     """logits (V,) with vLLM's repetition, frequency and presence penalties applied (see
@@ -885,13 +925,30 @@ def penalize(logits: torch.Tensor, prompt: list[int], output: list[int],
     scores = logits.float().clone()
     if p.repetition_penalty != 1:
         seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=scores.device)
-        picked = scores[seen]
-        scores[seen] = torch.where(picked > 0, picked / p.repetition_penalty,
-                                   picked * p.repetition_penalty)
+        # In float64, where a penalty of 1e-300 or 1e300 is itself (in float32 it is 0 or inf:
+        # x / 0 is inf, 0 * inf NaN); then clamped to float32's range, so a score pushed past it
+        # ties at +-3.4e38 with the others pushed there and none is inf (inf - inf is NaN).
+        picked, r = scores[seen].double(), p.repetition_penalty
+        penalized = torch.where(picked > 0, picked / r, picked * r)
+        scores[seen] = penalized.clamp(-_F32_MAX, _F32_MAX).float()
     if output and (p.frequency_penalty or p.presence_penalty):
         counts = torch.bincount(torch.tensor(output, device=scores.device),
                                 minlength=scores.shape[0]).to(scores.dtype)
         scores -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(scores.dtype)
+    return scores
+
+
+def sampling_scores(logits: torch.Tensor, prompt: list[int], output: list[int],
+                    p: SamplingParams) -> torch.Tensor:
+    """logits (V,) -> the scores a sample draws its next token from: the penalties
+    (`penalize`), then the stop tokens masked to -inf while fewer than min_tokens were
+    generated. At least one token stays finite: check_request refuses min_tokens when the stop
+    tokens are the whole vocabulary."""
+    scores = penalize(logits, prompt, output, p) if p.penalized() else logits
+    stops = p.stops_at()
+    if len(output) < p.min_tokens and stops:
+        scores = scores.clone()
+        scores[list(stops)] = float("-inf")
     return scores
 
 
