@@ -504,6 +504,46 @@ def started(llm: LLM, count: int, timeout: float = 30) -> None:
         time.sleep(0.002)
 
 
+@pytest.mark.parametrize("where", ["forward", "sample"])
+def test_a_failing_request_gets_500_and_the_others_their_own_text(text_llm, where):
+    """Two requests with one prompt fail from their fourth token on (their forward, after
+    writing wrong K/V into every row of the batch, or their sampling) while four others run:
+    the one waiting whole gets a 500 naming the fault, the streamed one an error event and
+    then [DONE]; the others' texts equal their texts alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from support.engine import FailingRequest
+
+    culprit, failed = "Once upon a time there was a", text_llm.engine.stats.failed
+    with serving(text_llm, "tiny") as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        alone = [complete(client, body) for body in BYSTANDERS]
+        fault = FailingRequest(text_llm.engine, text_llm.encode(culprit), where, after=3)
+        try:
+            with ThreadPoolExecutor(len(BYSTANDERS)) as pool:
+                others = [pool.submit(complete, client, body) for body in BYSTANDERS]
+                started(text_llm, 3)
+                body = {"model": "tiny", "prompt": culprit, "max_tokens": 40}
+                with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                                  json={**body, "stream": True, "ignore_eos": True}) as stream:
+                    with pytest.raises(openai.InternalServerError) as whole:
+                        client.completions.create(**body, extra_body={"ignore_eos": True})
+                    events = [line.removeprefix("data: ") for line in stream.iter_lines() if line]
+                together = [future.result() for future in others]
+        finally:
+            fault.remove()
+        assert together == alone
+        assert whole.value.status_code == 500 and "injected fault" in whole.value.message
+        assert stream.status_code == 200 and events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "server_error" and "injected fault" in error["message"]
+        assert all("error" not in json.loads(e) for e in events[:-2])  # tokens, then the error
+        assert max(fault.fired) > 1  # the others were in its batches
+        wait_until_idle(url, text_llm)
+        assert text_llm.engine.stats.failed - failed == 2 and not text_llm.engine.requests
+        assert httpx.get(url + "/health", timeout=60).json() == {"status": "ok"}
+
+
 def test_the_probed_values_answer_200_with_text_while_others_run(text_llm):
     """The values of the hostile-client probe, and the extremes of their ranges (derived from
     the validation's ranges), each batched with the bystanders: 200s with text, and the
