@@ -19,6 +19,67 @@ import torch
 from torch import nn
 
 
+_F32 = torch.finfo(torch.float32)
+
+
+def next_token_probs(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float = 0.0,
+) -> torch.Tensor:
+    """logits (B, V) -> float32 probabilities (B, V) of the next token at `temperature` > 0: each
+    row finite, >= 0, summing to 1, its most likely token always kept (min_p, top_k and top_p
+    cut below it, never it). NaN scores count as -inf (never drawn), +inf as float32's largest
+    number; a row with no finite score (every token masked) is a ValueError.
+
+    Why each step is safe for any finite temperature, top_p and min_p: the top score is shifted
+    to 0 before dividing, so nothing overflows to +inf; the divisor is a normal float32 (a tiny
+    temperature sends the other scores to -inf: greedy in the limit; a huge one makes them 0:
+    uniform), so it neither flushes to zero nor becomes inf (-inf / inf would be NaN); every cut
+    keeps the top token, so softmax always has a term exp(0) = 1 in its sum. A temperature
+    above 8.5e37 divides by 8.5e37 (both are uniform for any logits a model produces)."""
+    scores = _scores(logits)
+    top = _top_scores(scores)  # (B, 1)
+    # Within [tiny, 1 / tiny], so the divisor and its reciprocal (a division by a scalar may
+    # run as a multiplication by it) are normal float32 numbers: 1.2e-38 to 8.5e37.
+    divisor = min(max(temperature, _F32.tiny), 1 / _F32.tiny)
+    scores = (scores - top) / divisor  # (B, V): the top token at 0, the rest in [-inf, 0]
+    if min_p > 0.0:  # the top logit is 0 now: p_i / p_max = exp(logit_i); log(min_p) <= 0
+        scores = scores.masked_fill(scores < math.log(min_p), float("-inf"))
+    if top_k is not None and top_k < scores.shape[-1]:
+        kth = scores.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_scores, order = scores.sort(dim=-1, descending=True, stable=True)
+        probs = sorted_scores.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already cover top_p; the first is always
+        # kept (a top_p that rounds to 0 in float32, such as 1e-46, would otherwise drop all).
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        drop[:, 0] = False
+        scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, float("-inf")))
+    return scores.softmax(dim=-1)
+
+
+def _scores(logits: torch.Tensor) -> torch.Tensor:
+    """logits in float32 with NaN as -inf and +inf as float32's largest number (-inf stays)."""
+    return torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=_F32.max,
+                            neginf=float("-inf"))
+
+
+def _top_scores(scores: torch.Tensor) -> torch.Tensor:
+    """(B, V) float32 scores without NaN or +inf -> (B, 1) row maxima; ValueError naming the
+    first row in which every score is -inf (nothing can be drawn from it)."""
+    top = scores.amax(dim=-1, keepdim=True)
+    dead = top.squeeze(-1) == float("-inf")
+    if bool(dead.any()):
+        row = int(dead.nonzero()[0, 0])
+        raise ValueError(f"logits row {row}: no token has a finite score (every token is masked, "
+                         "or the logits are -inf or NaN): nothing to sample")
+    return top
+
+
 def sample_next(
     logits: torch.Tensor,
     temperature: float = 0.0,
@@ -27,9 +88,11 @@ def sample_next(
     generator: torch.Generator | None = None,
     min_p: float = 0.0,
 ) -> torch.Tensor:
-    """logits (B, V) -> next token ids (B,). temperature 0 is greedy (argmax). After the
-    temperature, min_p drops the tokens whose probability is below min_p x the most likely
-    one's, then top_k and top_p cut."""
+    """logits (B, V) -> next token ids (B,). temperature 0 is greedy (argmax, the lowest id
+    among equals). After the temperature, min_p drops the tokens whose probability is below
+    min_p x the most likely one's, then top_k and top_p cut (`next_token_probs`). Any finite
+    value in the accepted ranges gives a valid draw; a row with no finite score is a
+    ValueError."""
     if not 0.0 <= min_p <= 1.0:
         raise ValueError(f"min_p={min_p}: must be in [0, 1]")
     if temperature < 0:
@@ -39,25 +102,10 @@ def sample_next(
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p={top_p}: must be in (0, 1]")
     if temperature == 0.0:
-        return logits.argmax(dim=-1)
-    # Shift the maximum to 0 and keep the divisor a normal float32: a tiny temperature then sends
-    # the other logits to -inf (greedy in the limit) instead of overflowing them all to inf (or
-    # dividing by a flushed-to-zero subnormal) and making softmax NaN.
-    logits = logits.float()
-    divisor = max(temperature, torch.finfo(torch.float32).tiny)
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / divisor
-    if min_p > 0.0:  # the top logit is 0 now: p_i / p_max = exp(logit_i)
-        logits = logits.masked_fill(logits < math.log(min_p), float("-inf"))
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the tokens ranked above it already cover top_p (keeps at least one).
-        drop = probs.cumsum(dim=-1) - probs >= top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(dim=-1)
+        scores = _scores(logits)
+        _top_scores(scores)
+        return scores.argmax(dim=-1)
+    probs = next_token_probs(logits, temperature, top_k, top_p, min_p)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 

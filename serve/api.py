@@ -13,8 +13,8 @@
 Every error is OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`, with the
 status: 400 for a bad field (named in `param`; types are strict, so `"max_tokens": true` is an
 error, not 1), 404 for an unknown model or path, 405 for a wrong method, 413 for a body over the
-size limit, 500 when a step running the request raised (the engine frees its blocks and goes on
-serving the others), 503 when the request queue is full or the server is shutting down. Known
+size limit, 500 when computing the request raised (its forward or sampling: it alone fails, its
+blocks freed), 503 when the request queue is full or the server is shutting down. Known
 OpenAI/vLLM fields that this server does not implement are refused unless they hold their
 neutral value; unknown fields are ignored (logged once). Streams end with `data: [DONE]`, after
 an error event if the request failed mid-stream; a client that disconnects has its request

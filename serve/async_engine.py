@@ -2,9 +2,9 @@
 
 The engine is not thread-safe, so one thread owns it: it takes new requests and aborts from a
 command queue, runs `engine.step()` while there is work, and hands each request's updates to
-the asyncio loop that asked for them. A step that raises fails only the requests it ran (their
-callers get `RequestFailed`, their blocks are freed) and the thread goes on serving. Callers
-never touch the engine directly:
+the asyncio loop that asked for them. A request whose part of a step raises fails alone (its
+caller gets `RequestFailed`, its blocks are freed; the step's other requests go on) and the
+thread goes on serving. Callers never touch the engine directly:
 
     engine = AsyncEngine(llm).start()
     async for update in engine.submit(prompt_ids, SamplingParams(stop=["\\n"])):
@@ -173,8 +173,9 @@ class AsyncEngine:
                     self._iterate()
                 except StepFailed as error:  # the engine has ended those requests already
                     log.error("%s", error, exc_info=error.__cause__)
-                    self._fail(error.request_ids, f"the engine failed while running this "
-                                                  f"request: {error.reason}")
+                    for rid, reason in error.reasons.items():
+                        self._fail([rid], f"the engine failed while running this request: "
+                                          f"{reason}")
                 except Exception as error:  # noqa: BLE001 - outside a step: state unknown
                     log.exception("engine loop error; ending every request in flight")
                     self._fail(list(self._streams), f"the engine failed: "

@@ -48,14 +48,61 @@ class InvalidRequest(ValueError):
 SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
-class StepFailed(RuntimeError):
-    """A step raised: the requests it was running (`request_ids`) were failed and their blocks
-    freed; the engine goes on with the others. The original exception is `__cause__`."""
+@dataclass(frozen=True)
+class Interval:
+    """The numbers a sampling parameter accepts: from `low` to `high` (math.inf: unbounded),
+    each end included unless `*_open`. Tests draw their values from these, so a changed range
+    is a tested range."""
 
-    def __init__(self, request_ids: list[int], cause: BaseException) -> None:
-        super().__init__(f"a step failed ({type(cause).__name__}: {cause}); "
-                         f"{len(request_ids)} request(s) ended")
-        self.request_ids, self.reason = request_ids, f"{type(cause).__name__}: {cause}"
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return (f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
+                f"{')' if self.high_open else ']'}")
+
+
+# What SamplingParams accepts for each numeric field that shapes a draw (the floats must also be
+# finite; top_k and seed are integers, top_k None meaning no cut). min_tokens is in [0,
+# max_tokens]. The sampler gives a valid draw for every value here (egmla.generate.sample_next).
+RANGES: dict[str, Interval] = {
+    "temperature": Interval(0),
+    "top_p": Interval(0, 1, low_open=True),
+    "min_p": Interval(0, 1),
+    "presence_penalty": Interval(-2, 2),
+    "frequency_penalty": Interval(-2, 2),
+    "repetition_penalty": Interval(0, low_open=True),
+    "top_k": Interval(-1),  # 0 and -1: every token (vLLM's -1)
+    "seed": Interval(*SEED_RANGE),
+}
+
+
+class StepFailed(RuntimeError):
+    """Requests of a step failed: each (`reasons`: request id -> "ExceptionType: message") ended
+    with finish_reason "error" and its blocks were freed, while the step's other requests went
+    on. `request_ids` lists the failed ones, `reason` the first one's reason; the first
+    exception is `__cause__`. A `generate` call (`LLMEngine.generate`, `LLM.generate`) runs its
+    other requests to the end before raising it, with `outputs`: every prompt's result in
+    order, None for a failed one."""
+
+    def __init__(self, reasons: dict[int, str], outputs: list | None = None) -> None:
+        self.reasons, self.outputs = dict(reasons), outputs
+        self.request_ids, self.reason = list(self.reasons), next(iter(self.reasons.values()))
+        super().__init__(f"{len(self.reasons)} request(s) failed in a step: "
+                         + "; ".join(f"request {rid}: {why}" for rid, why in self.reasons.items()))
+
+
+def _reason(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 # vLLM's SamplingParams fields that this engine does not implement: refused by name.
@@ -141,26 +188,24 @@ class SamplingParams:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
             raise InvalidRequest(f"stop={self.stop!r}: must be a string or a list of strings", "stop")
         self.stop = tuple(stop)
-        low, high = SEED_RANGE
+        seeds, (low, high) = RANGES["seed"], SEED_RANGE
         rules = {  # field: (holds, what it must be)
             "n": (self.n >= 1, "must be >= 1"),
             "max_tokens": (self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
             "min_tokens": (0 <= self.min_tokens and (self.max_tokens is None
                                                      or self.min_tokens <= self.max_tokens),
                            "must be in [0, max_tokens]"),
-            "temperature": (self.temperature >= 0, "must be >= 0"),
-            "top_p": (0 < self.top_p <= 1, "must be in (0, 1]"),
-            "top_k": (self.top_k is None or self.top_k >= -1, "must be >= 1, or 0 or -1 (all)"),
-            "min_p": (0 <= self.min_p <= 1, "must be in [0, 1]"),
-            "presence_penalty": (-2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
-            "frequency_penalty": (-2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
-            "repetition_penalty": (self.repetition_penalty > 0, "must be > 0"),
+            **{name: (getattr(self, name) in RANGES[name], f"must be {RANGES[name]}")
+               for name in ("temperature", "top_p", "min_p", "presence_penalty",
+                            "frequency_penalty", "repetition_penalty")},
+            "top_k": (self.top_k is None or self.top_k in RANGES["top_k"],
+                      "must be >= 1, or 0 or -1 (all)"),
             "logprobs": (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                          f"must be in [0, {MAX_LOGPROBS}]"),
             "prompt_logprobs": (self.prompt_logprobs is None
                                 or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                                 f"must be in [0, {MAX_LOGPROBS}]"),
-            "seed": (self.seed is None or low <= self.seed and self.seed + self.n - 1 <= high,
+            "seed": (self.seed is None or self.seed in seeds and self.seed + self.n - 1 in seeds,
                      f"seed and seed + n - 1 (the last sample's seed) must be in [{low}, {high}]"),
         }
         for name, (holds, rule) in rules.items():
@@ -481,6 +526,10 @@ class LLMEngine:
             if bad is not None:
                 raise InvalidRequest(f"{name}[{bad}]={ids[bad]!r}: token ids must be integers in "
                                      f"[0, {vocab}) (the model's vocabulary)", name)
+        if params.min_tokens and len(set(params.stops_at())) >= vocab:
+            raise InvalidRequest(f"min_tokens={params.min_tokens}: every token of the vocabulary "
+                                 f"({vocab}) is a stop token (stop_token_ids and the EOS), so "
+                                 "none could be generated before min_tokens", "min_tokens")
         if total > limit or total <= len(prompt):
             raise InvalidRequest(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
                                  f"exceeds the model's context of {limit} tokens", "prompt",
@@ -706,20 +755,30 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Schedule, run the step's forwards, sample; return the sequences that finished.
 
-        If anything in the step raises, the requests it scheduled (every live one, if the
-        scheduler itself raised) end with finish_reason "error", their blocks are freed, and
-        `StepFailed` is raised; the engine stays usable for the others."""
-        self._scheduled = None
+        A failure ends only the requests it concerns. If a forward over several rows raises,
+        its rows run again in halves until each failing row has raised alone; a request whose
+        own rows' forward, or whose sampling, raises ends with finish_reason "error" and its
+        blocks are freed. The step's other requests take their tokens as usual (the ones they
+        would have taken alone), then `StepFailed` is raised naming the failed requests. If the
+        scheduler itself raises, the requests it scheduled (every live one, if it got no plan
+        out) fail that way. The engine stays usable."""
+        self._scheduled, failures = None, {}
         try:
-            return self._step()
+            done = self._step(failures)
         except Exception as error:
             seqs = self._scheduled if self._scheduled is not None else [*self.running, *self.waiting]
-            failed = list(dict.fromkeys(s.request_id for s in seqs))
-            self.fail(failed)
-            raise StepFailed(failed, error) from error
+            failures.update((s.request_id, error) for s in seqs if s.request_id not in failures)
+            done = []
+        if not failures:
+            return done
+        self.fail(list(failures))
+        raise StepFailed({rid: _reason(e) for rid, e in failures.items()}
+                         ) from next(iter(failures.values()))
 
     @torch.no_grad()
-    def _step(self) -> list[Sequence]:
+    def _step(self, failures: dict[int, Exception]) -> list[Sequence]:
+        """The step, with each request's failure put in `failures` (request id -> its
+        exception) rather than raised; `step` ends those requests."""
         plan = self.last_plan = self._schedule()
         rows = plan.rows
         self._scheduled = [r.seq for r in rows]
@@ -729,44 +788,91 @@ class LLMEngine:
                 raise RuntimeError("the next request cannot be scheduled: the block pool or the "
                                    "token budget is too small for it")
             return []
-        last_logits = {}  # row index -> logits of its last new token
-        scoring = [i for i, r in enumerate(rows) if _wants_prompt_logprobs(r)]
-        for i in scoring:  # alone, with every position's logits
-            logits = self._forward([rows[i]], every=True)[0]  # (num_new_tokens, V)
-            record_prompt_logprobs(rows[i].seq, rows[i].start, logits)
-            last_logits[i] = logits[-1]
-        others = [i for i in range(len(rows)) if i not in set(scoring)]
-        for group in _forward_groups([rows[i].num_new_tokens for i in others]):
-            group = [others[g] for g in group]
-            logits = self._forward([rows[i] for i in group])  # (len(group), V)
-            last_logits.update(zip(group, logits))
+        last_logits = self._logits(rows, failures)  # row index -> logits of its last new token
         self.stats.steps += 1
         reserved, used = self.blocks.slot_counts()
         self.stats.reserved_slot_steps += reserved
         self.stats.used_slot_steps += used
         # The greedy rows' tokens in one argmax and one transfer, not one per row.
-        plain = [b for b, r in enumerate(rows) if _plain_greedy(r.seq)]
+        plain = [b for b, r in enumerate(rows) if b in last_logits and _plain_greedy(r.seq)]
         argmax = dict(zip(plain, torch.stack([last_logits[b] for b in plain]).argmax(-1).tolist()
                           if plain else []))
         done = []
         for b, row in enumerate(rows):
-            seq, n = row.seq, row.num_new_tokens
-            seq.num_computed = row.start + n
-            if row.is_prefill:
-                self.stats.prefill_tokens += n
-            else:
-                self.stats.decode_tokens += n
-            self.blocks.commit(seq.seq_id, seq.tokens[: seq.num_computed])
-            if seq.num_computed < len(seq.tokens):
-                continue  # a chunk of a longer prompt: no token yet
-            first = not seq.output and len(self.requests[seq.request_id]) < seq.params.n
-            group = [seq, *self._fork(seq, last_logits[b])] if first else [seq]
-            for s in group:
-                if s is not seq:
-                    self.running.append(s)
-                if self._sample(s, last_logits[b], argmax.get(b)):
-                    done.append(s)
+            if row.seq.request_id in failures:
+                continue  # `step` ends its request (every sample of it) after this loop
+            try:
+                done += self._advance(row, last_logits[b], argmax.get(b))
+            except Exception as error:  # noqa: BLE001 - this request fails, the others go on
+                failures[row.seq.request_id] = error
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
+        return [s for s in done if s.request_id not in failures]
+
+    def _logits(self, rows: list[ScheduledRow], failures: dict[int, Exception]
+                ) -> dict[int, torch.Tensor]:
+        """Each row's logits of its last new token, by row index; a row whose forward raises
+        alone puts its request in `failures` and gets none."""
+        last = {}
+        scoring = [i for i, r in enumerate(rows) if _wants_prompt_logprobs(r)]
+        for i in scoring:  # alone, with every position's logits
+            try:
+                logits = self._forward([rows[i]], every=True)[0]  # (num_new_tokens, V)
+                record_prompt_logprobs(rows[i].seq, rows[i].start, logits)
+            except Exception as error:  # noqa: BLE001 - this request fails, the others go on
+                failures.setdefault(rows[i].seq.request_id, error)
+                continue
+            last[i] = logits[-1]
+        others = [i for i in range(len(rows)) if i not in set(scoring)]
+        for group in _forward_groups([rows[i].num_new_tokens for i in others]):
+            self._forward_isolated([others[g] for g in group], rows, last, failures)
+        return last
+
+    def _forward_isolated(self, group: list[int], rows: list[ScheduledRow],
+                          last: dict[int, torch.Tensor], failures: dict[int, Exception]) -> None:
+        """One forward over rows `group` (indices into `rows`), their logits into `last`. If it
+        raises, each half runs again, and so on down to single rows: a row that raises alone
+        fails its request. Running a row again is safe: it rewrites the KV slots of exactly the
+        new tokens that the failed forward may have written (with anything), and nothing else
+        of the step (tokens, counts, the prefix cache) has changed before the forwards end."""
+        group = [i for i in group if rows[i].seq.request_id not in failures]
+        if not group:
+            return
+        try:
+            logits = self._forward([rows[i] for i in group])  # (len(group), V)
+        except Exception as error:  # noqa: BLE001 - find the rows it belongs to
+            if len(group) == 1:
+                failures.setdefault(rows[group[0]].seq.request_id, error)
+                return
+            log.warning("a forward over %d rows raised (%s); running them again in halves to "
+                        "find the failing rows", len(group), _reason(error))
+            half = len(group) // 2
+            self._forward_isolated(group[:half], rows, last, failures)
+            self._forward_isolated(group[half:], rows, last, failures)
+            return
+        last.update(zip(group, logits))
+
+    def _advance(self, row: ScheduledRow, logits: torch.Tensor, greedy: int | None
+                 ) -> list[Sequence]:
+        """Account a row's computed tokens; once its prompt is in, fork its request's other
+        samples (the first time) and sample the next token of each. Returns the sequences
+        that finished."""
+        seq, n = row.seq, row.num_new_tokens
+        seq.num_computed = row.start + n
+        if row.is_prefill:
+            self.stats.prefill_tokens += n
+        else:
+            self.stats.decode_tokens += n
+        self.blocks.commit(seq.seq_id, seq.tokens[: seq.num_computed])
+        if seq.num_computed < len(seq.tokens):
+            return []  # a chunk of a longer prompt: no token yet
+        first = not seq.output and len(self.requests[seq.request_id]) < seq.params.n
+        group = [seq, *self._fork(seq, logits)] if first else [seq]
+        done = []
+        for s in group:
+            if s is not seq:
+                self.running.append(s)
+            if self._sample(s, logits, greedy):
+                done.append(s)
         return done
 
     def _forward(self, rows: list[ScheduledRow], every: bool = False) -> torch.Tensor:
@@ -795,10 +901,7 @@ class LLMEngine:
         if greedy is not None and _plain_greedy(seq):
             nxt = greedy
         else:
-            scores = penalize(logits, seq.prompt, seq.output, p) if p.penalized() else logits
-            if len(seq.output) < p.min_tokens and stops:
-                scores = scores.clone()
-                scores[list(stops)] = float("-inf")
+            scores = sampling_scores(logits, seq.prompt, seq.output, p)
             nxt = int(sample_next(scores[None], p.temperature, p.top_k_or_none,
                                   p.top_p if p.top_p < 1 else None, seq.generator, p.min_p)[0])
         if p.logprobs is not None:
@@ -820,12 +923,25 @@ class LLMEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None
                  ) -> list[list[int]] | list[list[list[int]]]:
         """Run `prompts` to completion; return each one's generated token ids, in order
-        (with n > 1, a list of n outputs per prompt)."""
+        (with n > 1, a list of n outputs per prompt). If requests fail, the others still run to
+        the end; then `StepFailed` names the failed ones, its `outputs` holding the results
+        (None for a failed one)."""
         ids = [self.add_request(p, params) for p in prompts]
+        failed: dict[int, str] = {}
+        cause = None
         while self.has_unfinished():
-            self.step()
-        outputs = [[self.finished[s].output for s in self.requests[i]] for i in ids]
-        return outputs if (params and params.n > 1) else [o[0] for o in outputs]
+            try:
+                self.step()
+            except StepFailed as error:  # those requests ended; the others go on
+                failed.update(error.reasons)
+                cause = cause or error.__cause__
+        outputs = [None if i in failed else [self.finished[s].output for s in self.requests[i]]
+                   for i in ids]
+        if not (params and params.n > 1):
+            outputs = [o if o is None else o[0] for o in outputs]
+        if failed:
+            raise StepFailed(failed, outputs) from cause
+        return outputs
 
     def snapshot(self, now: bool = True) -> EngineMetrics:
         """The engine's metrics at this moment. `now=False` skips the walk over every held block
@@ -877,6 +993,9 @@ def _forward_groups(lengths: list[int], max_padding: float = 0.25) -> list[list[
     return groups + ([group] if group else [])
 
 
+_F32_MAX = torch.finfo(torch.float32).max
+
+
 def penalize(logits: torch.Tensor, prompt: list[int], output: list[int],
              p: SamplingParams) -> torch.Tensor:
     """logits (V,) with vLLM's repetition, frequency and presence penalties applied (see
@@ -885,13 +1004,30 @@ def penalize(logits: torch.Tensor, prompt: list[int], output: list[int],
     scores = logits.float().clone()
     if p.repetition_penalty != 1:
         seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=scores.device)
-        picked = scores[seen]
-        scores[seen] = torch.where(picked > 0, picked / p.repetition_penalty,
-                                   picked * p.repetition_penalty)
+        # In float64, where a penalty of 1e-300 or 1e300 is itself (in float32 it is 0 or inf:
+        # x / 0 is inf, 0 * inf NaN); then clamped to float32's range, so a score pushed past it
+        # ties at +-3.4e38 with the others pushed there and none is inf (inf - inf is NaN).
+        picked, r = scores[seen].double(), p.repetition_penalty
+        penalized = torch.where(picked > 0, picked / r, picked * r)
+        scores[seen] = penalized.clamp(-_F32_MAX, _F32_MAX).float()
     if output and (p.frequency_penalty or p.presence_penalty):
         counts = torch.bincount(torch.tensor(output, device=scores.device),
                                 minlength=scores.shape[0]).to(scores.dtype)
         scores -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(scores.dtype)
+    return scores
+
+
+def sampling_scores(logits: torch.Tensor, prompt: list[int], output: list[int],
+                    p: SamplingParams) -> torch.Tensor:
+    """logits (V,) -> the scores a sample draws its next token from: the penalties
+    (`penalize`), then the stop tokens masked to -inf while fewer than min_tokens were
+    generated. At least one token stays finite: check_request refuses min_tokens when the stop
+    tokens are the whole vocabulary."""
+    scores = penalize(logits, prompt, output, p) if p.penalized() else logits
+    stops = p.stops_at()
+    if len(output) < p.min_tokens and stops:
+        scores = scores.clone()
+        scores[list(stops)] = float("-inf")
     return scores
 
 

@@ -27,7 +27,7 @@ from egmla.imports import load_pretrained
 from egmla.models import Transformer
 from egmla.models.sparse_ffn import check_settings as check_sparsity
 from egmla.models.sparse_ffn import layer_thresholds, predictors_from_tensors, sparsify
-from serve.engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams
+from serve.engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams, StepFailed
 from serve.outputs import OutputProcessor
 
 
@@ -227,7 +227,12 @@ class LLM:
         list (text, {"prompt": text}, {"prompt_token_ids": ids}, or a list of token ids);
         `sampling_params` one for all or one per prompt (default SamplingParams(): vLLM's
         defaults, temperature 1.0); `use_tqdm` shows a progress bar over the requests. Stop
-        strings (SamplingParams.stop) end a sample early and are cut from its text."""
+        strings (SamplingParams.stop) end a sample early and are cut from its text.
+
+        If computing a request fails (an exception in its forward or its sampling), that request
+        alone ends: the others run to the end, then `StepFailed` is raised naming the failed
+        ones (`reasons`), with `outputs` holding every prompt's RequestOutput in order, None for
+        a failed one."""
         single = (isinstance(prompts, (str, dict))
                   or (isinstance(prompts, (list, tuple)) and prompts and _is_token(prompts[0])))
         prompts = [prompts] if single else list(prompts)
@@ -247,22 +252,31 @@ class LLM:
         ids = [self.engine.add_request(tokens, p) for (_, tokens), p in zip(requests, per_prompt)]
         for rid in ids:
             self.outputs.add(rid)
-        results = {}
+        results, failed, cause = {}, {}, None
         bar = tqdm(total=len(ids), desc="generate", unit="prompt", disable=not use_tqdm)
         try:
-            while len(results) < len(ids):
+            while len(results) + len(failed) < len(ids):
                 if self.engine.has_unfinished():
-                    self.engine.step()
+                    try:
+                        self.engine.step()
+                    except StepFailed as error:  # those requests ended; the others go on
+                        self.outputs.discard(error.request_ids)
+                        failed.update(error.reasons)
+                        cause = cause or error.__cause__
+                        bar.update(sum(rid in error.reasons for rid in ids))
                 done = [u for u in self.outputs.process() if u.finished]
                 results.update((u.request_id, u) for u in done)
                 bar.update(len(done))
-        except BaseException:  # a failed step (or an interrupt): leave nothing of this call behind
+        except BaseException:  # an interrupt: leave nothing of this call behind
             self.outputs.discard([rid for rid in ids if rid not in results])
             raise
         finally:
             bar.close()
-        return [self._output(rid, text, tokens, results[rid])
-                for rid, (text, tokens) in zip(ids, requests)]
+        outputs = [None if rid in failed else self._output(rid, text, tokens, results[rid])
+                   for rid, (text, tokens) in zip(ids, requests)]
+        if any(rid in failed for rid in ids):
+            raise StepFailed({rid: failed[rid] for rid in ids if rid in failed}, outputs) from cause
+        return outputs
 
     def _output(self, rid: int, prompt: str | None, tokens: list[int], update) -> RequestOutput:
         outputs = [CompletionOutput(o.index, o.text, o.token_ids, o.cumulative_logprob,

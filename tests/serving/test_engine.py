@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from serve.engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams, StepFailed
-from support.engine import HistorySumModel, mixed_prompts, reference_greedy
+from support.engine import FailingRequest, HistorySumModel, mixed_prompts, reference_greedy
 from support.models import VARIANTS, build
 
 SETTINGS = {
@@ -187,37 +187,114 @@ def test_token_ids_outside_the_vocabulary_are_refused_naming_the_field(field, id
 
 
 class FaultyForward:
-    """Makes the engine's forward raise on chosen calls (counted from 1), else runs it."""
+    """Makes the engine's forward raise where `fails(call number from 1, rows)` holds, else
+    runs it; `rows` records the number of rows of each forward that raised."""
 
-    def __init__(self, engine: LLMEngine, fail_on: set[int]) -> None:
-        self.forward, self.fail_on, self.calls = engine._forward, fail_on, 0
+    def __init__(self, engine: LLMEngine, fails) -> None:
+        self.forward, self.fails, self.calls, self.rows = engine._forward, fails, 0, []
         engine._forward = self
 
     def __call__(self, rows):
         self.calls += 1
-        if self.calls in self.fail_on:
+        if self.fails(self.calls, rows):
+            self.rows.append(len(rows))
             raise RuntimeError(f"injected fault in forward call {self.calls}")
         return self.forward(rows)
 
 
-@pytest.mark.parametrize("fail_on", [1, 3], ids=["in-prefill", "in-decode"])
-def test_a_failing_step_fails_only_its_requests_and_frees_their_blocks(fail_on):
+@pytest.mark.parametrize("fail_from", [1, 3], ids=["in-prefill", "in-decode"])
+def test_a_failing_request_fails_alone_and_frees_its_blocks(fail_from):
     model = build(VARIANTS["mla-absorbed"], dtype=torch.float32)
     engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=2))
     first = engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=6, n=2, seed=0,
                                                                 temperature=1.0))
-    FaultyForward(engine, {fail_on})
-    with pytest.raises(StepFailed, match=f"forward call {fail_on}") as caught:
+    faulty = FaultyForward(engine, lambda call, rows: call >= fail_from)  # from then on
+    with pytest.raises(StepFailed, match="injected fault in forward call") as caught:
         while engine.has_unfinished():
             engine.step()
     assert caught.value.request_ids == [first]
+    if fail_from == 3:  # the samples' decode failed, then sample 0's alone: the request fails
+        assert faulty.rows == [2, 1]  # (and its sample 1 is not run again)
+    del engine._forward
     assert engine.is_finished(first)
     assert {s.finish_reason for s in engine.release(first)} == {"error"}
     assert engine.blocks.num_used() == 0 and not engine.has_unfinished()
     # the engine serves on: the next request gives the reference tokens
     assert engine.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=5)) == [
         reference_greedy(model, [7, 8, 9], 5)]
-    assert engine.stats.failed >= 1 and engine.blocks.num_used() == 0
+    assert engine.stats.failed == (1 if fail_from == 1 else 2)  # a prompt that failed never forked
+    assert engine.blocks.num_used() == 0
+
+
+# Requests of every kind that share steps with the failing one: greedy, seeded (top-k, min-p,
+# penalties), two seeded samples of one prompt, a prompt sharing the failing one's first two
+# blocks (prefix cache) and one long enough to be prefilled in chunks alongside decodes.
+INNOCENT = [
+    ([1, 2, 3, 4, 5], dict(temperature=0, max_tokens=8)),
+    ([7, 8, 9], dict(temperature=10.0, top_k=20, min_p=0.01, seed=3, max_tokens=9)),
+    ([20, 21, 22, 23, 24, 25, 26, 27, 28], dict(temperature=8.0, n=2, seed=5, max_tokens=7,
+                                                 repetition_penalty=1.3, presence_penalty=0.5)),
+    ([40, 41, 42, 43, 44, 45, 46, 47, 90], dict(temperature=0, max_tokens=6)),
+    (list(range(30, 80)), dict(temperature=0, max_tokens=5)),
+]
+CULPRIT = ([40, 41, 42, 43, 44, 45, 46, 47, 60, 61], dict(temperature=0, max_tokens=8))
+# HistorySumModel's next token is a sum over every cached token: a K/V slot left wrong changes
+# every later token. The real model is there for a real forward (its attention is too smooth to
+# tell a wrong slot by its tokens).
+ISOLATION_MODELS = {"history-sum": HistorySumModel,
+                    "egmla-kv": lambda: build(VARIANTS["egmla-kv"], dtype=torch.float32)}
+
+
+def run_to_end(engine: LLMEngine, requests) -> tuple[dict[int, list], dict[int, str]]:
+    """Add `requests` (prompt, params dict) together and step until done: (outputs by request
+    id (every sample's tokens), reasons by failed request id)."""
+    ids = [engine.add_request(prompt, SamplingParams(**kw)) for prompt, kw in requests]
+    failed = {}
+    while engine.has_unfinished():
+        try:
+            engine.step()
+        except StepFailed as error:
+            failed.update(error.reasons)
+    outputs = {i: [engine.finished[s].output for s in engine.requests[i]]
+               for i in ids if i not in failed}
+    return outputs, failed
+
+
+@pytest.mark.parametrize("model_name", list(ISOLATION_MODELS))
+@pytest.mark.parametrize("after", [0, 3], ids=["from-prefill", "mid-decode"])
+@pytest.mark.parametrize("where", ["forward", "sample"])
+def test_a_request_failing_in_its_forward_or_sampling_leaves_the_others_their_own_tokens(
+        where, after, model_name):
+    """The others' tokens equal their tokens alone, though the fault struck batches they were
+    in and the failing forward first wrote wrong K/V into their new slots (rewritten when their
+    rows ran again)."""
+    model = ISOLATION_MODELS[model_name]()
+    config = EngineConfig(block_size=4, num_blocks=96, max_num_batched_tokens=24)
+    alone = [run_to_end(LLMEngine(model, config), [request])[0] for request in INNOCENT]
+    engine = LLMEngine(model, config)
+    fault = FailingRequest(engine, CULPRIT[0], where, after=after)
+    outputs, failed = run_to_end(engine, [CULPRIT, *INNOCENT])
+    culprit = 0  # the first request added
+    assert list(failed) == [culprit] and "injected fault" in failed[culprit]
+    assert list(outputs.values()) == [next(iter(a.values())) for a in alone]
+    assert max(fault.fired) > 1  # it failed in a batch with other requests' rows
+    assert len(engine.finished[culprit].output) == after  # nothing appended twice, or after
+    assert engine.finished[culprit].finish_reason == "error" and engine.stats.failed == 1
+    assert engine.blocks.num_used() == 0 and not engine.has_unfinished()
+
+
+def test_a_forward_that_fails_once_is_run_again_and_fails_nobody():
+    """A fault that goes with the batch, not with a request (say, memory for one large
+    forward): the halves succeed, and every request gets its own tokens."""
+    model = build(VARIANTS["mha"], dtype=torch.float32)
+    config = EngineConfig(block_size=4, num_blocks=96)
+    alone = [run_to_end(LLMEngine(model, config), [request])[0] for request in INNOCENT]
+    engine = LLMEngine(model, config)
+    faulty = FaultyForward(engine, lambda call, rows: len(rows) == 6 and not faulty.rows)
+    outputs, failed = run_to_end(engine, INNOCENT)
+    assert not failed and faulty.rows == [6]  # a decode of all six samples, run again in halves
+    assert list(outputs.values()) == [next(iter(a.values())) for a in alone]
+    assert engine.blocks.num_used() == 0
 
 
 def test_a_failing_step_leaves_the_requests_it_did_not_run_alone():
@@ -225,7 +302,7 @@ def test_a_failing_step_leaves_the_requests_it_did_not_run_alone():
     engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=1))
     a = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=8))
     b = engine.add_request([4, 5, 6], SamplingParams(temperature=0, max_tokens=4))  # waits: one row per step
-    FaultyForward(engine, {1})
+    FaultyForward(engine, lambda call, rows: call == 1)
     with pytest.raises(StepFailed) as caught:
         engine.step()
     assert caught.value.request_ids == [a]

@@ -76,29 +76,44 @@ def test_one_sampling_params_per_prompt():
         llm.generate([prompts[0]], each)
 
 
-def test_a_failed_step_raises_and_leaves_nothing_of_the_call_behind():
+@pytest.mark.parametrize("where", ["forward", "sample"])
+def test_a_failing_request_fails_alone_and_generate_returns_the_others(where):
+    """One request's forward (after writing wrong K/V into the batch's slots) or sampling
+    raises from its third token on: `generate` runs the others to the end, then raises
+    StepFailed naming it, with the others' outputs equal to their outputs alone, and leaves
+    nothing of the call in the engine."""
     from egmla.models import Transformer
     from egmla.presets import preset
     from serve.engine import StepFailed
+    from support.engine import FailingRequest
 
     torch.manual_seed(0)
-    llm = LLM(Transformer(preset("tiny-mla")), num_blocks=64, block_size=4, max_num_seqs=1)
-    expected = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids
-    forward, calls = llm.engine._forward, []
-
-    def faulty(rows):  # the second forward of the call raises; the first request has run by then
-        calls.append(len(rows))
-        if len(calls) == 2:
-            raise RuntimeError("injected fault")
-        return forward(rows)
-
-    llm.engine._forward = faulty
-    with pytest.raises(StepFailed, match="injected fault"):
-        llm.generate([[1, 2, 3], [4, 5, 6]], SamplingParams(temperature=0, max_tokens=4))
-    llm.engine._forward = forward
+    llm = LLM(Transformer(preset("tiny-egmla")), num_blocks=64, block_size=4)
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [1, 2, 3, 4, 9], [10, 11, 12, 13]]
+    params = [SamplingParams(temperature=0, max_tokens=8),
+              SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=8),
+              SamplingParams(temperature=0, max_tokens=8),  # the one that fails
+              SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=8, logprobs=2)]
+    alone = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    fault = FailingRequest(llm.engine, prompts[2], where, after=2)
+    with pytest.raises(StepFailed, match="injected fault") as caught:
+        llm.generate(prompts, params, use_tqdm=False)
+    fault.remove()
+    outputs = caught.value.outputs
+    assert [o is None for o in outputs] == [False, False, True, False]
+    assert list(caught.value.reasons) == [int(alone[-1].request_id) + 3]  # the third of the call
+    for got, ref in zip(outputs[:2] + outputs[3:], alone[:2] + alone[3:]):
+        assert [o.token_ids for o in got.outputs] == [o.token_ids for o in ref.outputs]
+        for mine, theirs in zip(got.outputs, ref.outputs):  # batched: equal up to rounding
+            if theirs.logprobs is not None:
+                assert [{t: pytest.approx(lp.logprob, abs=1e-5) for t, lp in step.items()}
+                        for step in mine.logprobs] == [{t: lp.logprob for t, lp in step.items()}
+                                                       for step in theirs.logprobs]
+    assert max(fault.fired) > 1  # it failed in a batch with the others
     assert not llm.engine.requests and not llm.engine.finished and not llm.engine.has_unfinished()
     assert llm.engine.blocks.num_used() == 0
-    assert llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids == expected
+    again = llm.generate([prompts[2]], params[2], use_tqdm=False)[0]  # and the engine serves on
+    assert again.outputs[0].token_ids == alone[2].outputs[0].token_ids
 
 
 @pytest.mark.slow

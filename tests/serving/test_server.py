@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -454,6 +455,127 @@ def test_a_failing_step_answers_500_and_the_engine_serves_on(tiny_llm):
         assert again.status_code == 200 and again.json()["choices"][0]["text"] == expected
         wait_until_idle(url, tiny_llm)
     assert tiny_llm.engine.stats.failed == 2 and not tiny_llm.engine.requests
+
+
+# ---- one request never fails another ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def text_llm(tmp_path_factory):
+    """A tiny model with a real BPE tokenizer: its completions are text."""
+    from support.models import tiny_text_export
+
+    return LLM(str(tiny_text_export(tmp_path_factory.mktemp("text") / "export")), dtype="float32")
+
+
+# Requests that run beside the failing or hostile ones: greedy and seeded, streamed and not.
+BYSTANDERS = [dict(prompt="The king said", temperature=0, stream=False),
+              dict(prompt="And the lord spake", temperature=0.8, seed=3, stream=True),
+              dict(prompt="O Romeo, Romeo", temperature=1.0, seed=11, n=2, stream=False),
+              dict(prompt="The king said unto", temperature=0, stream=True)]
+
+
+def complete(client: openai.OpenAI, body: dict) -> tuple[list[str], list[str]]:
+    """(text, finish reason) of each choice of a completion, streamed or not."""
+    body = {"model": "tiny", "max_tokens": 40, "ignore_eos": True, **body}
+    n = body.get("n", 1)
+    extensions = {k: body.pop(k) for k in ("ignore_eos", "min_tokens", "repetition_penalty")
+                  if k in body}  # vLLM's fields: the openai client sends them as extra_body
+    texts, reasons = [""] * n, [""] * n
+    if body.get("stream"):
+        for chunk in client.completions.create(**body, extra_body=extensions):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+                reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+        return texts, reasons
+    reply = client.completions.create(**body, extra_body=extensions)
+    if extensions["ignore_eos"]:
+        assert reply.usage.completion_tokens == n * body["max_tokens"]
+    else:
+        assert reply.usage.completion_tokens >= n * extensions.get("min_tokens", 0)
+    return [c.text for c in reply.choices], [c.finish_reason for c in reply.choices]
+
+
+def started(llm: LLM, count: int, timeout: float = 30) -> None:
+    """Wait until `count` sequences are in the engine's running batch."""
+    deadline = time.monotonic() + timeout
+    while len(llm.engine.running) < count:
+        assert time.monotonic() < deadline, "the requests did not start"
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("where", ["forward", "sample"])
+def test_a_failing_request_gets_500_and_the_others_their_own_text(text_llm, where):
+    """Two requests with one prompt fail from their fourth token on (their forward, after
+    writing wrong K/V into every row of the batch, or their sampling) while four others run:
+    the one waiting whole gets a 500 naming the fault, the streamed one an error event and
+    then [DONE]; the others' texts equal their texts alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from support.engine import FailingRequest
+
+    culprit, failed = "Once upon a time there was a", text_llm.engine.stats.failed
+    with serving(text_llm, "tiny") as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        alone = [complete(client, body) for body in BYSTANDERS]
+        fault = FailingRequest(text_llm.engine, text_llm.encode(culprit), where, after=3)
+        try:
+            with ThreadPoolExecutor(len(BYSTANDERS)) as pool:
+                others = [pool.submit(complete, client, body) for body in BYSTANDERS]
+                started(text_llm, 3)
+                body = {"model": "tiny", "prompt": culprit, "max_tokens": 40}
+                with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                                  json={**body, "stream": True, "ignore_eos": True}) as stream:
+                    with pytest.raises(openai.InternalServerError) as whole:
+                        client.completions.create(**body, extra_body={"ignore_eos": True})
+                    events = [line.removeprefix("data: ") for line in stream.iter_lines() if line]
+                together = [future.result() for future in others]
+        finally:
+            fault.remove()
+        assert together == alone
+        assert whole.value.status_code == 500 and "injected fault" in whole.value.message
+        assert stream.status_code == 200 and events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "server_error" and "injected fault" in error["message"]
+        assert all("error" not in json.loads(e) for e in events[:-2])  # tokens, then the error
+        assert max(fault.fired) > 1  # the others were in its batches
+        wait_until_idle(url, text_llm)
+        assert text_llm.engine.stats.failed - failed == 2 and not text_llm.engine.requests
+        assert httpx.get(url + "/health", timeout=60).json() == {"status": "ok"}
+
+
+def test_the_probed_values_answer_200_with_text_while_others_run(text_llm):
+    """The values of the hostile-client probe, and the extremes of their ranges (derived from
+    the validation's ranges), each batched with the bystanders: 200s with text, and the
+    bystanders' texts as alone. A top_p that is 0 in float32 leaves the most likely token: the
+    greedy text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serve.engine import RANGES
+
+    smallest = {name: math.nextafter(RANGES[name].low, math.inf)
+                for name in ("top_p", "repetition_penalty")}
+    probes = [dict(top_p=1e-46), dict(top_p=smallest["top_p"]),
+              dict(temperature=1e308, min_tokens=30), dict(temperature=sys.float_info.max,
+                                                           min_tokens=30),
+              dict(repetition_penalty=1e-300), dict(repetition_penalty=smallest["repetition_penalty"])]
+    prompt, failed = "Once upon a time there was a", text_llm.engine.stats.failed
+    with serving(text_llm, "tiny") as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        alone = [complete(client, body) for body in BYSTANDERS]
+        greedy = complete(client, dict(prompt=prompt, temperature=0))
+        for probe in probes:
+            with ThreadPoolExecutor(len(BYSTANDERS) + 1) as pool:
+                others = [pool.submit(complete, client, body) for body in BYSTANDERS]
+                started(text_llm, 2)
+                body = dict(prompt=prompt, seed=5, ignore_eos="min_tokens" not in probe, **probe)
+                texts, reasons = complete(client, body)  # raises on anything but a 200
+                assert [f.result() for f in others] == alone, probe
+            assert reasons[0] in ("length", "stop") and texts[0].strip(), probe
+            if "top_p" in probe:
+                assert (texts, reasons) == greedy, probe
+        wait_until_idle(url, text_llm)
+        assert text_llm.engine.stats.failed == failed
 
 
 @pytest.mark.slow

@@ -2,8 +2,8 @@
 directory of the root conftest, on sys.path). Test files import from here, never from each other.
 
 - support.models: the variant zoo every reference test runs over, and seeded builders;
-- support.engine: a reference greedy decode, mixed prompt sets, and a tiny fake model for
-  scheduler-only tests;
+- support.engine: a reference greedy decode, mixed prompt sets, a tiny fake model for
+  scheduler-only tests, and a fault injected into one request of an engine;
 - support.training: train.py run for real, and tiny overrides;
 - support.tasks: a plain lm-eval task written to disk.
 

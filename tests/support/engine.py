@@ -1,4 +1,5 @@
-"""Engine test helpers: a reference greedy decode, mixed prompt sets, and a fake model."""
+"""Engine test helpers: a reference greedy decode, mixed prompt sets, a fake model, and a fault
+injected into one request (`FailingRequest`)."""
 
 from __future__ import annotations
 
@@ -117,3 +118,50 @@ def run_ragged(model, sequences: list[torch.Tensor], block_size: int, seed: int,
             logits[i].append(out[b, :n])
             done[i] += n
     return [torch.cat(chunks) for chunks in logits]
+
+
+class FailingRequest:
+    """A fault injected into one request of a live engine, for the failure-isolation tests (a
+    hook on this engine instance only: nothing a client could set). The request is the one
+    whose prompt is `prompt`; once it has generated `after` tokens, every step of it fails:
+
+    - where="forward": a forward over rows that include one of its rows first runs the model on
+      scrambled tokens, writing wrong K/V into the new-token slots of every row of that batch
+      (what a forward dying midway may leave behind), then raises;
+    - where="sample": drawing its next token raises.
+
+    `fired` records, for each injected fault, how many rows the forward (or the step) held, so a
+    test can show that other requests were in the batch that failed."""
+
+    def __init__(self, engine, prompt: list[int], where: str, after: int = 0) -> None:
+        if where not in ("forward", "sample"):
+            raise ValueError(f"where={where!r}: 'forward' or 'sample'")
+        self.engine, self.prompt, self.after, self.where = engine, list(prompt), after, where
+        self.fired: list[int] = []
+        self._original = getattr(engine, "_" + where)
+        setattr(engine, "_" + where, self._forward if where == "forward" else self._sample)
+
+    def remove(self) -> None:
+        delattr(self.engine, "_" + self.where)  # the class's method again
+
+    def _targets(self, seq) -> bool:
+        return seq.prompt == self.prompt and len(seq.output) >= self.after
+
+    def _forward(self, rows, every: bool = False):
+        if not any(self._targets(r.seq) for r in rows):
+            return self._original(rows, every)
+        model, vocab = self.engine.model, self.engine.model.config.vocab_size
+        model.forward = lambda tokens, *args, **kw: type(model).forward(
+            model, (tokens * 7 + 3) % vocab, *args, **kw)
+        try:
+            self._original(rows, every)  # a whole forward, over the wrong tokens
+        finally:
+            del model.forward
+        self.fired.append(len(rows))
+        raise RuntimeError(f"injected fault in the forward of {len(rows)} row(s)")
+
+    def _sample(self, seq, logits, greedy=None):
+        if self._targets(seq):
+            self.fired.append(len(self.engine.last_plan.rows))
+            raise RuntimeError("injected fault in sampling")
+        return self._original(seq, logits, greedy)
