@@ -129,7 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=512,
                    help="token budget of one step (default %(default)s)")
     g.add_argument("--max-queued-requests", type=int, default=256,
-                   help="requests accepted beyond --max-num-seqs before answering 503 (default %(default)s)")
+                   help="requests accepted beyond --max-num-seqs before answering 503; each prompt "
+                        "of a completion is one, and one with more prompts than both together "
+                        "is a 400 (default %(default)s)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
     g.add_argument("--no-chunked-prefill", action="store_true", help="turn off chunked prefill")
     g = p.add_argument_group("requests and shutdown")
