@@ -54,6 +54,14 @@ log = logging.getLogger("serve")
 # ---- request bodies ----------------------------------------------------------------------------
 
 
+class StreamOptions(BaseModel):
+    """OpenAI's stream_options (vLLM's continuous_usage_stats is refused unless false); strict
+    like every field, so `"include_usage": "yes"` is an error, not true."""
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
 class _Common(BaseModel):
     # Strict types (`max_tokens: true` or `stream: "yes"` are refused, not coerced) and no NaN or
     # infinity. Unknown fields are ignored (logged once each), as OpenAI-compatible servers do;
@@ -65,7 +73,7 @@ class _Common(BaseModel):
     top_p: float = 1.0
     n: int = 1
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
@@ -197,7 +205,10 @@ class _UnknownFields:
         self.seen: set[str] = set()
 
     def check(self, req: _Common) -> None:
-        for name in (req.model_extra or {}).keys() - UNSUPPORTED.keys() - self.seen:
+        names = (req.model_extra or {}).keys() - UNSUPPORTED.keys()
+        if req.stream_options is not None:
+            names |= {f"stream_options.{k}" for k in req.stream_options.model_extra or {}}
+        for name in names - self.seen:
             self.seen.add(name)
             log.warning("ignoring the unknown request field %r (reported once)", name)
 
@@ -212,6 +223,10 @@ def _refuse_unsupported(req: _Common) -> None:
     best_of = getattr(req, "best_of", None)
     if best_of is not None and best_of != req.n:
         raise APIError(400, f"best_of={best_of} is not supported (only best_of == n)", param="best_of")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        raise APIError(400, "stream_options.continuous_usage_stats=true is not supported by this "
+                       "server (usage comes in the last chunk, with include_usage)",
+                       param="stream_options")
 
 
 class BodyLimit:
@@ -379,11 +394,12 @@ class _Admission:
             raise APIError(400, str(error), param="prompt") from None
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, req: _Common,
-               prompt_field: str, stops: StopStrings) -> list[RequestStream]:
+               prompt_field: str, stops: StopStrings,
+               score_prompt: bool = False) -> list[RequestStream]:
         """Queue every prompt, or none (AsyncEngine.submit_all: checked, then queued at once):
         a request that can never run is a 400, one that does not fit now a 503."""
         try:
-            return self.engine.submit_all(prompts, params, req.stream, stops)
+            return self.engine.submit_all(prompts, params, req.stream, stops, score_prompt)
         except InvalidRequest as error:
             param = prompt_field if error.param == "prompt" else error.param
             raise APIError(400, str(error), param=param, code=error.code) from None
@@ -506,7 +522,7 @@ def build_app(engine: AsyncEngine, served_model_name: str,
     async def models() -> dict:
         return {"object": "list", "data": [{
             "id": served_model_name, "object": "model", "created": int(app.state.started),
-            "owned_by": "egmla", "max_model_len": llm.model.config.max_seq_len}]}
+            "owned_by": "egmla", "max_model_len": engine.max_request_tokens}]}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -525,10 +541,12 @@ def build_app(engine: AsyncEngine, served_model_name: str,
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens=0: must be >= 1 (0 only with echo: the prompt's "
                            "logprobs alone)", param="max_tokens")
-        # max_tokens 0 (echo): generate one token and drop it, the prompt's logprobs are the answer
+        # max_tokens 0 (echo): generate one token and drop it, the prompt's logprobs are the
+        # answer; so the prompt alone must fit the context (score_prompt)
         params = gate.sampling(req, req.max_tokens or 1, req.logprobs,
                                req.logprobs if req.echo and req.logprobs is not None else None)
-        streams = gate.submit(encoded, params, req, "prompt", await stop_strings(req))
+        streams = gate.submit(encoded, params, req, "prompt", await stop_strings(req),
+                              score_prompt=req.max_tokens == 0)
         reply = _Reply("cmpl", "text_completion", served_model_name, req, chat=False,
                        engine=engine, prompts=list(zip(prompts, encoded)))
         return await reply.respond(streams, request)
@@ -764,7 +782,7 @@ class _Reply:
                     prompt_tokens += item.prompt_tokens
                     cached += item.cached_tokens
                     completion_tokens += sum(len(o.token_ids) for o in item.outputs)
-            if (self.req.stream_options or {}).get("include_usage"):
+            if self.req.stream_options is not None and self.req.stream_options.include_usage:
                 yield self._chunk([], self._usage(prompt_tokens, completion_tokens, cached))
             yield "data: [DONE]\n\n"
         finally:  # a disconnect cancels us here: abort every prompt (one command), stop the pumps

@@ -140,9 +140,10 @@ class AsyncEngine:
 
     # ---- caller side (any thread with a running asyncio loop) --------------------------------
 
-    def check_request(self, prompt: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt: list[int], params: SamplingParams,
+                      score_prompt: bool = False) -> None:
         """Raise InvalidRequest if this request could never run (reads only fixed settings)."""
-        self.engine.check_request(prompt, params)
+        self.engine.check_request(prompt, params, score_prompt)
 
     def check_prompt_count(self, count: int) -> None:
         """Raise InvalidRequest if `count` prompts (one request each) can never be held here
@@ -165,19 +166,21 @@ class AsyncEngine:
         return self.submit_all([prompt], params, stream, stops)[0]
 
     def submit_all(self, prompts: list[list[int]], params: SamplingParams, stream: bool = False,
-                   stops: StopStrings | None = None) -> list[RequestStream]:
+                   stops: StopStrings | None = None,
+                   score_prompt: bool = False) -> list[RequestStream]:
         """Queue one request per prompt, all or none. Raises now, with nothing queued, so the
         caller can answer before streaming anything: InvalidRequest if they could never run
         here (a prompt that never fits, or more prompts than the server ever holds at once),
         QueueFull if they do not fit now, Draining, EngineDead. `stops`: the automaton of
-        params.stop, built here (off the engine thread) unless the caller built it already."""
+        params.stop, built here (off the engine thread) unless the caller built it already;
+        `score_prompt`: see LLMEngine.check_request."""
         if not self.alive:
             raise EngineDead(f"the engine stopped: {self.error!r}")
         if self.draining:
             raise Draining("the server is shutting down")
         self.check_prompt_count(len(prompts))
         for prompt in prompts:
-            self.check_request(prompt, params)
+            self.check_request(prompt, params, score_prompt)
         with self._lock:
             if self._accepted + len(prompts) > self.capacity:
                 raise QueueFull(f"the server holds {self._accepted} of the {self.capacity} "
@@ -187,7 +190,7 @@ class AsyncEngine:
         handles = [RequestStream(self, loop) for _ in prompts]
         if stops is None:
             stops = StopStrings(params.stop)
-        self._commands.put(("add", handles, prompts, params, stream, stops))
+        self._commands.put(("add", handles, prompts, params, stream, stops, score_prompt))
         self._wake.set()
         return handles
 
@@ -268,12 +271,12 @@ class AsyncEngine:
                         self.llm.outputs.abort(stream.request_id)
 
     def _add(self, handles: list[RequestStream], prompts: list[list[int]],
-             params: SamplingParams, stream: bool, stops: StopStrings) -> None:
+             params: SamplingParams, stream: bool, stops: StopStrings, score_prompt: bool) -> None:
         """Add a request's prompts to the engine, all or (should one fail) none."""
         added: list[int] = []
         try:
             for handle, prompt in zip(handles, prompts):
-                handle.request_id = self.engine.add_request(prompt, params)
+                handle.request_id = self.engine.add_request(prompt, params, score_prompt)
                 added.append(handle.request_id)
         except Exception as error:  # noqa: BLE001 - submit_all checked them; kept for safety
             self.llm.outputs.discard(added, "abort")  # none of them has run

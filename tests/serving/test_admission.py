@@ -204,3 +204,89 @@ def test_a_disconnected_multi_prompt_request_frees_its_places_at_once_and_comput
 def _post_expecting_timeout(url: str, request: dict, read_timeout: float) -> None:
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url, json=request, timeout=httpx.Timeout(60, read=read_timeout))
+
+
+# ---- the smaller points ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine_args, limit, param", [
+    ({"max_model_len": 100}, 100, "prompt"),  # --max-model-len below the model's 256
+    ({"num_blocks": 16}, 64, "max_tokens"),  # a pool of 16 blocks of 4 tokens
+], ids=["max_model_len", "pool"])
+def test_models_reports_the_limit_the_server_enforces(engine_args, limit, param):
+    torch.manual_seed(0)
+    llm = LLM(Transformer(preset("tiny-mha")), block_size=4, **{"num_blocks": 1024, **engine_args})
+    with serving(llm, "tiny") as url:
+        listed = httpx.get(url + "/v1/models", timeout=60).json()["data"][0]
+        assert listed["max_model_len"] == limit
+        fits = httpx.post(url + "/v1/completions", json=body([5] * (limit - 4), max_tokens=4),
+                          timeout=60)
+        assert fits.status_code == 200
+        over = httpx.post(url + "/v1/completions", json=body([5] * (limit - 3), max_tokens=4),
+                          timeout=60)
+        assert over.status_code == 400 and error_of(over)["param"] == param
+
+
+def test_echo_scores_a_prompt_of_exactly_the_context_and_refuses_one_more():
+    """echo with max_tokens 0 scores the prompt alone (the one token made is dropped), so a
+    prompt of the whole context fits; its logprobs are the full forward's. One token more is
+    refused, and so is the same prompt asking for a token (it needs room)."""
+    llm = tiny(max_model_len=48)
+    rng = random.Random(0)
+    ids = [rng.randrange(256) for _ in range(49)]
+    with serving(llm, "tiny") as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        reply = client.completions.create(model="tiny", prompt=ids[:48], max_tokens=0, echo=True,
+                                          logprobs=1, temperature=0)
+        with torch.no_grad():
+            logprobs = llm.model(torch.tensor([ids[:48]]))[0].float().log_softmax(-1)
+        expected = [logprobs[i, ids[i + 1]].item() for i in range(47)]
+        scored = reply.choices[0].logprobs.token_logprobs
+        assert scored[0] is None and scored[1:] == pytest.approx(expected, abs=1e-4)
+        assert reply.usage.prompt_tokens == 48 and reply.usage.completion_tokens == 0
+        for prompt, max_tokens in ((ids, 0), (ids[:48], 1)):
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
+                                          echo=True, logprobs=1, temperature=0)
+            assert refused.value.code == "context_length_exceeded"
+
+
+def test_stream_options_and_every_boolean_field_are_strict():
+    """`stream_options: {"include_usage": "yes"}` was taken as true: it, and a string or a
+    number for any boolean field, is a 400 naming the field; the real values still work."""
+    llm = tiny()
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    cases = [
+        ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+        ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+        ({"stream_options": "yes"}, "stream_options"),
+        ({"stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+        ({"stream": "yes"}, "stream"),
+        ({"echo": "true"}, "echo"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"skip_special_tokens": "false"}, "skip_special_tokens"),
+        ({"use_beam_search": "yes"}, "use_beam_search"),
+        ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ]
+    with serving(llm, "tiny") as url:
+        for change, named in cases:
+            for path, request in (("/v1/completions", body([1, 2], max_tokens=2, stream=True)),
+                                  ("/v1/chat/completions", {**chat, "stream": True})):
+                if "echo" in change and "chat" in path:
+                    continue  # a completions field (chat ignores it as unknown)
+                reply = httpx.post(url + path, json={**request, **change}, timeout=60)
+                assert reply.status_code == 400, (path, change, reply.text)
+                error = error_of(reply)
+                assert named in error["message"], (change, error)
+                assert error["param"] == named.split(".")[0], (change, error)
+        reply = httpx.post(url + "/v1/chat/completions", json={**chat, "logprobs": "true"},
+                           timeout=60)
+        assert reply.status_code == 400 and error_of(reply)["param"] == "logprobs"
+        for options, usage in (({"include_usage": True}, True), ({"include_usage": False}, False),
+                               ({}, False), ({"include_usage": None, "other": 1}, False)):
+            request = body([1, 2], max_tokens=2, stream=True, stream_options=options)
+            with httpx.stream("POST", url + "/v1/completions", json=request, timeout=60) as reply:
+                assert reply.status_code == 200
+                chunks = [line.removeprefix("data: ") for line in reply.iter_lines() if line]
+            assert chunks[-1] == "[DONE]"
+            assert ("usage" in chunks[-2]) == usage, options
