@@ -13,9 +13,11 @@ a step costs about the same with one stop string or 100,000.
 
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 from serve.engine import LLMEngine
 
@@ -50,8 +52,11 @@ class StopStrings:
     one that ends them all move the start k times in one step, each search comparing up to k
     characters (k^2 log n in C; measured 5 ms for k = 2,000 and one such string, 150 ms for
     k = 8,000 and 200 of them sharing it), after k characters of text that set it up.
-    Building is a set and two sorts, C-level (about 0.1 s for 100,000 strings of 40
-    characters), and one pass over the strings when some are prefixes of others.
+    Building is a set and two sorts (about 0.2 s of CPU for 100,000 strings of 40 characters),
+    and one pass over the strings when some are prefixes of others. It runs off the engine
+    thread but shares the GIL with it, so no step of it holds the GIL for long: the sorts go by
+    slices of `SLICE` strings, merged by a Python-level generator (one sort of 100,000 strings
+    is one C call of 30 ms or more, during which the engine thread could not run a line).
 
         stops = StopStrings(["cde", "de"])
         cursor = stops.cursor()
@@ -60,12 +65,16 @@ class StopStrings:
         cursor.feed("abcde")  # ((2, "cde"), 0): "cde" starts at 2 ("de" ends there too, from 3)
     """
 
+    SLICE = 8192
+
     def __init__(self, stop: Iterable[str]) -> None:
-        unique = set(stop)
+        stop, unique = list(stop), set()
+        for i in range(0, len(stop), self.SLICE):
+            unique.update(stop[i:i + self.SLICE])
         unique.discard("")  # an empty stop string stops nothing (as before)
-        self.strings = sorted(unique)
-        self._ends = sorted(s[::-1] for s in unique)
-        self._inner = _longest_inner_prefixes(self._ends)
+        self.strings = _sorted_by_slices(list(unique), self.SLICE)
+        self._ends = _sorted_by_slices([s[::-1] for s in self.strings], self.SLICE)
+        self._inner = _longest_inner_prefixes(self._ends, self.SLICE)
         self.shortest = min(map(len, self.strings), default=0)
 
     def __len__(self) -> int:
@@ -98,13 +107,23 @@ class StopStrings:
         return 0 if inner < 0 else len(ends[inner])
 
 
-def _longest_inner_prefixes(strings: list[str]) -> list[int]:
+def _sorted_by_slices(strings: list[str], size: int) -> list[str]:
+    """sorted(strings), no C call of it longer than sorting `size` of them (the merge is a
+    Python-level generator: about twice the CPU of one sort, in steps that let other threads
+    run)."""
+    runs = [sorted(strings[i:i + size]) for i in range(0, len(strings), size)]
+    return runs[0] if len(runs) == 1 else list(heapq.merge(*runs))
+
+
+def _longest_inner_prefixes(strings: list[str], size: int) -> list[int]:
     """For each of these sorted strings, the index of the longest other one that is a prefix
     of it, or -1. A string's prefixes among them sort just before it, so one pass with a stack
     of the current string's prefixes finds them all (skipped when no string is a prefix of
     another: the shortest such prefix would be a prefix of its successor)."""
     inner = [-1] * len(strings)
-    if not any(map(str.startswith, strings[1:], strings[:-1])):
+    if not any(any(map(str.startswith, islice(strings, i + 1, i + 1 + size),
+                       islice(strings, i, i + size)))
+               for i in range(0, len(strings), size)):
         return inner
     stack: list[int] = []
     for j, s in enumerate(strings):
