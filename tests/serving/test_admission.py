@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 import string
 import threading
@@ -290,3 +291,48 @@ def test_stream_options_and_every_boolean_field_are_strict():
                 chunks = [line.removeprefix("data: ") for line in reply.iter_lines() if line]
             assert chunks[-1] == "[DONE]"
             assert ("usage" in chunks[-2]) == usage, options
+
+
+# ---- 100,000 stop strings ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def worded(tmp_path_factory) -> LLM:
+    """A tiny random model with a byte-level BPE tokenizer of its own: text to stop."""
+    tokenizer = train_bpe(["hello world, stop here"] * 8, 260, tmp_path_factory.mktemp("bpe"))
+    torch.manual_seed(0)
+    return LLM(Transformer(preset("tiny-mha", vocab_size=260)), tokenizer, num_blocks=256,
+               block_size=4)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_100000_stop_strings_of_40_characters_fit_the_default_body_limit_and_stop(worded, stream):
+    """Their JSON is 4.4 MB; the default limit (8 MiB) takes it and still refuses a larger body.
+    One of them is a piece of the text the model makes: the text is cut there, as the Python
+    API without the 99,999 others cuts it."""
+    sampling = dict(temperature=0.8, seed=1, max_tokens=24, ignore_eos=True)
+    whole = worded.generate("hello", SamplingParams(**sampling), use_tqdm=False)[0].outputs[0].text
+    stop = next(whole[i:i + 4] for i in range(1, len(whole) - 4)
+                if "\ufffd" not in whole[i:i + 4] and whole.find(whole[i:i + 4]) == i)
+    expected = worded.generate("hello", SamplingParams(**sampling, stop=[stop]),
+                               use_tqdm=False)[0].outputs[0]
+    assert expected.text == whole[:whole.find(stop)] and expected.finish_reason == "stop"
+    rng = random.Random(0)
+    stops = ["".join(rng.choices(string.ascii_lowercase, k=40)) for _ in range(99_999)] + [stop]
+    request = {"model": "tiny", "prompt": "hello", **sampling, "stop": stops, "stream": stream}
+    with serving(worded, "tiny") as url, httpx.Client(timeout=120) as http:
+        if stream:
+            with http.stream("POST", url + "/v1/completions", json=request) as reply:
+                assert reply.status_code == 200
+                chunks = [json.loads(line.removeprefix("data: ")) for line in reply.iter_lines()
+                          if line.startswith("data: {")]
+            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
+        else:
+            reply = http.post(url + "/v1/completions", json=request)
+            assert reply.status_code == 200, reply.text[:300]
+            choice = reply.json()["choices"][0]
+            text, finish = choice["text"], choice["finish_reason"]
+        assert (text, finish) == (expected.text, "stop")
+        too_big = http.post(url + "/v1/completions", json={**request, "stop": stops * 2})
+        assert too_big.status_code == 413 and error_of(too_big)["code"] == "request_too_large"
