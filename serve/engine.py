@@ -495,9 +495,10 @@ class LLMEngine:
                                  code="context_length_exceeded")
         if params.n > c.max_num_seqs:
             raise InvalidRequest(f"n={params.n}: exceeds max_num_seqs={c.max_num_seqs}", "n")
-        if -(-len(prompt) // c.block_size) > c.num_blocks:
-            raise InvalidRequest(f"prompt of {len(prompt)} tokens needs more KV blocks than the "
-                                 f"pool's {c.num_blocks} (block_size={c.block_size})", "prompt")
+        alone = -(-len(prompt) // c.block_size)
+        if alone > c.num_blocks:
+            raise InvalidRequest(f"the prompt's {len(prompt)} tokens need {alone} KV blocks; the "
+                                 f"pool has {c.num_blocks} (block_size={c.block_size})", "prompt")
         # The n samples share the prompt's full blocks and each need blocks of their own after.
         shared = len(prompt) // c.block_size
         blocks = shared + params.n * -(-(total - shared * c.block_size) // c.block_size)

@@ -145,7 +145,7 @@ def test_a_prompt_beyond_the_kv_pool_is_a_400_naming_the_prompt_and_the_pool():
         reply = httpx.post(url + "/v1/completions", json=body([3] * 65, max_tokens=1), timeout=60)
         assert reply.status_code == 400
         error = error_of(reply)
-        assert error["param"] == "prompt" and "pool's 16" in error["message"], error
+        assert error["param"] == "prompt" and "the pool has 16" in error["message"], error
         # a prompt that fits, with an output that does not: the output is named
         reply = httpx.post(url + "/v1/completions", json=body([3] * 60, max_tokens=8), timeout=60)
         assert reply.status_code == 400 and error_of(reply)["param"] == "max_tokens"
