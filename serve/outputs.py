@@ -17,7 +17,6 @@ import heapq
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 
 from serve.engine import LLMEngine
 
@@ -121,8 +120,7 @@ def _longest_inner_prefixes(strings: list[str], size: int) -> list[int]:
     of the current string's prefixes finds them all (skipped when no string is a prefix of
     another: the shortest such prefix would be a prefix of its successor)."""
     inner = [-1] * len(strings)
-    if not any(any(map(str.startswith, islice(strings, i + 1, i + 1 + size),
-                       islice(strings, i, i + size)))
+    if not any(any(map(str.startswith, strings[i + 1:i + 1 + size], strings[i:i + size]))
                for i in range(0, len(strings), size)):
         return inner
     stack: list[int] = []
