@@ -164,15 +164,23 @@ def test_text_stream_equals_the_plain_reference_for_any_chunking(ids, stop, cuts
     assert "".join(deltas) == ours.sent
 
 
+class SmallSlices(StopStrings):
+    """Built by slices of 2 strings: the merges and the checks across slices that 100,000 stop
+    strings go through (SLICE is 8,192)."""
+
+    SLICE = 2
+
+
 @PROPERTY
 @given(stop=STOPS, edits=st.lists(st.tuples(st.integers(0, 12), st.text(alphabet="abcé\ufffd",
                                                                            max_size=6)),
-                                   min_size=1, max_size=12))
-def test_a_cursor_answers_for_the_text_as_it_is_now(stop, edits):
+                                   min_size=1, max_size=12),
+       built=st.sampled_from([StopStrings, SmallSlices]))
+def test_a_cursor_answers_for_the_text_as_it_is_now(stop, edits, built):
     """Each new text keeps a random part of the last one and adds anything (decoding that
     rewrites earlier characters): the cursor reports the reference's earliest stop string,
     and without one, the reference's hold-back, until it finds one."""
-    stops, text = StopStrings(stop), ""
+    stops, text = built(stop), ""
     cursor, live = stops.cursor(), [s for s in stop if s]
     for keep, added in edits:
         text = text[:keep] + added
@@ -186,10 +194,12 @@ def test_a_cursor_answers_for_the_text_as_it_is_now(stop, edits):
 
 @PROPERTY
 @given(stop=st.lists(st.text(alphabet="ab", min_size=1, max_size=6), min_size=1, max_size=12),
-       piece=st.text(alphabet="ab", max_size=10))
-def test_ending_is_the_longest_stop_string_that_ends_the_text(stop, piece):
+       piece=st.text(alphabet="ab", max_size=10), built=st.sampled_from([StopStrings, SmallSlices]))
+def test_ending_is_the_longest_stop_string_that_ends_the_text(stop, piece, built):
     longest = max((len(s) for s in stop if piece.endswith(s)), default=0)
-    assert StopStrings(stop).ending(piece) == longest
+    stops = built(stop)
+    assert stops.ending(piece) == longest
+    assert stops.strings == sorted(set(stop))
 
 
 class CountingStopStrings(StopStrings):
