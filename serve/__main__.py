@@ -129,12 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=512,
                    help="token budget of one step (default %(default)s)")
     g.add_argument("--max-queued-requests", type=int, default=256,
-                   help="requests accepted beyond --max-num-seqs before answering 503 (default %(default)s)")
+                   help="requests accepted beyond --max-num-seqs before answering 503; each prompt "
+                        "of a completion is one, and one with more prompts than both together "
+                        "is a 400 (default %(default)s)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
     g.add_argument("--no-chunked-prefill", action="store_true", help="turn off chunked prefill")
     g = p.add_argument_group("requests and shutdown")
-    g.add_argument("--max-request-bytes", type=parse_bytes, default="4MiB",
-                   help="largest request body accepted; larger ones get 413 (default %(default)s)")
+    g.add_argument("--max-request-bytes", type=parse_bytes, default="8MiB",
+                   help="largest request body accepted; larger ones get 413 (default %(default)s: "
+                        "holds 100,000 stop strings of 40 characters)")
     g.add_argument("--shutdown-timeout", type=non_negative_float, default=10.0,
                    help="on SIGTERM or Ctrl-C: seconds to let running requests finish (new ones get "
                         "503) before the rest are ended; a second signal ends them at once "

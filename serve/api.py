@@ -12,9 +12,11 @@
 
 Every error is OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`, with the
 status: 400 for a bad field (named in `param`; types are strict, so `"max_tokens": true` is an
-error, not 1), 404 for an unknown model or path, 405 for a wrong method, 413 for a body over the
-size limit, 500 when computing the request raised (its forward or sampling: it alone fails, its
-blocks freed), 503 when the request queue is full or the server is shutting down. Known
+error, not 1) or a request that could never run here (more prompts than the server holds at
+once, a prompt beyond the context or the KV pool), 404 for an unknown model or path, 405 for a
+wrong method, 413 for a body over the size limit, 500 when computing the request raised (its
+forward or sampling: it alone fails, its blocks freed), 503 when the request queue has no room
+for it now or the server is shutting down; a refused request leaves nothing queued. Known
 OpenAI/vLLM fields that this server does not implement are refused unless they hold their
 neutral value; unknown fields are ignored (logged once). Streams end with `data: [DONE]`, after
 an error event if the request failed mid-stream; a client that disconnects has its request
@@ -45,11 +47,19 @@ from serve.async_engine import (AsyncEngine, Draining, EngineDead, QueueFull, Re
                                 RequestStream)
 from serve.engine import MAX_LOGPROBS, InvalidRequest, SamplingParams
 from serve.llm import check_text
-from serve.outputs import RequestUpdate
+from serve.outputs import RequestUpdate, StopStrings
 
 log = logging.getLogger("serve")
 
 # ---- request bodies ----------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's stream_options (vLLM's continuous_usage_stats is refused unless false); strict
+    like every field, so `"include_usage": "yes"` is an error, not true."""
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
 
 
 class _Common(BaseModel):
@@ -63,7 +73,7 @@ class _Common(BaseModel):
     top_p: float = 1.0
     n: int = 1
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
@@ -195,7 +205,10 @@ class _UnknownFields:
         self.seen: set[str] = set()
 
     def check(self, req: _Common) -> None:
-        for name in (req.model_extra or {}).keys() - UNSUPPORTED.keys() - self.seen:
+        names = (req.model_extra or {}).keys() - UNSUPPORTED.keys()
+        if req.stream_options is not None:
+            names |= {f"stream_options.{k}" for k in req.stream_options.model_extra or {}}
+        for name in names - self.seen:
             self.seen.add(name)
             log.warning("ignoring the unknown request field %r (reported once)", name)
 
@@ -210,6 +223,10 @@ def _refuse_unsupported(req: _Common) -> None:
     best_of = getattr(req, "best_of", None)
     if best_of is not None and best_of != req.n:
         raise APIError(400, f"best_of={best_of} is not supported (only best_of == n)", param="best_of")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        raise APIError(400, "stream_options.continuous_usage_stats=true is not supported by this "
+                       "server (usage comes in the last chunk, with include_usage)",
+                       param="stream_options")
 
 
 class BodyLimit:
@@ -259,7 +276,8 @@ class BodyLimit:
 # ---- the app -----------------------------------------------------------------------------------
 
 
-DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+# 100,000 stop strings of 40 characters are 4.4 MB of JSON
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -341,11 +359,15 @@ class _Admission:
                            f"{self.served!r}", param="model", code="model_not_found")
         self._unknown.check(req)
         _refuse_unsupported(req)
-        for i, text in enumerate(_stops(req)):
-            try:
-                check_text(text, "stop" if isinstance(req.stop, str) else f"stop[{i}]", "stop")
-            except InvalidRequest as error:
-                raise APIError(400, str(error), param=error.param) from None
+        stops = _stops(req)
+        try:
+            "".join(stops).encode("utf-8")  # all at once, in C (there may be 100,000)
+        except UnicodeEncodeError:
+            for i, text in enumerate(stops):  # name the one that is not valid Unicode
+                try:
+                    check_text(text, "stop" if isinstance(req.stop, str) else f"stop[{i}]", "stop")
+                except InvalidRequest as error:
+                    raise APIError(400, str(error), param=error.param) from None
 
     def sampling(self, req: _Common, max_tokens: int, logprobs: int | None = None,
                  prompt_logprobs: int | None = None) -> SamplingParams:
@@ -365,28 +387,29 @@ class _Admission:
             raise APIError(400, str(error), param=error.param) from None
         return self.llm.with_eos(params)
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, req: _Common,
-               prompt_field: str) -> list[RequestStream]:
-        """Queue every prompt, or none: all are checked first, and a full queue midway takes
-        back the ones already queued."""
-        streams: list[RequestStream] = []
+    def count(self, prompts: list) -> None:
+        """More prompts than the server can ever hold at once: a 400 before any work for them."""
         try:
-            for prompt in prompts:
-                self.engine.check_request(prompt, params)
-            for prompt in prompts:
-                streams.append(self.engine.submit(prompt, params, stream=req.stream))
+            self.engine.check_prompt_count(len(prompts))
+        except InvalidRequest as error:
+            raise APIError(400, str(error), param="prompt") from None
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, req: _Common,
+               prompt_field: str, stops: StopStrings,
+               score_prompt: bool = False) -> list[RequestStream]:
+        """Queue every prompt, or none (AsyncEngine.submit_all: checked, then queued at once):
+        a request that can never run is a 400, one that does not fit now a 503."""
+        try:
+            return self.engine.submit_all(prompts, params, req.stream, stops, score_prompt)
         except InvalidRequest as error:
             param = prompt_field if error.param == "prompt" else error.param
             raise APIError(400, str(error), param=param, code=error.code) from None
-        except (QueueFull, Draining) as error:
-            for stream in streams:
-                stream.abort()
-            if isinstance(error, Draining):
-                raise APIError(503, str(error), type="server_shutting_down") from None
+        except Draining as error:
+            raise APIError(503, str(error), type="server_shutting_down") from None
+        except QueueFull as error:
             raise APIError(503, f"{error}; retry later", type="server_overloaded") from None
         except EngineDead as error:
             raise APIError(503, str(error), type="server_error") from None
-        return streams
 
 
 class APIKey:
@@ -419,11 +442,16 @@ def build_app(engine: AsyncEngine, served_model_name: str,
     _install_error_handlers(app)
     registry = _metrics_registry(engine, served_model_name)
     gate, llm = _Admission(engine, served_model_name), engine.llm
-    context = llm.model.config.max_seq_len
     app.state.started = time.time()
 
     async def tokenize(encode, *args) -> Any:  # off the event loop: a long prompt takes seconds
         return await asyncio.to_thread(encode, *args)
+
+    async def stop_strings(req: _Common) -> StopStrings:
+        """The request's stop strings, prepared off the event loop and the engine thread (100,000
+        of them take about 0.2 s of CPU)."""
+        stop = _stops(req)
+        return await tokenize(StopStrings, stop) if stop else StopStrings(())
 
     @app.get("/health")
     async def health() -> Response:
@@ -495,12 +523,13 @@ def build_app(engine: AsyncEngine, served_model_name: str,
     async def models() -> dict:
         return {"object": "list", "data": [{
             "id": served_model_name, "object": "model", "created": int(app.state.started),
-            "owned_by": "egmla", "max_model_len": context}]}
+            "owned_by": "egmla", "max_model_len": engine.max_request_tokens}]}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         gate.check(req)
         prompts = _completion_prompts(req.prompt)
+        gate.count(prompts)
         try:
             encoded = await tokenize(lambda: [llm.encode(p) for p in prompts])
         except InvalidRequest as error:
@@ -513,12 +542,14 @@ def build_app(engine: AsyncEngine, served_model_name: str,
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens=0: must be >= 1 (0 only with echo: the prompt's "
                            "logprobs alone)", param="max_tokens")
-        # max_tokens 0 (echo): generate one token and drop it, the prompt's logprobs are the answer
+        # max_tokens 0 (echo): generate one token and drop it, the prompt's logprobs are the
+        # answer; so the prompt alone must fit the context (score_prompt)
         params = gate.sampling(req, req.max_tokens or 1, req.logprobs,
                                req.logprobs if req.echo and req.logprobs is not None else None)
-        streams = gate.submit(encoded, params, req, "prompt")
+        streams = gate.submit(encoded, params, req, "prompt", await stop_strings(req),
+                              score_prompt=req.max_tokens == 0)
         reply = _Reply("cmpl", "text_completion", served_model_name, req, chat=False,
-                       llm=llm, prompts=list(zip(prompts, encoded)))
+                       engine=engine, prompts=list(zip(prompts, encoded)))
         return await reply.respond(streams, request)
 
     @app.post("/v1/chat/completions")
@@ -546,8 +577,9 @@ def build_app(engine: AsyncEngine, served_model_name: str,
         except APIError as error:
             error.param = param if error.param == "max_tokens" else error.param
             raise
-        streams = gate.submit([prompt], params, req, "messages")
-        reply = _Reply("chatcmpl", "chat.completion", served_model_name, req, chat=True, llm=llm)
+        streams = gate.submit([prompt], params, req, "messages", await stop_strings(req))
+        reply = _Reply("chatcmpl", "chat.completion", served_model_name, req, chat=True,
+                       engine=engine)
         return await reply.respond(streams, request)
 
     return app
@@ -568,11 +600,12 @@ def _completion_prompts(prompt: str | list) -> list[str | list[int]]:
 class _Reply:
     """Builds OpenAI-shaped responses (whole or streamed) from the requests' updates."""
 
-    def __init__(self, prefix: str, obj: str, model: str, req: _Common, chat: bool, llm=None,
-                 prompts: list[tuple[str | list[int], list[int]]] | None = None) -> None:
+    def __init__(self, prefix: str, obj: str, model: str, req: _Common, chat: bool,
+                 engine: AsyncEngine, prompts: list[tuple[str | list[int], list[int]]] | None = None
+                 ) -> None:
         self.id, self.object, self.model = f"{prefix}-{uuid.uuid4().hex}", obj, model
         self.created, self.req, self.chat, self.n = int(time.time()), req, chat, req.n
-        self.llm, self.prompts = llm, prompts or []
+        self.engine, self.llm, self.prompts = engine, engine.llm, prompts or []
         self._offsets: dict[int, int] = {}  # streamed completions: each choice's text_offset
 
     def _choice(self, index: int, text: str, finish: str | None, delta: bool,
@@ -684,14 +717,16 @@ class _Reply:
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not collect.done():  # the client left: closing the streams aborts the requests
+            if not collect.done():  # the client left: abort every prompt, in one command
+                self.engine.abort(streams)
                 collect.cancel()
                 await asyncio.gather(collect, return_exceptions=True)  # retrieve the cancellation
                 raise APIError(499, "client disconnected", type="client_closed")
             finals = collect.result()
-        except EngineDead as error:
-            raise APIError(503, str(error), type="server_error") from None
-        except RequestFailed as error:
+        except (EngineDead, RequestFailed) as error:
+            self.engine.abort(streams)  # the other prompts' results would go nowhere
+            if isinstance(error, EngineDead):
+                raise APIError(503, str(error), type="server_error") from None
             kind = "server_error" if error.status == 500 else "server_shutting_down"
             raise APIError(error.status, str(error), type=kind) from None
         finally:
@@ -748,11 +783,12 @@ class _Reply:
                     prompt_tokens += item.prompt_tokens
                     cached += item.cached_tokens
                     completion_tokens += sum(len(o.token_ids) for o in item.outputs)
-            if (self.req.stream_options or {}).get("include_usage"):
+            if self.req.stream_options is not None and self.req.stream_options.include_usage:
                 yield self._chunk([], self._usage(prompt_tokens, completion_tokens, cached))
             yield "data: [DONE]\n\n"
-        finally:
-            for task in tasks:  # a disconnect cancels us here: stop the pumps, abort the requests
+        finally:  # a disconnect cancels us here: abort every prompt (one command), stop the pumps
+            self.engine.abort(streams)
+            for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 

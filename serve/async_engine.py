@@ -9,6 +9,12 @@ thread goes on serving. Callers never touch the engine directly:
     engine = AsyncEngine(llm).start()
     async for update in engine.submit(prompt_ids, SamplingParams(stop=["\\n"])):
         ...   # RequestUpdate: new text and tokens per sample; the last one has finished=True
+
+Admission is all or nothing and decided on the caller's side, before anything is queued: the
+prompts of one HTTP request (`submit_all`) are checked, then take their places in the queue at
+once or not at all, and reach the engine thread as one command (added together, between two
+steps). Aborting them (`abort`) is one command too, and gives their places back at once,
+without waiting for the engine thread.
 """
 
 from __future__ import annotations
@@ -21,13 +27,14 @@ from collections.abc import AsyncIterator, Callable
 
 from serve.engine import EngineMetrics, InvalidRequest, SamplingParams, StepFailed
 from serve.llm import LLM
-from serve.outputs import RequestUpdate
+from serve.outputs import RequestUpdate, StopStrings
 
 log = logging.getLogger("serve")
 
 
 class QueueFull(RuntimeError):
-    """The server holds as many requests as it accepts; try again later (HTTP 503)."""
+    """The server holds too many requests to take these now; try again later (HTTP 503). (More
+    prompts than it can ever hold at once are an InvalidRequest instead.)"""
 
 
 class EngineDead(RuntimeError):
@@ -55,17 +62,17 @@ class RequestStream:
         self._queue: asyncio.Queue[RequestUpdate | BaseException] = asyncio.Queue()
         self.request_id: int | None = None  # set by the engine thread when it adds the request
         self.finished = False
+        self._holds_place = True  # counted in the owner's queue (guarded by the owner's lock)
 
     def abort(self) -> None:
         """Stop the request and free its blocks (nothing happens if it already finished)."""
-        if not self.finished:
-            self._owner._abort(self)
+        self._owner.abort([self])
 
     def _put(self, item: RequestUpdate | BaseException) -> None:  # from the engine thread
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:  # the caller's loop is gone; the request is aborted below
-            self._owner._abort(self)
+            self._owner.abort([self])
 
     def __aiter__(self) -> AsyncIterator[RequestUpdate]:
         return self._iterate()
@@ -80,7 +87,7 @@ class RequestStream:
                 yield item
         finally:
             if not self.finished:  # the consumer stopped early (client disconnected)
-                self._owner._abort(self)
+                self._owner.abort([self])
 
 
 class AsyncEngine:
@@ -95,7 +102,7 @@ class AsyncEngine:
         self.on_finish: list[Callable[[RequestUpdate], None]] = []
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, RequestStream] = {}  # engine request id -> its stream
-        self._accepted = 0  # submitted and not yet finished (guarded by _lock)
+        self._accepted = 0  # places taken: submitted, not yet finished or aborted (under _lock)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -133,36 +140,78 @@ class AsyncEngine:
 
     # ---- caller side (any thread with a running asyncio loop) --------------------------------
 
-    def check_request(self, prompt: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt: list[int], params: SamplingParams,
+                      score_prompt: bool = False) -> None:
         """Raise InvalidRequest if this request could never run (reads only fixed settings)."""
-        self.engine.check_request(prompt, params)
+        self.engine.check_request(prompt, params, score_prompt)
+
+    def check_prompt_count(self, count: int) -> None:
+        """Raise InvalidRequest if `count` prompts (one request each) can never be held here
+        at once: they are admitted together or not at all."""
+        if count > self.capacity:
+            raise InvalidRequest(
+                f"{count} prompts in one request: more than the {self.capacity} requests this "
+                f"server can hold at once (max_num_seqs {self.engine.config.max_num_seqs} + "
+                f"max_queued_requests {self.capacity - self.engine.config.max_num_seqs}); send "
+                f"at most {self.capacity}", "prompt")
 
     @property
     def max_request_tokens(self) -> int:
         """The most tokens (prompt + output) one request can hold here."""
         return self.engine.max_request_tokens
 
-    def submit(self, prompt: list[int], params: SamplingParams,
-               stream: bool = False) -> RequestStream:
-        """Queue a request. Raises InvalidRequest (bad request), QueueFull or EngineDead now, so
-        the caller can answer before streaming anything."""
+    def submit(self, prompt: list[int], params: SamplingParams, stream: bool = False,
+               stops: StopStrings | None = None) -> RequestStream:
+        """Queue a request; `submit_all` with one prompt."""
+        return self.submit_all([prompt], params, stream, stops)[0]
+
+    def submit_all(self, prompts: list[list[int]], params: SamplingParams, stream: bool = False,
+                   stops: StopStrings | None = None,
+                   score_prompt: bool = False) -> list[RequestStream]:
+        """Queue one request per prompt, all or none. Raises now, with nothing queued, so the
+        caller can answer before streaming anything: InvalidRequest if they could never run
+        here (a prompt that never fits, or more prompts than the server ever holds at once),
+        QueueFull if they do not fit now, Draining, EngineDead. `stops`: the automaton of
+        params.stop, built here (off the engine thread) unless the caller built it already;
+        `score_prompt`: see LLMEngine.check_request."""
         if not self.alive:
             raise EngineDead(f"the engine stopped: {self.error!r}")
         if self.draining:
             raise Draining("the server is shutting down")
-        self.check_request(prompt, params)
+        self.check_prompt_count(len(prompts))
+        for prompt in prompts:
+            self.check_request(prompt, params, score_prompt)
         with self._lock:
-            if self._accepted >= self.capacity:
-                raise QueueFull(f"the server holds {self._accepted} requests, its limit")
-            self._accepted += 1
-        handle = RequestStream(self, asyncio.get_running_loop())
-        self._commands.put(("add", handle, prompt, params, stream))
+            if self._accepted + len(prompts) > self.capacity:
+                raise QueueFull(f"the server holds {self._accepted} of the {self.capacity} "
+                                f"requests it takes; these {len(prompts)} do not fit now")
+            self._accepted += len(prompts)
+        loop = asyncio.get_running_loop()
+        handles = [RequestStream(self, loop) for _ in prompts]
+        if stops is None:
+            stops = StopStrings(params.stop)
+        self._commands.put(("add", handles, prompts, params, stream, stops, score_prompt))
         self._wake.set()
-        return handle
+        return handles
 
-    def _abort(self, handle: RequestStream) -> None:
-        self._commands.put(("abort", handle))
-        self._wake.set()
+    def abort(self, streams: list[RequestStream]) -> None:
+        """Stop these requests and free their blocks, in one command (no step runs some of
+        them without the others); their places in the queue are free at once. Finished ones
+        are left as they are."""
+        live = [s for s in streams if not s.finished]
+        if not live:
+            return
+        self._commands.put(("abort", live))  # before the places are freed: a request that takes
+        self._wake.set()  # one is queued behind this abort, so the engine never holds too many
+        self._give_back(live)
+
+    def _give_back(self, streams: list[RequestStream]) -> None:
+        """Free the queue places these requests hold (once each: any thread may call this)."""
+        with self._lock:
+            for stream in streams:
+                if stream._holds_place:
+                    stream._holds_place = False
+                    self._accepted -= 1
 
     # ---- engine thread ----------------------------------------------------------------------
 
@@ -204,8 +253,7 @@ class AsyncEngine:
         for rid in request_ids:
             handle = self._streams.pop(rid, None)
             if handle is not None:
-                with self._lock:
-                    self._accepted -= 1
+                self._give_back([handle])
                 handle._put(RequestFailed(message, status))
 
     def _drain_commands(self) -> None:
@@ -215,28 +263,39 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command == "add":
-                prompt, params, stream = args
-                try:
-                    handle.request_id = self.engine.add_request(prompt, params)
-                except Exception as error:  # noqa: BLE001 - submit() checked; kept for safety
-                    with self._lock:
-                        self._accepted -= 1
-                    handle._put(error if isinstance(error, InvalidRequest)
-                                else RequestFailed(f"{type(error).__name__}: {error}"))
-                    continue
-                self._streams[handle.request_id] = handle
-                self.llm.outputs.add(handle.request_id, stream)
+                self._add(handle, *args)
             elif command == "abort_all":
                 self._fail(list(self._streams), args[0], status=503)
-            elif handle.request_id in self._streams:  # abort of a request still running
-                self.llm.outputs.abort(handle.request_id)
+            else:  # abort: of requests still running (or finished meanwhile)
+                for stream in handle:
+                    if stream.request_id in self._streams:
+                        self.llm.outputs.abort(stream.request_id)
+
+    def _add(self, handles: list[RequestStream], prompts: list[list[int]],
+             params: SamplingParams, stream: bool, stops: StopStrings, score_prompt: bool) -> None:
+        """Add a request's prompts to the engine, all or (should one fail) none."""
+        added: list[int] = []
+        try:
+            for handle, prompt in zip(handles, prompts):
+                handle.request_id = self.engine.add_request(prompt, params, score_prompt)
+                added.append(handle.request_id)
+        except Exception as error:  # noqa: BLE001 - submit_all checked them; kept for safety
+            self.llm.outputs.discard(added, "abort")  # none of them has run
+            self._give_back(handles)
+            for handle in handles:
+                handle._put(error if isinstance(error, InvalidRequest)
+                            else RequestFailed(f"{type(error).__name__}: {error}"))
+            return
+        for handle in handles:
+            self._streams[handle.request_id] = handle
+            self.llm.outputs.add(handle.request_id, stream, stops)
 
     def _deliver(self, update: RequestUpdate) -> None:
         handle = self._streams.get(update.request_id)
         if update.finished:
             self._streams.pop(update.request_id, None)
-            with self._lock:
-                self._accepted -= 1
+            if handle is not None:
+                self._give_back([handle])
             for listener in self.on_finish:
                 listener(update)
         if handle is not None:

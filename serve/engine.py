@@ -513,13 +513,20 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def check_request(self, prompt: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt: list[int], params: SamplingParams,
+                      score_prompt: bool = False) -> None:
         """Raise InvalidRequest if this request could never run here. Reads only the (fixed)
-        configuration, so any thread may call it."""
+        configuration, so any thread may call it. `score_prompt`: the caller wants only the
+        prompt's logprobs and drops the one token the request generates (max_tokens=1; the
+        server's echo with max_tokens 0); that token is never read back, so the prompt alone
+        must fit: a prompt of the whole context can be scored."""
         c, limit = self.config, self.config.max_model_len or self.model.config.max_seq_len
         if not prompt:
             raise InvalidRequest("prompt is empty: a request needs at least one token", "prompt")
-        total = len(prompt) + self.max_new_tokens(len(prompt), params)
+        if score_prompt and params.max_tokens != 1:
+            raise ValueError(f"score_prompt needs max_tokens=1, got {params.max_tokens}")
+        made = self.max_new_tokens(len(prompt), params)
+        total = len(prompt) + (0 if score_prompt else made)
         vocab = self.model.config.vocab_size
         for name, ids in (("prompt", prompt), ("stop_token_ids", params.stops_at())):
             bad = next((i for i, t in enumerate(ids) if not (_is_int(t) and 0 <= t < vocab)), None)
@@ -530,12 +537,17 @@ class LLMEngine:
             raise InvalidRequest(f"min_tokens={params.min_tokens}: every token of the vocabulary "
                                  f"({vocab}) is a stop token (stop_token_ids and the EOS), so "
                                  "none could be generated before min_tokens", "min_tokens")
-        if total > limit or total <= len(prompt):
-            raise InvalidRequest(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
-                                 f"exceeds the model's context of {limit} tokens", "prompt",
+        if total > limit or made < 1:
+            asked = "" if score_prompt else f" + max_tokens ({params.max_tokens})"
+            raise InvalidRequest(f"prompt ({len(prompt)} tokens){asked} exceeds the model's "
+                                 f"context of {limit} tokens", "prompt",
                                  code="context_length_exceeded")
         if params.n > c.max_num_seqs:
             raise InvalidRequest(f"n={params.n}: exceeds max_num_seqs={c.max_num_seqs}", "n")
+        alone = -(-len(prompt) // c.block_size)
+        if alone > c.num_blocks:
+            raise InvalidRequest(f"the prompt's {len(prompt)} tokens need {alone} KV blocks; the "
+                                 f"pool has {c.num_blocks} (block_size={c.block_size})", "prompt")
         # The n samples share the prompt's full blocks and each need blocks of their own after.
         shared = len(prompt) // c.block_size
         blocks = shared + params.n * -(-(total - shared * c.block_size) // c.block_size)
@@ -557,9 +569,10 @@ class LLMEngine:
             return params.max_tokens
         return self.max_request_tokens - prompt_len
 
-    def add_request(self, prompt: list[int], params: SamplingParams | None = None) -> int:
+    def add_request(self, prompt: list[int], params: SamplingParams | None = None,
+                    score_prompt: bool = False) -> int:
         params = params or SamplingParams()
-        self.check_request(prompt, params)
+        self.check_request(prompt, params, score_prompt)
         seq_id = next(self._ids)
         seq = Sequence(seq_id, list(prompt), params, generator=self._generator(params.seed),
                        request_id=seq_id)
