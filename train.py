@@ -8,13 +8,15 @@
 
 Configs live in configs/ (groups: model, model/attention, data, optim, trainer, cluster,
 experiment); `python train.py --help` lists them. Re-running with the same run directory
-(runs/<name>) resumes from its last checkpoint.
+(runs/<name>) resumes from its last checkpoint. Bad input (a config value, a run directory that
+cannot be used or holds another run, a damaged checkpoint) is one line on stderr and exit 2,
+and leaves the run directory as it was.
 """
 
 from __future__ import annotations
 
-import os
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import hydra
@@ -27,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 def main(cfg: DictConfig) -> float | None:
     from egmla.data.corpus import CorpusError
     from egmla.training.config import TrainConfig
+    from egmla.training.rundir import exit_with_error
 
     raw = OmegaConf.to_container(cfg, resolve=True)
     _name_sweep_job(raw)
@@ -35,15 +38,24 @@ def main(cfg: DictConfig) -> float | None:
         from egmla.training.report import print_summary
         from egmla.training.run import train
 
-        summary = train(raw, Path(HydraConfig.get().runtime.output_dir))
-    except (ValueError, FileNotFoundError, CorpusError) as err:  # config, data, tokenizer, run dir
-        if os.environ.get("EGMLA_DEBUG"):
-            raise
-        message = str(err).replace("\n", " ")  # one line, whatever the source of the message
-        print(f"train.py: error: {message} (EGMLA_DEBUG=1 shows the traceback)", file=sys.stderr)
-        sys.exit(2)
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        summary = train(raw, run_dir, on_start=lambda: _save_hydra_record(cfg, run_dir))
+    except (ValueError, FileNotFoundError, CorpusError) as err:  # config, data, tokenizer,
+        exit_with_error(err)  # run dir, checkpoint: one line, exit 2
     print_summary(summary, raw.get("sample_prompt"))
     return summary["val_loss"]  # the value a Hydra sweeper minimizes
+
+
+def _save_hydra_record(cfg: DictConfig, run_dir: Path) -> None:
+    """What Hydra's output_subdir would hold (the composed config, Hydra's own, the overrides),
+    in .hydra/<time>/, written once the start has been checked: configs/train.yaml sets
+    output_subdir to null, since Hydra writes it before train.py can check anything."""
+    hc = HydraConfig.get()
+    folder = run_dir / ".hydra" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S-%f")
+    folder.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, folder / "config.yaml")
+    OmegaConf.save(HydraConfig.instance().cfg, folder / "hydra.yaml")  # {hydra: ...}
+    OmegaConf.save(hc.overrides.task, folder / "overrides.yaml")
 
 
 SWEEP_SYNTAX = (",", "range(", "choice(", "interval(", "glob(")

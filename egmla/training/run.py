@@ -5,10 +5,15 @@ Run directory layout (the same path resumes the run):
     config.json        the validated, resolved config (first start; a later start must agree)
     run_info.json      git SHA, package versions, hardware, command: one entry per start
     metrics.csv        every logged metric (appended across resumes)
-    checkpoints/       last.ckpt (every trainer.checkpoint_every_n_steps) + best by val/loss
+    checkpoints/       last.ckpt (every trainer.checkpoint_every_n_steps) + best by val/loss,
+                       each with a SHA-256 sidecar <name>.sha256 (checkpoints.py)
     wandb/             the wandb run (offline without an API key)
     export/            the plain export: config.json, model.safetensors, tokenizer files
     summary.json       final validation loss, the unigram baseline, where the export is
+
+A start writes nothing until everything it can check is checked: the run directory, the config
+against the run the directory holds, last.ckpt's bytes and contents, the model and its teacher
+(rundir.py). A start that fails leaves the directory as it was.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,17 +42,17 @@ from egmla.provenance import provenance
 from egmla.training.callbacks import (
     Export, ExportAt, ProgressBar, ResumableCSVLogger, Throughput,
 )
+from egmla.training.checkpoints import (
+    ChecksummedCheckpointIO, check_weights_match, sidecar, verify_checkpoint,
+)
 from egmla.training.config import TrainConfig
 from egmla.training.data import build_datamodule
 from egmla.training.module import LanguageModel
+from egmla.training.rundir import RunError, check_run_dir, write_atomic
 
 # Sections that define what is being trained: a resumed run must not change them.
 FROZEN = ("data.kind", "data.tokenizer", "data.hf", "data.mqar", "data.recovery", "data.seq_len",
           "model", "init", "distill", "seed")
-
-
-class RunError(ValueError):
-    """The run directory cannot be used as asked; nothing in it was changed."""
 
 
 def _get(d: dict[str, Any], dotted: str) -> Any:
@@ -108,10 +115,11 @@ def _init_model(config: TrainConfig) -> dict[str, Any]:
 
 
 def _wandb_logger(config: TrainConfig, run_dir: Path):
+    """The wandb logger (or None), and the run id a first start records in `wandb_id`."""
     w = config.wandb
     mode = w.mode
     if mode == "disabled":
-        return None
+        return None, None
     if mode == "auto":
         netrc = Path.home() / ".netrc"
         has_key = bool(os.environ.get("WANDB_API_KEY")) or (
@@ -120,12 +128,17 @@ def _wandb_logger(config: TrainConfig, run_dir: Path):
     from lightning.pytorch.loggers import WandbLogger
 
     id_file = run_dir / "wandb_id"  # one wandb run per run directory, continued on resume
-    if not id_file.is_file() and _is_rank_zero():
-        id_file.write_text(uuid.uuid4().hex[:12])
-    run_id = id_file.read_text().strip() if id_file.is_file() else None
-    return WandbLogger(name=w.name or config.name, save_dir=str(run_dir), project=w.project,
-                       entity=w.entity, group=w.group, tags=w.tags, id=run_id, resume="allow",
-                       offline=mode == "offline", mode=mode)
+    new_id = None
+    if id_file.is_file():
+        run_id = id_file.read_text().strip()
+    elif _is_rank_zero():
+        run_id = new_id = uuid.uuid4().hex[:12]  # written by _record_start
+    else:
+        run_id = None
+    logger = WandbLogger(name=w.name or config.name, save_dir=str(run_dir), project=w.project,
+                         entity=w.entity, group=w.group, tags=w.tags, id=run_id, resume="allow",
+                         offline=mode == "offline", mode=mode)
+    return logger, new_id
 
 
 def _peak_flops(config: TrainConfig) -> float | None:
@@ -150,24 +163,35 @@ def _model_stats(model_config) -> dict[str, Any]:
 
 
 def _record_start(run_dir: Path, config: TrainConfig, tokenizer_id: str | None,
-                  resume_from: Path | None, stats: dict[str, Any]) -> None:
-    """config.json on the first start; run_info.json gains one provenance entry per start."""
-    if not (run_dir / "config.json").is_file():
-        record = {**config.to_dict(), "tokenizer_fingerprint": tokenizer_id, **_init_model(config)}
-        (run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
-    info_path = run_dir / "run_info.json"
-    starts = json.loads(info_path.read_text())["starts"] if info_path.is_file() else []
-    starts.append({**provenance(), "resumed_from": str(resume_from) if resume_from else None,
-                   "max_steps": config.trainer.max_steps})
-    info_path.write_text(json.dumps({**stats, "starts": starts}, indent=2) + "\n")
+                  resume_from: Path | None, stats: dict[str, Any], wandb_id: str | None) -> None:
+    """config.json on the first start; run_info.json gains one provenance entry per start;
+    wandb_id on the first start with wandb."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not (run_dir / "config.json").is_file():
+            record = {**config.to_dict(), "tokenizer_fingerprint": tokenizer_id,
+                      **_init_model(config)}
+            write_atomic(run_dir / "config.json", json.dumps(record, indent=2) + "\n")
+        info_path = run_dir / "run_info.json"
+        starts = json.loads(info_path.read_text())["starts"] if info_path.is_file() else []
+        starts.append({**provenance(), "resumed_from": str(resume_from) if resume_from else None,
+                       "max_steps": config.trainer.max_steps})
+        write_atomic(info_path, json.dumps({**stats, "starts": starts}, indent=2) + "\n")
+        if wandb_id is not None:
+            write_atomic(run_dir / "wandb_id", wandb_id)
+    except OSError as err:  # checked before (check_run_dir), so only a race gets here
+        raise RunError(f"{run_dir}: cannot be written ({err.strerror}: {err.filename})") from err
 
 
 def _callbacks(config: TrainConfig, run_dir: Path, tokenizer, extra: tuple) -> list:
     t, d = config.trainer, config.data
     ckpt_dir = run_dir / "checkpoints"
     callbacks = [
+        # always last.ckpt, the file a resume reads: Lightning's version counter would write
+        # last-v1.ckpt beside it when the run directory was moved or copied since its last save
         ModelCheckpoint(dirpath=ckpt_dir, filename="last", save_top_k=0, save_last=True,
-                        every_n_train_steps=t.checkpoint_every_n_steps),
+                        every_n_train_steps=t.checkpoint_every_n_steps,
+                        enable_version_counter=False),
         ModelCheckpoint(dirpath=ckpt_dir, filename="best-step{step}", monitor="val/loss",
                         mode="min", save_top_k=1, auto_insert_metric_name=False),
         LearningRateMonitor(logging_interval="step"),
@@ -187,7 +211,9 @@ def _callbacks(config: TrainConfig, run_dir: Path, tokenizer, extra: tuple) -> l
 
 def _trainer(config: TrainConfig, run_dir: Path, callbacks: list, loggers: list) -> L.Trainer:
     t = config.trainer
-    plugins = [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
+    plugins = [ChecksummedCheckpointIO()]  # atomic saves, a SHA-256 sidecar each
+    if SLURMEnvironment.detect():
+        plugins.append(SLURMEnvironment(auto_requeue=False))
     return L.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=t.strategy,
         precision=t.precision, max_steps=t.max_steps, max_epochs=-1,
@@ -239,33 +265,48 @@ def _attach_teacher(module, config: TrainConfig, datamodule) -> None:
     module.attach_teacher(teacher, topk)
 
 
-def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = ()) -> dict[str, Any]:
-    """Train (or resume) the run described by `raw` in `run_dir`; return the summary."""
+def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = (),
+          on_start: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Train (or resume) the run described by `raw` in `run_dir`; return the summary.
+
+    Everything is checked before anything is written (see the module's docstring); then, on
+    rank zero, the start is recorded and `on_start` called (train.py writes Hydra's record
+    there)."""
     config = TrainConfig.from_dict(raw)
     model_config = config.model_config()
     run_dir = Path(run_dir)
+    check_run_dir(run_dir)
     datamodule = build_datamodule(config.data, config.seed, config.trainer.max_steps,
                                   indexed=config.distill is not None)
     tokenizer = datamodule.load_tokenizer()
     tokenizer_id = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
     datamodule.check_vocab(model_config.vocab_size)
     resume_from = check_resume(run_dir, config, tokenizer_id)
-
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if resume_from is not None:  # its bytes, before the model (and a teacher's cache) is built
+        checkpoint, verified = verify_checkpoint(resume_from)
     stats = _model_stats(model_config)
-    if _is_rank_zero():
-        _record_start(run_dir, config, tokenizer_id, resume_from, stats)
 
     L.seed_everything(config.seed, workers=True, verbose=False)
     module = _module(config, model_config, datamodule)
+    if resume_from is not None:
+        check_weights_match(resume_from, checkpoint, module)
+        del checkpoint  # memory-mapped; Lightning loads the file itself
+        if not verified and _is_rank_zero():
+            print(f"note: {resume_from} has no checksum ({sidecar(resume_from).name}: saved "
+                  "before checksums were recorded); resuming without checking its bytes",
+                  file=sys.stderr)
     loggers = [ResumableCSVLogger(run_dir)]
-    wandb_logger = _wandb_logger(config, run_dir)
+    wandb_logger, wandb_id = _wandb_logger(config, run_dir)
     if wandb_logger is not None:
         loggers.append(wandb_logger)
     trainer = _trainer(config, run_dir, _callbacks(config, run_dir, tokenizer, extra_callbacks),
                        loggers)
-    if _is_rank_zero():  # -> hparams.yaml in the run directory and the wandb run's config
-        for logger in loggers:
+
+    if _is_rank_zero():  # the start is checked: from here on the run directory is written
+        _record_start(run_dir, config, tokenizer_id, resume_from, stats, wandb_id)
+        if on_start is not None:
+            on_start()
+        for logger in loggers:  # -> hparams.yaml in the run directory and the wandb config
             logger.log_hyperparams({"config": config.to_dict(), **stats})
     started = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None)
