@@ -231,16 +231,27 @@ def _refuse_unsupported(req: _Common) -> None:
 
 class BodyLimit:
     """ASGI middleware: a request body over `max_bytes` is answered 413 before the app sees it
-    (by its Content-Length, or by counting a chunked body)."""
+    (by its Content-Length, or by counting a chunked body).
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    The refused body is read and dropped first, up to `drain_bytes` more: a client sends its
+    whole body before it reads the reply, and a socket closed with bytes still unread makes the
+    kernel answer with a reset that can destroy the 413 before the client reads it. A body
+    declared larger than that (or one sent after `Expect: 100-continue`, which waits for the
+    server's word) is refused at once, without reading it."""
+
+    def __init__(self, app: Any, max_bytes: int, drain_bytes: int | None = None) -> None:
         self.app, self.max_bytes = app, max_bytes
+        self.drain_bytes = max(4 * max_bytes, 64 * 2**20) if drain_bytes is None else drain_bytes
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers", ())).get(b"content-length", b"")
+        headers = dict(scope.get("headers", ()))
+        declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
+            if (int(declared) <= self.max_bytes + self.drain_bytes
+                    and headers.get(b"expect", b"").lower() != b"100-continue"):
+                await self._drain(receive)
             return await self._refuse(send)
         chunks, size = [], 0
         while True:
@@ -250,6 +261,8 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
+                if message.get("more_body"):
+                    await self._drain(receive)
                 return await self._refuse(send)
             if not message.get("more_body"):
                 break
@@ -263,6 +276,15 @@ class BodyLimit:
             return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
         await self.app(scope, replay, send)
+
+    async def _drain(self, receive: Any) -> None:
+        """Read and drop the rest of a refused body, at most `drain_bytes` of it."""
+        drained = 0
+        while drained <= self.drain_bytes:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body"):
+                return
+            drained += len(message.get("body", b""))
 
     async def _refuse(self, send: Any) -> None:
         body = APIError(413, f"the request body exceeds the server's limit of {self.max_bytes} "

@@ -19,6 +19,7 @@ import pytest
 
 from sandbox import Limits, Protections, protections, run
 from support import ROOT
+from support.processes import sandbox_uid_processes
 
 TIMEOUT = 3.0
 MARGIN = 3.0  # interpreter start-up and tree kill on a busy 2-core machine
@@ -40,21 +41,8 @@ def host_processes(marker: str) -> list[str]:
     return found
 
 
-def sandbox_uid_processes() -> list[str]:
-    uid = protections().uid
-    if uid is None:
-        return []
-    return [p for p in os.listdir("/proc") if p.isdigit() and _uid(p) == uid]
 
 
-def _uid(pid: str) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Uid:"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
 
 
 def contained(program: str, tests: list[str], limits: Limits = LIMITS, **kw):

@@ -27,6 +27,7 @@ from eval.selfdebug.datasets import MBPP_FILE, _humaneval_file, load_mbpp
 from eval.selfdebug.loop import Completion, SelfDebug, Settings
 from sandbox import STARTUP_GRACE_S, Limits, SandboxError, protections, rootfs, run
 from support import ROOT
+from support.processes import sandbox_uid_processes
 
 HUMANEVAL_FILE = _humaneval_file()
 
@@ -38,12 +39,9 @@ def leftovers() -> list[str]:
                                                            else ())
              for name in os.listdir(parent) if name.startswith("egmla-sandbox-")]
     found += [f"/tmp/{n}" for n in os.listdir("/tmp") if n.startswith("egmla-sandbox-")]
-    return found + [f"process {p}" for p in sandbox_processes()]
+    return found + [f"process {p}" for p in sandbox_uid_processes()]
 
 
-def sandbox_processes() -> list[str]:
-    uid = protections().uid
-    return [p for p in os.listdir("/proc") if p.isdigit() and uid is not None and _uid(p) == uid]
 
 
 def wait_for(condition, timeout_s: float = 20.0) -> None:
@@ -53,14 +51,6 @@ def wait_for(condition, timeout_s: float = 20.0) -> None:
         time.sleep(0.05)
 
 
-def _uid(pid: str) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Uid:"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
 
 
 def isolated(program: str, tests: list[str], limits: Limits = Limits(timeout_s=10),
@@ -432,7 +422,7 @@ def test_one_runs_ipc_objects_are_invisible_to_a_concurrent_run_and_do_not_outli
             limits=Limits(timeout_s=15))
     def holding() -> bool:  # the first run's POSIX shm, seen from the host through its root
         return any(os.path.exists(f"/proc/{p}/root/tmp/egmla-ipc-{key}")
-                   for p in sandbox_processes())
+                   for p in sandbox_uid_processes())
     thread = threading.Thread(target=first)
     thread.start()
     wait_for(holding)
@@ -514,7 +504,7 @@ def concurrent_pair(**kw):
     thread = threading.Thread(target=lambda: held.update(v=run(
         HOLDER, ["n = grab()\nassert n >= 12, n", "released = hold(5)"], limits=limits, **kw)))
     thread.start()
-    full = lambda: len(sandbox_processes()) >= 13  # the holder's worker and 12+ children
+    full = lambda: len(sandbox_uid_processes()) >= 13  # the holder's worker and 12+ children
     wait_for(full)
     second = run(WORKER, ["got, when = squares(4)\nassert got == [0, 1, 4, 9]"], limits=limits,
                  **kw)

@@ -5,7 +5,8 @@ directory of the root conftest, on sys.path). Test files import from here, never
 - support.engine: a reference greedy decode, mixed prompt sets, a tiny fake model for
   scheduler-only tests, and a fault injected into one request of an engine;
 - support.training: train.py run for real, and tiny overrides;
-- support.tasks: a plain lm-eval task written to disk.
+- support.tasks: a plain lm-eval task written to disk;
+- support.processes: the host's processes that run as the sandbox's user.
 
 The test directories (core, training, evaluation, serving, sandboxing) are deliberately not named
 after the packages they test: pytest puts test directories on sys.path, and a `tests/eval/` there
