@@ -28,6 +28,7 @@ a signal).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -352,23 +353,15 @@ def _kill_tree(proc: subprocess.Popen, pid_namespace: bool) -> None:
     been reused."""
     if proc.returncode is None and pid_namespace:
         for pid in _children(proc.pid):
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
     if proc.returncode is None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def _children(pid: int) -> list[int]:
