@@ -18,6 +18,7 @@ place at the end, so a crash or an error never leaves a half-written export behi
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -50,6 +51,38 @@ class CheckpointError(ValueError):
 
 # --------------------------------------------------------------------------------------------
 # Saving
+
+
+# ---- checkpoint digests ------------------------------------------------------------------------
+# A training checkpoint's SHA-256 sits in a sidecar `<name>.sha256` in sha256sum's format
+# (egmla/training/checkpoints.py writes both); what reads a checkpoint checks it here.
+
+SIDECAR_SUFFIX = ".sha256"
+CHUNK = 8 << 20  # bytes hashed per read
+
+
+def sidecar(path: Path) -> Path:
+    return path.with_name(path.name + SIDECAR_SUFFIX)
+
+
+def recorded_digests(path: Path) -> set[str] | None:
+    """The digests `path`'s sidecar lists; None when it has none."""
+    try:
+        text = sidecar(path).read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError):
+        return set()  # unreadable: no digest can match
+    return {line.split()[0].lower() for line in text.splitlines() if line.strip()}
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file, read in CHUNK-sized pieces (a 1 GB checkpoint is never held whole)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def save_export(

@@ -25,9 +25,12 @@ import torch
 
 from egmla.checkpoint import (
     CheckpointError,
+    file_sha256,
     is_export,
+    recorded_digests,
     replaceable,
     save_export,
+    sidecar,
     tokenizer_or_none,
 )
 from egmla.config import ConfigError, ModelConfig
@@ -71,7 +74,17 @@ def load_source(checkpoint: str | os.PathLike, dtype: torch.dtype | None = None)
 
 
 def load_lightning(path: Path) -> Transformer:
-    """The egmla model inside a Lightning checkpoint written by `train.py` (no Lightning needed)."""
+    """The egmla model inside a Lightning checkpoint written by `train.py` (no Lightning needed).
+    Its bytes are checked against the SHA-256 its sidecar recorded, where it has one."""
+    try:
+        digests = recorded_digests(path)
+        if digests is not None and file_sha256(path) not in digests:
+            raise CheckpointError(
+                f"{path}: its bytes changed after it was saved (their SHA-256 is not the one "
+                f"{sidecar(path).name} recorded); export a good copy (a best-step*.ckpt of the "
+                "run, with its .sha256) instead")
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot be read ({err.strerror})") from err
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated or foreign file: pickle, zip and torch errors vary

@@ -32,16 +32,11 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from egmla.checkpoint import SIDECAR_SUFFIX, file_sha256, recorded_digests, sidecar
 from egmla.training.rundir import RunError, write_atomic
 
-SIDECAR_SUFFIX = ".sha256"
-CHUNK = 8 << 20  # bytes hashed per read
 # What Lightning's fit needs to resume (a weights-only save has no optimizer_states).
 TRAINING_KEYS = ("state_dict", "optimizer_states", "loops", "global_step")
-
-
-def sidecar(path: Path) -> Path:
-    return path.with_name(path.name + SIDECAR_SUFFIX)
 
 
 class _HashingWriter:
@@ -59,28 +54,8 @@ class _HashingWriter:
         self.f.flush()
 
 
-def recorded_digests(path: Path) -> set[str] | None:
-    """The digests `path`'s sidecar lists; None when it has none."""
-    try:
-        text = sidecar(path).read_text()
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError):
-        return set()  # unreadable: no digest can match
-    return {line.split()[0].lower() for line in text.splitlines() if line.strip()}
-
-
 def _write_sidecar(path: Path, digests: list[str]) -> None:
     write_atomic(sidecar(path), "".join(f"{d}  {path.name}\n" for d in digests))
-
-
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a file, read in CHUNK-sized pieces (a 1 GB checkpoint is never held whole)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def save_checkpoint(checkpoint: dict[str, Any], path: Path) -> str:

@@ -23,6 +23,7 @@ from egmla.imports import load_pretrained
 from egmla.models.transformer import Transformer
 from serve import LLM, SamplingParams
 from support import ROOT
+from support.processes import assert_one_line_error, run_export
 
 MLA = {"d_c": 32, "d_nope": 16, "d_rope": 8, "d_v": 16}
 # A converted GQA model's form (support.models.CONVERTED, over these tests' 4 layers): 2 KV heads,
@@ -214,20 +215,6 @@ def test_the_serving_engine_serves_a_llama_or_deepseek_directory(variant, tmp_pa
 
 
 # ---- the command: bad input writes nothing ----------------------------------------------------
-
-
-def run_export(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("EGMLA_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "egmla.export", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
-
-
-def assert_one_line_error(run: subprocess.CompletedProcess, *needles: str) -> None:
-    assert run.returncode == 2, run.stdout + run.stderr
-    assert "Traceback" not in run.stderr
-    last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("error:") and all(n in last for n in needles), last
 
 
 def leftovers(directory: Path) -> list[str]:
