@@ -27,7 +27,7 @@ LEGACY = Path(__file__).with_name("legacy")
 EXPORTS = LEGACY / "exports"
 EXPECTED = EXPORTS / "expected.safetensors"
 RUN = LEGACY / "run"
-LEGACY_COMMIT = "e670312"
+LEGACY_COMMIT = "f3020a8"  # the code that wrote them (plus this file)
 # one model per attention class and per form a converted model takes
 NAMES = ("gqa", "mla-absorbed", "mla-converted-absorbed", "egmla-kv",
          "egmla-kv-converted-absorbed", "egmla-latent-absorbed", "egmla-latent-converted",
