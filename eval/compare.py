@@ -23,19 +23,18 @@ import math
 import os
 import re
 import shlex
-import shutil
-import statistics
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
 
 from egmla.config import ConfigError, ModelConfig
 from egmla.dtypes import short_name
+from egmla.files import write_files
 from egmla.models import cache_spec_for
 from egmla.provenance import provenance
 from eval.kv_bytes import UsageError, parse_dtype
+from eval.stats import difference_interval, interval, paired  # noqa: F401 - re-exported
 
 RUN_FILES = ("config.json", "run_info.json", "summary.json")
 COLUMNS = ["run", "group", "variant", "seed", "params", "params_without_gate_tables", "kv_dtype",
@@ -192,45 +191,6 @@ def _common_name(names: list[str], seeds: list[Any]) -> str:
     stripped = {re.sub(rf"([-_/.]?s(eed)?[-_=]?{seed})(?=$|[-_/.])", "", name)
                 for name, seed in zip(names, seeds)}
     return stripped.pop() if len(stripped) == 1 else ""
-
-
-def interval(values: list[float], level: float = 0.95) -> dict[str, Any]:
-    """Mean and the Student-t interval of the mean (None below two values)."""
-    n = len(values)
-    mean = statistics.fmean(values) if values else math.nan
-    if n < 2:
-        return {"n": n, "mean": mean, "low": None, "high": None}
-    from scipy.stats import t
-
-    half = float(t.ppf((1 + level) / 2, n - 1)) * statistics.stdev(values) / math.sqrt(n)
-    return {"n": n, "mean": mean, "low": mean - half, "high": mean + half}  # plain floats: JSON
-
-
-def paired(mine: dict[int, float], theirs: dict[int, float]) -> dict[str, Any]:
-    """The mean difference over the seeds both have, its 95% interval, and whether the interval
-    excludes zero. An interval of no width (every seed the same difference: an accuracy over a
-    few hundred items can move by one item on each) measures nothing, and excludes nothing."""
-    ci = interval([mine[s] - theirs[s] for s in sorted(set(mine) & set(theirs))])
-    ci["distinguishable_from_zero"] = (ci["low"] is not None and ci["low"] < ci["high"]
-                                       and (ci["low"] > 0 or ci["high"] < 0))
-    return ci
-
-
-def difference_interval(a: list[float], b: list[float], level: float = 0.95) -> dict[str, Any]:
-    """mean(a) - mean(b) and Welch's t interval of it (unpaired samples, unequal variances;
-    None below two values in either)."""
-    diff = statistics.fmean(a) - statistics.fmean(b) if a and b else math.nan
-    if len(a) < 2 or len(b) < 2:
-        return {"diff": diff, "low": None, "high": None, "df": None}
-    from scipy.stats import t
-
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
-    se = math.sqrt(va + vb)
-    if se == 0:
-        return {"diff": diff, "low": diff, "high": diff, "df": None}
-    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-    half = float(t.ppf((1 + level) / 2, df)) * se
-    return {"diff": diff, "low": diff - half, "high": diff + half, "df": df}
 
 
 def aggregate(rows: list[dict[str, Any]], x: str = "kv_bytes") -> list[dict[str, Any]]:
@@ -538,16 +498,7 @@ def build_outputs(rows: list[dict[str, Any]], meta: dict[str, Any],
 def write_all(out: Path, files: dict[str, bytes]) -> None:
     """Write the files into a temporary folder beside `out`, then rename each into place, so an
     interrupted write leaves no half-written file."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        for name, data in files.items():
-            (staging / name).write_bytes(data)
-        out.mkdir(exist_ok=True)
-        for name in files:
-            os.replace(staging / name, out / name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    write_files(out, files)
 
 
 def log_to_wandb(project: str, rows: list[dict[str, Any]], png: Path, meta: dict[str, Any]) -> str:

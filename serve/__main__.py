@@ -13,29 +13,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import sys
 from pathlib import Path
 
 from egmla.dtypes import WEIGHT_DTYPES as DTYPES
+from egmla.units import parse_bytes
 
 # serve.attention.BACKENDS, spelled here so that --help does not import torch (a test keeps
 # the two equal)
 ATTENTION_BACKENDS = ("auto", "native", "sdpa", "flex", "flash_attn")
-UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
-         "g": 2**30, "gb": 10**9, "gib": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    """'512MiB', '2GiB', '1.5G', '100000' -> bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 512MiB, 2GiB or 1000000")
-    value = int(float(match.group(1)) * UNITS[match.group(2).lower()])
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
-    return value
-
 
 def positive_int(text: str) -> int:
     try:

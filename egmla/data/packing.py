@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import uuid
 from collections.abc import Iterable, Iterator
 from itertools import islice
 from pathlib import Path
@@ -27,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from egmla import files
 from egmla.data.tokenizer import tokenizer_fingerprint
 from egmla.paths import cache_dir
 
@@ -82,8 +81,7 @@ def tokenize_to_cache(
         raise ValueError(f"{desc}: no text to tokenize (key_parts={key_parts!r})")
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.stem}.tmp-{uuid.uuid4().hex[:12]}.npy"
-    try:
+    with files.atomic_path(path, suffix=".npy") as tmp:  # a reader sees no file or the whole file
         # Filled chunk by chunk: peak memory is the chunks, not chunks + one concatenated copy.
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(total,))
         start = 0
@@ -94,9 +92,6 @@ def tokenize_to_cache(
             start += len(chunk)
         out.flush()
         del out
-        os.replace(tmp, path)  # atomic: a reader sees no file or the whole file
-    finally:
-        tmp.unlink(missing_ok=True)
     return np.load(path, mmap_mode="r")
 
 

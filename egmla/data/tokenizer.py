@@ -18,12 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from egmla import files
 from egmla.data.corpus import corpus_fingerprint, split_corpus
 from egmla.imports import KNOWN_MODELS
 from egmla.paths import cache_dir
@@ -135,16 +134,8 @@ def _cached(name: str, build: Callable[[Path], object]) -> PreTrainedTokenizerFa
     target = cache_dir() / "tokenizers" / name
     if not (target / "tokenizer.json").is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.parent / f".{name}.tmp-{uuid.uuid4().hex[:12]}"
-        try:
-            build(tmp)
-            try:
-                os.replace(tmp, target)
-            except OSError:
-                if not (target / "tokenizer.json").is_file():
-                    raise  # not a lost race: a real error
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        with files.atomic_directory(target, keep_existing=True) as tmp:
+            build(tmp)  # a lost race (target exists): the winner's files stay, ours go
     return _load_pretrained(target)
 
 

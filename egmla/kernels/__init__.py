@@ -46,7 +46,6 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import threading
 import warnings
 from collections.abc import Sequence
@@ -56,6 +55,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from egmla import files
 from egmla.paths import cache_dir
 
 SOURCE = Path(__file__).with_name("decode.cpp")
@@ -123,20 +123,15 @@ def build(force: bool = False) -> Path:
     target = library_path()
     if target.is_file() and not force:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(dir=target.parent, prefix=".build-", suffix=".so")
-    os.close(fd)
-    command = _command(Path(partial))
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-    except OSError as error:  # no compiler at all
-        Path(partial).unlink(missing_ok=True)
-        raise KernelBuildError(f"cannot run the C++ compiler {command[0]!r}: {error}") from None
-    if done.returncode != 0:
-        Path(partial).unlink(missing_ok=True)
-        raise KernelBuildError(f"{' '.join(command)} failed (exit {done.returncode}):\n"
-                               f"{done.stderr[-3000:]}")
-    os.replace(partial, target)
+    with files.atomic_path(target, suffix=".so", parents=True) as partial:
+        command = _command(partial)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+        except OSError as error:  # no compiler at all
+            raise KernelBuildError(f"cannot run the C++ compiler {command[0]!r}: {error}") from None
+        if done.returncode != 0:
+            raise KernelBuildError(f"{' '.join(command)} failed (exit {done.returncode}):\n"
+                                   f"{done.stderr[-3000:]}")
     return target
 
 

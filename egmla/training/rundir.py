@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import os
 import sys
-import uuid
 from pathlib import Path
 from typing import Any, NoReturn
 
 from hydra.experimental.callback import Callback
+
+from egmla import files
 
 CHOOSE_ANOTHER = "choose another run directory (name=... or hydra.run.dir=...)"
 
@@ -52,17 +53,9 @@ def check_run_dir(run_dir: str | os.PathLike) -> None:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary sibling renamed into place: a crash leaves
-    the old file or the new one, never a torn one."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Write `text` to `path` through a temporary sibling renamed into place, fsynced first: a
+    crash leaves the old file or the new one, never a torn one."""
+    files.write_text(path, text, fsync=True)
 
 
 def exit_with_error(err: Exception) -> NoReturn:

@@ -19,9 +19,7 @@ import errno
 import io
 import json
 import math
-import os
 import sys
-import tempfile
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
@@ -29,6 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from egmla import files
+from eval.stats import bootstrap_ci  # noqa: F401 - re-exported: the report's CIs
 
 METHODS = ("selfdebug", "resample", "sample")
 PASSED = "passed"
@@ -85,28 +86,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
-def bootstrap_ci(per_problem: np.ndarray, n_boot: int = 2000, seed: int = 0,
-                 level: float = CI_LEVEL) -> tuple[Any, Any]:
-    """Percentile CI of the mean over problems (rows), resampling rows with replacement.
-
-    Shape (P,) gives (low, high) floats; shape (P, M) gives two arrays of M, every column
-    resampled with the same rows, so a difference column stays paired."""
-    values = np.asarray(per_problem, dtype=float)
-    if values.ndim not in (1, 2) or values.shape[0] == 0:
-        raise ValueError(f"bootstrap_ci needs a non-empty (P,) or (P, M) array, got {values.shape}")
-    if n_boot < 1 or not 0 < level < 1:
-        raise ValueError(f"bootstrap_ci needs n_boot >= 1 and 0 < level < 1, got {n_boot}, {level}")
-    rng = np.random.default_rng(seed)
-    problems = values.shape[0]
-    means = np.empty((n_boot, *values.shape[1:]))
-    chunk = max(1, 2**22 // values.size)  # bounds the memory of values[rows]
-    for start in range(0, n_boot, chunk):
-        rows = rng.integers(0, problems, size=(min(chunk, n_boot - start), problems))
-        means[start:start + len(rows)] = values[rows].mean(axis=1)
-    low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2], axis=0)
-    return (float(low), float(high)) if values.ndim == 1 else (low, high)
 
 
 def _ks(n: int) -> list[int]:
@@ -440,17 +419,8 @@ def plot_png(summary: dict[str, Any]) -> bytes:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write into a temporary file beside `path`, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write into a temporary file beside `path` (mode 0644), then rename it into place."""
+    files.write_bytes(path, data, mode=0o644, parents=True)
 
 
 def plot(summary: dict[str, Any], path: str | Path) -> Path:
