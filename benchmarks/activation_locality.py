@@ -11,7 +11,7 @@ modes of egmla.models.sparse_ffn that apply to it:
 - `oracle`: the firing set from a dense pass, then the sparse arithmetic (exact; a check that
   the sparse path is what it should be, slower than dense by design);
 - `predicted`: the hot block and what the per-layer predictors mark, when the model has
-  predictors (`python -m eval.locality predictors --model M` writes them where this script looks:
+  predictors (`python -m studies.locality predictors --model M` writes them where this script looks:
   M/locality/predictors.safetensors, or runs/locality/<name>/ for a known name; or `--predictors`).
 
 What is measured, per model and mode:
@@ -43,7 +43,7 @@ contains `speedup`. After each model its results are kept in `<out>/<stem>.json.
 rerun with the same settings (after a stop: a session's end, a lost machine) keeps the models
 that one finished and measures the rest (`--fresh`: all again); each model records when, at
 which commit and under what load it was measured. `--add` adds the models to the record in
-`--out` (same settings) instead of replacing it, as eval.locality_runs does model by model.
+`--out` (same settings) instead of replacing it, as studies.locality.runs does model by model.
 Compare modes within one model, measured side by side, not across models or runs: the machine
 is shared.
 """
@@ -64,8 +64,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # measure the checkout this script is in
+from eval.local_tasks import group_tasks  # noqa: E402  (after the path: this checkout's eval)
+
 RESULTS = ROOT / "benchmarks" / "results"
-TASKS = ("corpus_cloze", "corpus_perplexity", "mqar_recall")
+TASKS = group_tasks("egmla_loglikelihood")  # eval/tasks/egmla_loglikelihood.yaml
 SMOLLM2 = "SmolLM2-135M-Instruct"
 # arguments that are not settings shared by a record's models: each model's entry records the
 # thresholds it was measured at
@@ -87,7 +89,7 @@ class Subject:
         from egmla.imports import load_pretrained
         from egmla.models.sparse_ffn import (layer_thresholds, predictors_from_tensors,
                                              reorder_neurons)
-        from eval.locality import default_out, sparsity_thresholds
+        from studies.locality import default_out, sparsity_thresholds
         from serve import LLM
 
         self.name = name
@@ -137,7 +139,7 @@ class Subject:
                         self.predictors if mode == "predicted" else None, reorder=False)
 
     def keep(self, mode: str):
-        """The mask of the neurons `mode` computes for each token (eval.predictors.perplexity's
+        """The mask of the neurons `mode` computes for each token (studies.locality.predictors.perplexity's
         `keep`), None for dense and oracle (exactly dense)."""
         from egmla.models.sparse_ffn import firing
 
@@ -258,7 +260,7 @@ def llamacpp_f32(context: int, threads: int):
 
 def quality(subject: Subject, held_out, lm_eval_limit: int | None, skip_lm_eval: bool,
             log) -> tuple[list[dict], dict]:
-    from eval import predictors as P
+    from studies.locality import predictors as P
 
     subject.use("dense")
     batches = held_out.split(16)
@@ -327,14 +329,14 @@ def lm_eval_under(subject: Subject, keep, limit: int | None) -> dict[str, float]
 
 
 def held_out_tokens(tokenizer, tokens: int, seq_len: int):
-    from eval.locality import source_texts, token_stream, windows
+    from studies.locality import source_texts, token_stream, windows
 
     ids = token_stream(tokenizer, source_texts("corpus-b"), tokens + seq_len)
     return ids, windows(ids, seq_len, tokens)
 
 
 def render(report: dict[str, Any]) -> str:
-    from eval.locality import describe_threshold
+    from studies.locality import describe_threshold
 
     p = report["provenance"]
     lines = ["# Activation locality: dense against sparse MLP decoding", "",
@@ -427,7 +429,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="an export directory or a known name; repeat for several models")
     p.add_argument("--predictors", action="append", type=Path,
                    help="predictors.safetensors for the --model at the same position (default: "
-                        "where `python -m eval.locality predictors` writes them)")
+                        "where `python -m studies.locality predictors` writes them)")
     p.add_argument("--swiglu-threshold", type=float, default=0.05,
                    help="gate mode's threshold for a SwiGLU model without predictors or "
                         "--swiglu-sparsity (0.05)")
@@ -491,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": json.loads(json.dumps({k: v for k, v in vars(args).items()
                                            if k not in PER_MODEL})),
         "models": []}
-    from eval.selfdebug.report import write_atomic
+    from egmla.files import write_bytes
 
     stem = "activation_locality_quick" if args.quick else "activation_locality"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -542,12 +544,14 @@ def main(argv: list[str] | None = None) -> int:
                              "git": report["provenance"]["git"],
                              "load": [load_before, round(os.getloadavg()[0], 2)]}
         report["models"].append(entry)
-        write_atomic(partial, json.dumps({"settings": report["settings"],
-                                          "models": report["models"]}, default=str).encode())
+        write_bytes(partial, json.dumps({"settings": report["settings"],
+                                         "models": report["models"]}, default=str).encode(),
+                    mode=0o644)
     report["models"] = earlier + report["models"]
     report["load_after"] = round(os.getloadavg()[0], 2)
-    write_atomic(args.out / f"{stem}.json", (json.dumps(report, indent=2, default=str) + "\n").encode())
-    write_atomic(args.out / f"{stem}.md", render(report).encode())
+    write_bytes(args.out / f"{stem}.json", (json.dumps(report, indent=2, default=str) + "\n").encode(),
+                mode=0o644)
+    write_bytes(args.out / f"{stem}.md", render(report).encode(), mode=0o644)
     partial.unlink(missing_ok=True)
     print(render(report))
     return 0

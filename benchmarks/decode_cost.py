@@ -51,6 +51,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from egmla import files  # noqa: E402
 from egmla.config import ModelConfig  # noqa: E402
 from egmla.models import Transformer, cache_spec_for  # noqa: E402
 from egmla.presets import preset  # noqa: E402
@@ -233,9 +234,7 @@ def group_key(row: dict) -> tuple:
 
 def write_atomic(path: Path, text: str) -> None:
     """A reader sees the previous file or the whole new one, never a part."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    files.write_text(path, text)
 
 
 def format_row(r: dict) -> str:

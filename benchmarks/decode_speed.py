@@ -324,6 +324,7 @@ def quantized_gguf(ftype: str) -> Path:
     temporary name and renamed, so an interrupted run leaves no half file)."""
     from cyllama.llama import llama_cpp as L
 
+    from egmla import files
     from egmla.imports import KNOWN_MODELS
     from egmla.paths import cache_dir
 
@@ -332,15 +333,14 @@ def quantized_gguf(ftype: str) -> Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
     params = L.LlamaModelQuantizeParams()
     params.ftype = LLAMA_FTYPES[ftype]
     params.allow_requantize = True
     params.nthread = 2
     print(f"  quantizing {source.name} to {ftype} into {target.parent} (once)", file=sys.stderr,
           flush=True)
-    L.model_quantize(str(source), str(partial), params)
-    os.replace(partial, target)
+    with files.atomic_path(target) as partial:
+        L.model_quantize(str(source), str(partial), params)
     return target
 
 

@@ -352,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick and not gpu:  # SmolLM2's shape is too slow for a CPU smoke test
         SMOLLM2.update(TINY)
     args.out.mkdir(parents=True, exist_ok=True)
+    from egmla import files
+
     path = args.out / ("gpu_check_quick.json" if args.quick else "gpu_check.json")
     for name, run in parts:
         t0 = time.perf_counter()
@@ -362,9 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {json.dumps(report[name])[:400]}", flush=True)
         report["seconds"] = round(time.perf_counter() - started, 1)
         # after every part: a run stopped by the time limit keeps what it measured
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(report, indent=2) + "\n")
-        os.replace(tmp, path)
+        files.write_text(path, json.dumps(report, indent=2) + "\n")
     print(f"wrote {path}")
     failed = [n for n, _ in parts if "error" in report[n]]
     return 1 if failed or not report.get("checks", {"passed": True}).get("passed") else 0

@@ -36,6 +36,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parents[1]))  # measure the checkout this script is in
+from egmla import files  # noqa: E402  (after the path: this checkout's egmla)
 from serve.__main__ import positive_int  # noqa: E402  (after the path: this checkout's serve)
 
 # SmolLM2-135M: hidden 576, 3 KV heads of 64, SwiGLU 1536, 30 layers.
@@ -157,9 +158,8 @@ def markdown(report: dict) -> str:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    """A reader sees the previous file or the whole new one, never a part."""
+    files.write_text(path, text)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,7 +1,7 @@
 """What the converted SmolLM2 models buy a server: sequences of 2,048 tokens in a fixed KV budget.
 
 For the original SmolLM2-135M-Instruct (GQA: 11,520 cached elements per token) and each given
-export (MLA and EG-MLA conversions, `eval.upcycle_runs`), in one run, float32, the same budget:
+export (MLA and EG-MLA conversions, `studies.upcycling`), in one run, float32, the same budget:
 the blocks the budget holds (the bytes `PagedKVCache` allocates, checked against
 `cache_spec()`), how many 2,048-token sequences fit, and decode tokens/s through the engine
 with that many sequences at once (at most --max-seqs) and with the number the original fits,

@@ -20,7 +20,6 @@ import csv
 import io
 import json
 import math
-import os
 import re
 import shlex
 import sys

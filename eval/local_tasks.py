@@ -57,3 +57,19 @@ def install() -> None:
 
     _factory.load_yaml = load_yaml
     _INSTALLED = True
+
+
+TASKS = Path(__file__).resolve().parent / "tasks"
+
+
+def group_tasks(group: str, tasks_dir: Path = TASKS) -> tuple[str, ...]:
+    """The tasks a group YAML under eval/tasks lists (`group: NAME`, `task: [...]`), in its
+    order: the one list a script runs, so that a task added to the group reaches every script
+    that runs the group. ValueError if no YAML there defines the group."""
+    import yaml
+
+    for path in sorted(tasks_dir.glob("*.yaml")):
+        data = yaml.safe_load(path.read_text())
+        if isinstance(data, dict) and data.get("group") == group:
+            return tuple(t if isinstance(t, str) else t["task"] for t in data["task"])
+    raise ValueError(f"no lm-eval group {group!r} in {tasks_dir}")

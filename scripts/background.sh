@@ -2,9 +2,9 @@
 # The project's long computations, one after another, resumable: re-run this after a restart
 # (a new machine, a killed session) and each skips what its committed records already hold.
 #
-#   1. the gating study (issue 17):          python -m eval.study
-#   2. the activation-locality runs (issue 19): python -m eval.locality_runs
-#   3. the upcycling runs (issue 38):           python -m eval.upcycle_runs
+#   1. the gating study (issue 17):             python -m studies.gating
+#   2. the activation-locality runs (issue 19): python -m studies.locality.runs
+#   3. the upcycling runs (issue 38):           python -m studies.upcycling
 #
 # They run from a detached worktree of HEAD (WORKTREE, default /tmp/egmla-background), so that
 # editing this checkout does not change code under a running job; their records are written
@@ -39,16 +39,16 @@ JOBS=${JOBS:-study locality upcycle}
 echo "$(date -u +%FT%TZ) background: $JOBS, at $(git rev-parse --short HEAD)"
 if [[ " $JOBS " == *" study "* ]]; then
     echo "$(date -u +%FT%TZ) background: the study"
-    "$PY" -m eval.study --runs-dir "$RUNS/study" --results "$RESULTS/study" ${STUDY_ARGS:-}
+    "$PY" -m studies.gating --runs-dir "$RUNS/study" --results "$RESULTS/study" ${STUDY_ARGS:-}
 fi
 if [[ " $JOBS " == *" locality "* ]]; then
     echo "$(date -u +%FT%TZ) background: the activation-locality runs"
-    "$PY" -m eval.locality_runs --runs-dir "$RUNS/locality" --results "$RESULTS/locality" \
+    "$PY" -m studies.locality.runs --runs-dir "$RUNS/locality" --results "$RESULTS/locality" \
         ${LOCALITY_ARGS:-}
 fi
 if [[ " $JOBS " == *" upcycle "* ]]; then
     echo "$(date -u +%FT%TZ) background: the upcycling runs"
-    "$PY" -m eval.upcycle_runs --runs-dir "$RUNS/upcycle" --results "$RESULTS/upcycle" \
+    "$PY" -m studies.upcycling --runs-dir "$RUNS/upcycle" --results "$RESULTS/upcycle" \
         ${UPCYCLE_ARGS:-}
 fi
 echo "$(date -u +%FT%TZ) background: done"

@@ -26,7 +26,7 @@ def test_the_background_script_runs_the_jobs_from_a_worktree_of_head(tmp_path):
         assert "the upcycling runs" in run.stdout and "background: done" in run.stdout
         assert (tmp_path / "results" / "upcycle" / "summary.md").is_file()
         assert "lr" in run.stdout  # the study's dry run lists its phases' runs
-        assert (worktree / "eval" / "study.py").is_file()
+        assert (worktree / "studies" / "gating" / "__main__.py").is_file()
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT,
                        capture_output=True)

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ["egmla/models", "egmla/kernels", "egmla/paths.py", "egmla/config.py", "egmla/cache.py",
-        "egmla/presets.py", "egmla/generate.py"]
+        "egmla/presets.py", "egmla/generate.py", "egmla/files.py", "egmla/units.py"]
 FRAMEWORKS = ["lightning", "pytorch_lightning", "hydra", "omegaconf", "transformers", "wandb",
               "lm_eval", "datasets"]
 
@@ -62,7 +62,8 @@ TRAINING_ONLY = {"lightning", "pytorch_lightning", "hydra", "omegaconf", "submit
 
 def outside_training() -> list[Path]:
     files = [p for p in (ROOT / "egmla").rglob("*.py") if "training" not in p.parts]
-    return files + [p for top in ("eval", "serve", "sandbox") for p in sorted((ROOT / top).rglob("*.py"))]
+    return files + [p for top in ("eval", "serve", "sandbox", "studies")
+                   for p in sorted((ROOT / top).rglob("*.py"))]
 
 
 @pytest.mark.parametrize("path", outside_training(), ids=lambda p: str(p.relative_to(ROOT)))

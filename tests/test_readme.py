@@ -35,7 +35,7 @@ def test_readme_quotes_the_studys_record():
     rounded as quoted: a re-run that moves them fails here until the README says so too."""
     import json
 
-    from eval.study import mqar_mean
+    from studies.gating import mqar_mean
 
     arms = json.loads((ROOT / "benchmarks/results/study/summary.json").read_text())["arms"]
     section = README.split("## What the gate buys")[1].split("\n## ")[0]

@@ -5,7 +5,10 @@
   variant (an `isinstance` on a variant class, or a variant's type name compared): what differs
   per variant is declared by the variant;
 - `serve/` holds only serving: every module in it is reached from the server or `from serve import
-  LLM`, and none imports the evaluation, the sandbox or the training stack.
+  LLM`, and none imports the evaluation, the sandbox or the training stack;
+- the research programs (`studies/`) are built on the tools, never the other way round: nothing
+  in egmla/, serve/, eval/ or sandbox/ imports a study (eval/'s old command names for the studies
+  run them by name, without importing them).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("egmla", "eval", "serve", "sandbox")
+PACKAGES = ("egmla", "eval", "serve", "sandbox", "studies")
 SCRIPTS = ("train.py", "benchmarks")
 # The exported remote-code files run inside transformers, apart from egmla (egmla/export/hf_code).
 STANDALONE = ("egmla/export/hf_code",)
@@ -155,3 +158,20 @@ def test_only_the_variants_and_the_config_branch_on_a_variant():
 ])
 def test_the_branch_finder_finds_branches(snippet, flagged):
     assert bool(variant_branches(ast.parse(snippet))) == flagged
+
+
+def test_nothing_below_the_studies_imports_a_study():
+    graph = import_graph()
+    below = {m: sorted(d for d in deps if d.split(".")[0] == "studies")
+             for m, deps in graph.items() if m.split(".")[0] != "studies"}
+    assert not any(below.values()), {m: d for m, d in below.items() if d}
+    assert any(m.startswith("studies.") for m in graph)  # the rule looks at the studies
+
+
+def test_the_old_study_commands_are_aliases_that_run_the_study_by_name():
+    """`python -m eval.study` and the like keep working for scripts and habits: each is a few
+    lines naming its new home, and imports nothing of the project."""
+    for rel in ("eval/study.py", "eval/study_tables.py", "eval/locality.py",
+                "eval/locality_runs.py", "eval/upcycle_runs.py"):
+        text = (ROOT / rel).read_text()
+        assert "runpy.run_module(\"studies." in text and len(text.splitlines()) < 15, rel

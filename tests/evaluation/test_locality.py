@@ -1,4 +1,4 @@
-"""`python -m eval.locality profile`: the firing statistics are what they claim on masks whose
+"""`python -m studies.locality profile`: the firing statistics are what they claim on masks whose
 answer is known, the firing set is the one sparse decoding computes, and the command runs on an
 export directory with its tokenizer (a real subprocess), refusing bad input in one line."""
 
@@ -19,7 +19,7 @@ from egmla.data.tokenizer import get_tokenizer
 from egmla.models import FeedForward, Transformer
 from egmla.models.sparse_ffn import SparseDecode, firing
 from egmla.presets import preset
-from eval.locality import (
+from studies.locality import (
     LayerStats,
     concentration_curve,
     coverage_share,
@@ -87,7 +87,7 @@ def test_a_neuron_that_cannot_fire_is_never_counted():
 
 
 def profile(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "eval.locality", "profile", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "studies.locality", "profile", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -140,7 +140,7 @@ def test_a_missing_model_is_refused_in_one_line(tmp_path):
 
 
 def test_calibration_reaches_the_recall_it_is_asked_for_on_its_own_tokens():
-    from eval.predictors import calibrate, collect, measure, train_predictor
+    from studies.locality.predictors import calibrate, collect, measure, train_predictor
 
     torch.manual_seed(0)
     model = Transformer(preset("tiny-gqa2", ffn="reglu")).eval()
@@ -158,7 +158,7 @@ def test_calibration_reaches_the_recall_it_is_asked_for_on_its_own_tokens():
 def test_a_predictor_learns_which_neurons_fire_on_held_out_tokens():
     """The firing of a ReLU MLP is a function of its input: a rank of the input's width can
     learn it, measured on tokens it was not trained on."""
-    from eval.predictors import collect, measure, train_predictor
+    from studies.locality.predictors import collect, measure, train_predictor
 
     torch.manual_seed(0)
     model = Transformer(preset("tiny-gqa2", ffn="reglu")).eval()
@@ -171,7 +171,7 @@ def test_a_predictor_learns_which_neurons_fire_on_held_out_tokens():
 
 
 def test_the_hot_tier_under_a_budget_takes_the_models_most_frequent_neurons():
-    from eval.predictors import hot_under_budget
+    from studies.locality.predictors import hot_under_budget
 
     counts = [torch.tensor([10, 5, 1]), torch.tensor([8, 7, 0])]  # each most frequent first
     assert hot_under_budget(counts, neuron_bytes=4, budget=16) == [2, 2]  # 10, 8, 7, 5
@@ -184,7 +184,7 @@ def test_the_hot_tier_under_a_budget_takes_the_models_most_frequent_neurons():
 def test_the_predictors_command_trains_chooses_and_saves(relu2_export, tmp_path):
     out = tmp_path / "pred"
     result = subprocess.run(
-        [sys.executable, "-m", "eval.locality", "predictors", "--model", str(relu2_export),
+        [sys.executable, "-m", "studies.locality", "predictors", "--model", str(relu2_export),
          "--tokens", "2048", "--held-out-tokens", "512", "--seq-len", "32", "--ranks", "8", "64",
          "--steps", "60", "--tolerance", "0.5", "--hot-budget", "96KiB", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -215,7 +215,7 @@ def test_the_predictors_search_keeps_the_fewest_neurons_within_the_tolerance(rel
     """Several hot shares and recall targets: every pair is tried at the first rank (one
     training, several calibrations), the pair within the tolerance that computes the fewest
     neurons is chosen and saved, and no wider rank is tried once one was chosen."""
-    from eval import locality
+    from studies import locality
 
     out = tmp_path / "pred"
     assert locality.main(["predictors", "--model", str(relu2_export), "--tokens", "1024",
@@ -241,7 +241,8 @@ def test_predictors_that_miss_the_tolerance_are_not_saved(relu2_export, tmp_path
     even an older one, for serving or the benchmark to load as if it were chosen. (A model
     where every mask doubles the perplexity: a random tiny model's masked perplexity is as
     likely to fall as to rise.)"""
-    from eval import locality, predictors
+    from studies import locality
+    from studies.locality import predictors
 
     dense = predictors.perplexity
     monkeypatch.setattr(predictors, "perplexity",
@@ -271,7 +272,7 @@ def test_a_target_sparsity_profiles_and_predicts_at_calibrated_per_layer_thresho
     """--sparsity 0.5 on a SwiGLU model: one threshold per layer, under which about half of
     each layer's neurons fall on the calibration text (corpus-a); the predictors are held to
     the thresholded model, not to dense, and their file carries the thresholds to serving."""
-    from eval import locality
+    from studies import locality
     from serve import LLM
 
     out = tmp_path / "out"
@@ -326,7 +327,7 @@ def _reference_perplexity(export, ids: torch.Tensor, thresholds=None) -> float:
 def test_the_sweep_measures_what_each_target_sparsity_costs(swiglu_export, tmp_path):
     """`sweep` on a SwiGLU model: for each target, the thresholds skip about that share of the
     held-out text's neurons, and the perplexity is the one written out from the weights."""
-    from eval import locality
+    from studies import locality
 
     out = tmp_path / "out"
     assert locality.main(["sweep", "--model", str(swiglu_export), "--seq-len", "32",
@@ -358,7 +359,7 @@ def test_the_sweep_measures_what_each_target_sparsity_costs(swiglu_export, tmp_p
 def test_a_sweep_below_a_relu_models_own_sparsity_costs_nothing(relu2_export, tmp_path):
     """A layer already sparser than the target keeps its exact zeros (threshold 0), so the
     model computes what dense computes, to the bit."""
-    from eval import locality
+    from studies import locality
 
     out = tmp_path / "out"
     assert locality.main(["sweep", "--model", str(relu2_export), "--seq-len", "32",
@@ -376,7 +377,7 @@ def test_a_sweep_below_a_relu_models_own_sparsity_costs_nothing(relu2_export, tm
     (["--threshold", "0.1"], "unrecognized arguments: --threshold"),
 ])
 def test_bad_sweep_input_is_refused_in_one_line(relu2_export, args, needle):
-    result = subprocess.run([sys.executable, "-m", "eval.locality", "sweep", "--model",
+    result = subprocess.run([sys.executable, "-m", "studies.locality", "sweep", "--model",
                              str(relu2_export), *args], cwd=ROOT, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr
@@ -391,7 +392,7 @@ def drelu_with_predictors(tmp_path_factory):
     model = Transformer(preset("tiny-mha", ffn="drelu", vocab_size=len(tokenizer)))
     export = save_export(model, tmp_path_factory.mktemp("bench") / "export", tokenizer=tokenizer)
     result = subprocess.run(
-        [sys.executable, "-m", "eval.locality", "predictors", "--model", str(export), "--tokens",
+        [sys.executable, "-m", "studies.locality", "predictors", "--model", str(export), "--tokens",
          "2048", "--held-out-tokens", "512", "--seq-len", "32", "--ranks", "16", "--steps", "60",
          "--tolerance", "10"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""The issue-19 pipeline (eval/locality_runs.py) rehearsed end to end on tiny models: every run
+"""The issue-19 pipeline (studies/locality/runs.py) rehearsed end to end on tiny models: every run
 trains and is recorded, the loss table compares each activation with SwiGLU, each seed-0 model
 is profiled, gets predictors and is benchmarked as soon as it is trained; a second invocation
 redoes nothing, and one on a new machine (run directories gone) rebuilds the losses from the
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from eval import locality_runs
+from studies.locality import runs as locality_runs
 from support import ROOT
 
 TINY = ["model.d_model=64", "model.n_heads=2", "model.n_layers=2", "data.seq_len=64",
@@ -24,7 +24,7 @@ TINY = ["model.d_model=64", "model.n_heads=2", "model.n_layers=2", "data.seq_len
 
 def pipeline(tmp_path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "eval.locality_runs", "--runs-dir", str(tmp_path / "runs"),
+        [sys.executable, "-m", "studies.locality.runs", "--runs-dir", str(tmp_path / "runs"),
          "--results", str(tmp_path / "results"), "--no-smollm2", "--overrides", *TINY,
          "--profile-args", "--tokens 1024 --seq-len 64",
          "--predictors-args", "--tokens 1024 --seq-len 64 --held-out-tokens 512 --ranks 8 "
@@ -83,7 +83,7 @@ def test_the_pipeline_runs_records_and_resumes(tmp_path):
 
 
 def test_bad_arguments_are_one_clear_line():
-    run = subprocess.run([sys.executable, "-m", "eval.locality_runs", "--steps", "fly"],
+    run = subprocess.run([sys.executable, "-m", "studies.locality.runs", "--steps", "fly"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert run.returncode == 2 and "'fly'" in run.stderr and "Traceback" not in run.stderr
 

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from eval.selfdebug import report
-from eval.selfdebug.report import bootstrap_ci, load_traces, pass_at_k, summarize, write_report
+from eval.selfdebug.report import load_traces, pass_at_k, summarize, write_report
+from eval.stats import bootstrap_ci
 from support import ROOT
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

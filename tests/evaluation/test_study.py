@@ -1,4 +1,4 @@
-"""The study runner (eval/study.py): its plan, its statistics, and one real rehearsal."""
+"""The gating study (studies/gating/): its plan, its statistics, and one real rehearsal."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from eval import study
+from eval import stats
+from studies import gating as study
 from support import ROOT
 
 
@@ -20,11 +21,11 @@ def rows(phase: str, arm: str, losses: dict[tuple[float, int], float]) -> list[d
 
 
 def test_the_interval_is_students_t_over_the_seeds():
-    ci = study.interval([1.0, 2.0, 3.0])
+    ci = stats.interval([1.0, 2.0, 3.0])
     half = 4.302652729911275 * 1.0 / 3 ** 0.5  # t(0.975, 2) * sd / sqrt(n)
     assert ci["n"] == 3 and ci["mean"] == 2.0
     assert ci["low"] == pytest.approx(2 - half) and ci["high"] == pytest.approx(2 + half)
-    assert study.interval([5.0]) == {"n": 1, "mean": 5.0, "low": None, "high": None}
+    assert stats.interval([5.0]) == {"n": 1, "mean": 5.0, "low": None, "high": None}
 
 
 def test_the_learning_rate_is_the_best_of_a_complete_grid():
@@ -85,7 +86,7 @@ def test_paired_differences_pair_the_same_seed_and_say_when_they_exclude_zero():
     assert not study.summarize(noisy, chosen)["arms"]["egmla_kv"]["paired_differences"][
         "mla_dc32"]["distinguishable_from_zero"]
     # the same difference on every seed (one item of an accuracy): a zero-width interval
-    same = study.paired({0: 0.272, 1: 0.266}, {0: 0.270, 1: 0.264})
+    same = stats.paired({0: 0.272, 1: 0.266}, {0: 0.270, 1: 0.264})
     assert same["low"] == pytest.approx(same["high"]) and not same["distinguishable_from_zero"]
 
 
@@ -132,7 +133,7 @@ def test_a_rehearsal_runs_records_and_resumes(tmp_path):
     """Three real train.py runs (one arm, a two-point LR grid that grows once past the edge its
     best is at, a few steps of a tiny model), the record written; the second invocation trains
     nothing."""
-    cmd = [sys.executable, "-m", "eval.study", "--runs-dir", str(tmp_path / "runs"),
+    cmd = [sys.executable, "-m", "studies.gating", "--runs-dir", str(tmp_path / "runs"),
            "--results", str(tmp_path / "results"), "--phase", "lr", "--arms", "mla_dc32",
            "--lrs", "1e-3", "3e-3", "--lr-extensions", "1", "--scale", "0.01", "--extra", "model=tiny",
            "data.seq_len=32", "data.batch_size=4", "data.tokenizer.vocab_size=512",
@@ -178,7 +179,7 @@ TINY = ["--scale", "0.01", "--extra", "model=tiny", "data.seq_len=128", "data.ba
 
 
 def study_cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "eval.study", "--runs-dir", str(tmp_path / "runs"),
+    return subprocess.run([sys.executable, "-m", "studies.gating", "--runs-dir", str(tmp_path / "runs"),
                            "--results", str(tmp_path / "results"), *args],
                           capture_output=True, text=True, cwd=ROOT)
 
@@ -246,14 +247,14 @@ def test_a_record_from_before_a_remake_is_carried_and_an_ordinary_one_is_not():
 
 
 def test_bad_arguments_are_one_clear_line():
-    out = subprocess.run([sys.executable, "-m", "eval.study", "--lrs", "0"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "studies.gating", "--lrs", "0"], capture_output=True,
                          text=True, cwd=ROOT)
     assert out.returncode == 2 and "learning rates must be > 0" in out.stderr
     assert "Traceback" not in out.stderr
 
 
 def test_the_tables_mark_intervals_that_exclude_zero_and_cut_an_accuracys_at_its_range():
-    from eval.study_tables import ci, mqar_table, seeds_table
+    from studies.gating.tables import ci, mqar_table, seeds_table
 
     chosen = {"mla_dc32": 2e-3, "egmla_kv": 1e-3}
     records = (rows("lr", "mla_dc32", {(2e-3, 0): 4.70}) + rows("seeds", "mla_dc32", {
@@ -277,8 +278,8 @@ def test_the_tables_mark_intervals_that_exclude_zero_and_cut_an_accuracys_at_its
 def test_the_committed_tables_and_the_docs_quotes_are_the_records():
     """benchmarks/results/study/tables.md is what its summary.json renders, and every table
     docs/study.md quotes (after a `<!-- study table: NAME -->` line) is the record's: a re-run
-    that moves a figure fails here until `python -m eval.study_tables` has rewritten them."""
-    from eval.study_tables import MARKER, SECTIONS, quote, render
+    that moves a figure fails here until `python -m studies.gating.tables` has rewritten them."""
+    from studies.gating.tables import MARKER, SECTIONS, quote, render
 
     results = ROOT / "benchmarks" / "results" / "study"
     summary = json.loads((results / "summary.json").read_text())
@@ -290,7 +291,7 @@ def test_the_committed_tables_and_the_docs_quotes_are_the_records():
 
 
 def test_the_tables_command_rewrites_only_the_quoted_tables(tmp_path, capsys):
-    from eval import study_tables
+    from studies.gating import tables as study_tables
 
     summary = ROOT / "benchmarks" / "results" / "study" / "summary.json"
     doc = tmp_path / "doc.md"
@@ -318,7 +319,7 @@ def test_a_remade_run_does_not_reopen_the_learning_rate_it_was_chosen_at():
     arm = study.summarize(records, study.choose_lrs(records, setup), setup)["arms"]["mla_dc32"]
     assert arm["lr_grid_val_loss"]["0.004"] == 4.5195 and arm["val_loss_by_seed"] == {0: 4.5271}
     # an arm whose grid is not settled has no rate yet: its tables say so, they do not fail
-    from eval.study_tables import render
+    from studies.gating.tables import render
 
     open_grid = study.summarize(records[:3], {}, setup)
     (row,) = [line for line in render(json.loads(json.dumps(open_grid))).split("\n")
@@ -329,7 +330,7 @@ def test_a_remade_run_does_not_reopen_the_learning_rate_it_was_chosen_at():
 def test_the_summary_says_how_far_the_runs_trained_again_moved():
     """Each remade run with its loss then and now, largest change first; the table states their
     number, mean and largest change, and names the runs that moved most."""
-    from eval.study_tables import remakes_table
+    from studies.gating.tables import remakes_table
 
     records = rows("lr", "mla_dc32", {(4e-3, 0): 4.5271, (2e-3, 0): 4.61})
     records[0]["remade"] = {"recorded_val_loss": 4.5195}

@@ -1,6 +1,6 @@
-"""The upcycling measurements (eval.upcycle) against direct computations, the recovery mixture
+"""The upcycling measurements (studies.upcycling.quality) against direct computations, the recovery mixture
 (egmla.data.recovery) keeps out what is evaluated, and the summary's statistics
-(eval.upcycle_summary) against scipy and hand-worked cases."""
+(studies.upcycling.summary) against scipy and hand-worked cases."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import torch
 from egmla.data.recovery import EVALUATED, recovery_documents, recovery_texts
 from egmla.models import Transformer
 from egmla.presets import preset
-from eval.upcycle import context_curve, quality
-from eval.upcycle_runs import ARMS, Arm, points
-from eval.upcycle_summary import comparisons, holm, markdown, write_summary
+from eval.stats import holm
+from studies.upcycling.quality import context_curve, quality
+from studies.upcycling.runs import ARMS, Arm, points
+from studies.upcycling.summary import comparisons, markdown, write_summary
 
 
 def test_quality_is_the_perplexity_and_kl_written_out():
@@ -148,7 +149,7 @@ def test_comparisons_skip_what_has_no_partner():
 
 def test_gate_rows_trained_counts_the_rows_that_changed(tmp_path):
     from egmla.checkpoint import save_export
-    from eval.upcycle_runs import table_rows_trained
+    from studies.upcycling.runs import table_rows_trained
 
     torch.manual_seed(0)
     model = Transformer(preset("tiny-egmla", attention={
@@ -167,7 +168,7 @@ def test_gate_rows_trained_counts_the_rows_that_changed(tmp_path):
 
 
 def test_transfer_is_compared_with_kl_alone_only_when_both_ran():
-    from eval.upcycle_summary import transfer_comparison
+    from studies.upcycling.summary import transfer_comparison
 
     plain, transfer = _record(Arm("mla", 24), 1.0), _record(Arm("mla", 24, transfer_steps=24), 0.9)
     plain["arm"]["transfer_steps"], transfer["arm"]["transfer_steps"] = 0, 24

@@ -38,7 +38,7 @@ def test_sparse_serving_decodes_what_dense_serving_does(ffn, mode):
 
 
 def save_predictors(model, path, hot: int = 0, threshold: float = 0.0, seed: int = 0):
-    """Exact predictors for `model`, as `python -m eval.locality predictors` saves them: for its
+    """Exact predictors for `model`, as `python -m studies.locality predictors` saves them: for its
     neurons in a random order (which loading must apply: a predictor of reordered neurons
     read against the original order mispredicts)."""
     g = torch.Generator().manual_seed(seed)

@@ -1,14 +1,15 @@
-"""What the resumable research pipelines share (eval.locality_runs, eval.upcycle_runs): a step
+"""What the resumable research pipelines share (studies.locality.runs, studies.upcycling): a step
 run as a subprocess with its output in a log file, and records written atomically."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
+
+from egmla import files
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,8 +34,5 @@ def run_logged(cmd: list[str], log_file: Path, log, append: bool = False) -> Non
 
 
 def write_json(path: Path, data: Any) -> None:
-    """`data` as JSON at `path`, written to a temporary sibling and renamed into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    """`data` as JSON (indent 1) at `path`, written whole or not at all (egmla.files)."""
+    files.write_json(path, data, parents=True)

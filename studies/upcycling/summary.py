@@ -1,4 +1,4 @@
-"""The upcycling record summarized (eval.upcycle_runs' last phase): the recovery curve of every
+"""The upcycling record summarized (studies.upcycling's last phase): the recovery curve of every
 arm, EG-MLA against MLA paired by seed at the smallest cache, attention transfer against KL
 alone, the gate rows trained, and two plots (quality against KV bytes per token; quality
 against recovery tokens). Reads <results>/runs/*.json, step0.json, context.json,
@@ -10,7 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eval.compare import interval, paired, png_bytes
+from egmla import files
+from eval.compare import png_bytes
+from eval.stats import holm, interval, paired, paired_p
 
 # The headline family: EG-MLA (each gate position) against MLA at the same cache size,
 # recovered the same way; Holm-adjusted over these two.
@@ -32,25 +34,6 @@ def by_family(runs: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]
     for r in runs:
         out.setdefault(r["family"], {})[r["arm"]["seed"]] = r
     return out
-
-
-def holm(pvalues: list[float]) -> list[float]:
-    """Holm's step-down adjustment of a family of p-values, in the given order."""
-    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
-    adjusted, running = [0.0] * len(pvalues), 0.0
-    for rank, i in enumerate(order):
-        running = max(running, min(1.0, (len(pvalues) - rank) * pvalues[i]))
-        adjusted[i] = running
-    return adjusted
-
-
-def paired_p(diffs: list[float]) -> float | None:
-    """Two-sided paired t-test p-value of the mean difference (None below two seeds)."""
-    if len(diffs) < 2:
-        return None
-    from scipy.stats import ttest_1samp
-
-    return float(ttest_1samp(diffs, 0.0).pvalue)
 
 
 def comparisons(families: dict[str, dict[int, dict[str, Any]]], step: str) -> list[dict]:
@@ -220,10 +203,10 @@ def write_summary(results: Path, log) -> dict[str, Any]:
         if path.is_file():
             summary[name] = json.loads(path.read_text())
     results.mkdir(parents=True, exist_ok=True)
-    (results / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
-    (results / "summary.md").write_text(markdown(summary))
+    files.write_text(results / "summary.json", json.dumps(summary, indent=1, default=str) + "\n")
+    files.write_text(results / "summary.md", markdown(summary))
     if runs:
         for name, data in plots(summary).items():
-            (results / name).write_bytes(data)
+            files.write_bytes(results / name, data)
     log(f"summary: {len(runs)} runs -> {results / 'summary.md'}")
     return summary

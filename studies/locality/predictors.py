@@ -1,9 +1,9 @@
 """Per-layer predictors of which MLP neurons fire (PowerInfer's), trained on profiled activations.
 
-    python -m eval.locality predictors --model runs/drelu --ranks 32 64 128 --recall 0.95
+    python -m studies.locality predictors --model runs/drelu --ranks 32 64 128 --recall 0.95
 
 From the MLP inputs x of `--tokens` tokens of the embedded corpus's first half (corpus-a) and the
-neurons that fire for them (eval.locality.firing), for each layer:
+neurons that fire for them (studies.locality.firing), for each layer:
 
 1. the neurons are ordered by firing frequency, most frequent first, and the first of them are
    the hot block, computed always (egmla.models.sparse_ffn, mode "predicted"; the model's MLPs
@@ -34,6 +34,7 @@ held-out tokens) is chosen. Every setting tried is reported.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -41,8 +42,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from egmla.models.sparse_ffn import (Predictor, Threshold, firing, layer_thresholds,
-                                     over_mlp_inputs, permute_neurons)
+from egmla.models.sparse_ffn import (firing, layer_thresholds, LayerPredictor, over_mlp_inputs,
+                                     permute_neurons, Predictor, predictors_to_tensors, Threshold)
+from studies.locality.profile import describe_threshold
+from studies.locality.sources import BATCH, source_texts, token_stream, windows
+
 
 CALIBRATION = 0.1  # share of the training tokens kept aside to calibrate the bias
 
@@ -199,3 +203,118 @@ def fit(model, train: list[tuple[torch.Tensor, torch.Tensor]], held_out_x, held_
                     rows.append({"layer": i, "hot": hots[i],
                                  **measure(p, held_out_x[i], held_out_fired[i], hots[i], matrices)})
                 yield rank, hots, recall, predictors, rows
+
+
+def build_predictors(model, tokenizer, args
+                     ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, str]]:
+    """Train and choose predictors (this module's doc); the report, and the tensors and
+    metadata to save (none if no rank was within the tolerance)."""
+    def data(source: str, tokens: int) -> torch.Tensor:
+        ids = token_stream(tokenizer, source_texts(source), max(tokens, BATCH * args.seq_len))
+        return windows(ids, args.seq_len, tokens)
+
+    train_ids, held_ids = data("corpus-a", args.tokens), data("corpus-b", args.held_out_tokens)
+    print(f"collecting MLP inputs: {train_ids.numel()} training and {held_ids.numel()} held-out "
+          "tokens ...", file=sys.stderr, flush=True)
+    train = collect(model, train_ids.split(BATCH), args.threshold)
+    orders = [frequency_order(fired) for _, fired in train]
+    reorder(model, orders)
+    train = [(x, fired[:, order]) for (x, fired), order in zip(train, orders)]
+    held = collect(model, held_ids.split(BATCH), args.threshold)
+    held_x, held_fired = [x for x, _ in held], [f for _, f in held]
+    dense = perplexity(model, held_ids.split(BATCH))
+    thresholds = layer_thresholds(args.threshold, len(model.layers))
+    # the reference a predictor is held to: the model computing exactly what fires (at a
+    # threshold, SwiGLU's firing set, an approximation of its own; else dense itself)
+    reference = dense if not any(thresholds) else perplexity(
+        model, held_ids.split(BATCH), lambda i, mlp, x: firing(mlp, x, thresholds[i]))
+    if reference != dense:
+        print(f"perplexity {reference:.3f} at the thresholds alone (dense {dense:.3f}, "
+              f"{reference / dense - 1:+.2%}): the predictors' reference", file=sys.stderr,
+              flush=True)
+    if args.hot_budget is not None:
+        cfg = model.config
+        neuron_bytes = cfg.ffn_matrices * cfg.d_model * model.layers[0].mlp.w_up.weight.element_size()
+        hot_options = {None: hot_under_budget([f.sum(0) for _, f in train], neuron_bytes,
+                                                args.hot_budget)}
+    else:
+        hot_options = {share: hot_by_share(train, share) for share in dict.fromkeys(args.hot)}
+    tried, chosen, best = [], None, None
+    for rank, hots, recall, preds, rows in fit(model, train, held_x, held_fired, args.ranks,
+                                                 list(hot_options.values()),
+                                                 list(dict.fromkeys(args.recall)), args.steps):
+        if chosen is not None and rank != chosen:
+            break  # a smaller rank had a setting within the tolerance
+
+        def keep(i, mlp, x, preds=preds, hots=hots):
+            mask = preds[i](x)
+            mask[:, :hots[i]] = True
+            return mask & firing(mlp, x, thresholds[i])
+
+        ppl = perplexity(model, held_ids.split(BATCH), keep)
+        share = next(s for s, h in hot_options.items() if h is hots)
+        entry = {"rank": rank, "hot_share": share, "hot": hots, "recall_target": recall,
+                 "perplexity": ppl, "relative_increase": ppl / reference - 1,
+                 "vs_dense": ppl / dense - 1,
+                 "density": sum(r["density"] for r in rows) / len(rows), "layers": rows,
+                 "params_share_of_model": sum(p.params() for p in preds) / model.num_params()}
+        tried.append(entry)
+        print(f"rank {rank}, hot {'budget' if share is None else share}, recall target {recall}: "
+              f"perplexity {ppl:.3f} (reference {reference:.3f}, "
+              f"{entry['relative_increase']:+.2%}), "
+              f"recall {sum(r['recall'] or 0 for r in rows) / len(rows):.3f}, "
+              f"density {entry['density']:.3f}", file=sys.stderr, flush=True)
+        if entry["relative_increase"] <= args.tolerance and (
+                best is None or entry["density"] < best[0]["density"]):
+            chosen, best = rank, (entry, preds)
+    report = {"dense_perplexity": dense, "reference_perplexity": reference, "tried": tried,
+              "chosen_rank": chosen,
+              "tolerance": args.tolerance, "hot_budget_bytes": args.hot_budget,
+              "recall_target": None, "hot_share": None, "hot": None,
+              "train_tokens": train_ids.numel(), "held_out_tokens": held_ids.numel()}
+    if best is None:
+        report["note"] = (f"no rank in {args.ranks} kept perplexity within {args.tolerance:.1%} "
+                          "of the reference; nothing saved")
+        return report, {}, {}
+    entry, preds = best
+    report.update(recall_target=entry["recall_target"], hot_share=entry["hot_share"],
+                  hot=entry["hot"])
+    tensors, metadata = predictors_to_tensors(
+        [LayerPredictor(*layer) for layer in zip(preds, orders, entry["hot"])], args.threshold)
+    if args.sparsity is not None:
+        metadata["sparsity"] = repr(args.sparsity)
+    return report, tensors, metadata
+
+
+def predictors_markdown(report: dict[str, Any]) -> str:
+    meta = report["meta"]
+    budget = report["hot_budget_bytes"]
+    chosen = ("none chosen" if report["chosen_rank"] is None else
+              f"chosen: rank {report['chosen_rank']}, hot block "
+              + (f"share {report['hot_share']}" if budget is None else f"under a {budget:,}-byte budget")
+              + f" ({', '.join(map(str, report['hot']))} neurons by layer), recall target "
+              f"{report['recall_target']}")
+    dense, reference = report["dense_perplexity"], report["reference_perplexity"]
+    held_to = ("dense" if reference == dense else
+               f"the {describe_threshold(meta['threshold'], meta.get('sparsity'))} alone, "
+               f"perplexity {reference:.3f} ({reference / dense - 1:+.2%} over dense)")
+    lines = [f"# Predictors: {meta['model']}", "",
+             (f"ffn {meta['ffn']}; {report['train_tokens']} training tokens (corpus-a), "
+              f"{report['held_out_tokens']} held out (corpus-b); dense perplexity "
+              f"{dense:.3f}; reference: {held_to}; tolerance {report['tolerance']:.1%} over the "
+              f"reference; {chosen}; git {str(meta['git'].get('sha'))[:10]}."), "",
+             ("| rank | hot share | recall target | perplexity | vs reference | vs dense | "
+              "mean recall | mean density | mean firing | predictor params / model |"),
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for t in report["tried"]:
+        n = len(t["layers"])
+        lines.append(
+            f"| {t['rank']} | {'budget' if t['hot_share'] is None else t['hot_share']} | "
+            f"{t['recall_target']} | {t['perplexity']:.3f} | {t['relative_increase']:+.2%} | "
+            f"{t['vs_dense']:+.2%} | "
+            f"{sum(r['recall'] or 0 for r in t['layers']) / n:.3f} | {t['density']:.1%} | "
+            f"{sum(r['firing_density'] for r in t['layers']) / n:.1%} | "
+            f"{t['params_share_of_model']:.1%} |")
+    lines += ["", f"Chosen rank: {report['chosen_rank']}" + (
+        f" ({report['note']})" if report.get("note") else "")]
+    return "\n".join(lines) + "\n"

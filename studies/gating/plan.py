@@ -1,0 +1,95 @@
+"""The plan: which runs a phase needs given the runs recorded so far. The learning-rate grid
+grows from its own results (a best rate at an edge adds the next doubling), and the phases
+after `lr` run at the rates it chooses."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from studies.gating.arms import arm_overrides
+from studies.gating.protocol import (ABLATIONS, ARM, BASE, BASE_STEPS, LONG_ARMS, LONG_FACTOR,
+                                     MQAR_STEPS, PHASES, Run, Setup, StudyError)
+
+
+def lr_grid(losses: dict[float, float], setup: Setup = Setup()) -> tuple[list[float], float | None]:
+    """The learning rates one arm needs given its losses so far (lr -> final validation loss),
+    and the best of them once the grid is settled (every point has run and the best is not at
+    an edge that may still grow), else None. A loss that is not finite (a diverged run) counts
+    as the worst."""
+    grid = sorted(setup.lrs)
+    low, high = grid[0] / 2 ** setup.lr_extensions, grid[-1] * 2 ** setup.lr_extensions
+
+    def loss(lr: float) -> float:
+        value = losses[lr]
+        return value if value is not None and math.isfinite(value) else math.inf
+
+    while all(lr in losses for lr in grid):
+        best = min(grid, key=lambda lr: (loss(lr), lr))
+        if best == grid[-1] and best * 2 <= high:
+            grid.append(best * 2)
+        elif best == grid[0] and len(grid) > 1 and best / 2 >= low:
+            grid.insert(0, best / 2)
+        else:
+            return grid, best
+    return grid, None
+
+
+def _lr_losses(records: list[dict[str, Any]], arm: str) -> dict[float, float]:
+    return {r["lr"]: selection_loss(r) for r in records if r["phase"] == "lr" and r["arm"] == arm}
+
+
+def selection_loss(r: dict[str, Any]) -> float:
+    """The loss a run had when its phase used it: for a run trained again for its export (on
+    another machine its loss differs, by up to about 0.01 after 300 steps), the loss recorded
+    before. So a remake does not reopen a learning rate chosen against runs not remade."""
+    return r["remade"]["recorded_val_loss"] if "remade" in r else r["val_loss"]
+
+
+def plan(phase: str, records: list[dict[str, Any]], setup: Setup = Setup()) -> list[Run]:
+    """The runs of `phase` given the runs recorded so far: the LR grid grows from its results,
+    and the phases after `lr` need the learning rates it chooses."""
+    steps, arms, first = setup.steps(BASE_STEPS), setup.arms, setup.seeds[0]
+
+    def run(phase, arm, lr, seed, steps, base=tuple(BASE)) -> Run:
+        attention = ARM[arm].attention if arm in ARM else ABLATIONS[arm][0]
+        return Run(phase, arm, attention, lr, seed, steps, arm_overrides(arm, base), base,
+                   setup.extra)
+
+    if phase == "lr":
+        return [run("lr", arm, lr, first, steps) for arm in arms
+                for lr in lr_grid(_lr_losses(records, arm), setup)[0]]
+    chosen = choose_lrs(records, setup)
+    need = list(arms) if phase in ("seeds", "long") else ["egmla_kv"]
+    missing = [a for a in need if a not in chosen]
+    if missing:
+        raise StudyError(f"phase {phase!r} needs the learning rates the lr phase chooses; "
+                         f"not yet chosen for: {', '.join(missing)}")
+    if phase == "seeds":
+        return [run("seeds", arm, chosen[arm], seed, steps)
+                for seed in setup.seeds[1:] for arm in arms]
+    if phase == "long":
+        return [run("long", arm, chosen[arm], first, steps * LONG_FACTOR)
+                for arm in LONG_ARMS if arm in arms]
+    if phase == "ablations":
+        return [run("ablations", name, chosen["egmla_kv"], seed, steps)
+                for seed in setup.seeds for name in ABLATIONS]
+    if phase == "mqar":
+        return [run("mqar", arm, chosen["egmla_kv"], seed, setup.steps(MQAR_STEPS),
+                    ("experiment=mqar_sweep",)) for seed in setup.seeds for arm in arms]
+    raise StudyError(f"unknown phase {phase!r}; phases: {', '.join(PHASES)}")
+
+
+def choose_lrs(records: list[dict[str, Any]], setup: Setup = Setup()) -> dict[str, float]:
+    """Each arm's best learning rate on the first seed, once its grid is settled."""
+    best = {arm: lr_grid(_lr_losses(records, arm), setup)[1] for arm in ARM}
+    return {arm: lr for arm, lr in best.items() if lr is not None}
+
+
+def eval_runs(records: list[dict[str, Any]], setup: Setup) -> list[Run]:
+    """The runs lm-eval scores: every arm's seeds at its chosen learning rate."""
+    chosen = choose_lrs(records, setup)
+    if any(arm not in chosen for arm in setup.arms):
+        return []
+    at_lr = [r for r in plan("lr", records, setup) if r.lr == chosen[r.arm]]
+    return at_lr + plan("seeds", records, setup)

@@ -1,0 +1,112 @@
+"""The study's protocol: its arms (variants and the controls that separate gating, token
+identity and extra parameters), its phases, budgets, learning-rate grid and seeds; a `Setup`
+(what one study covers) and a `Run` (one train.py process). docs/study.md says why each is
+what it is."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eval.local_tasks import group_tasks
+
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results" / "study"
+BASE = ["experiment=quickstart"]
+BASE_STEPS = 300  # 300 x 16 x 128 = 614,400 tokens, as benchmarks/train_variants.py
+LONG_FACTOR = 4
+MQAR_STEPS = 500
+LRS = (1e-3, 2e-3, 4e-3)
+LR_EXTENSIONS = 2  # a best LR at the grid's edge adds the next doubling (halving), at most twice
+SEEDS = (0, 1, 2)
+VAL_EVERY = 50  # periodic validations: the loss-against-tokens curve (Fig. 1a)
+LM_EVAL_TASKS = group_tasks("egmla_loglikelihood")  # eval/tasks/egmla_loglikelihood.yaml
+EVAL_BATCH_SIZE = 64  # continuations a forward: about 2x lm-eval's default of 1 here, same scores
+LM_EVAL_METRICS = ("corpus_cloze/acc", "corpus_cloze/acc_norm", "corpus_perplexity/word_perplexity",
+                   "corpus_perplexity/bits_per_byte", "mqar_recall/acc")  # summarized per arm
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    attention: str  # the configs/model/attention file
+    overrides: tuple[str, ...] = ()
+    what: str = ""
+
+
+ARMS = [
+    Arm("mha", "small_mha", what="multi-head attention"),
+    Arm("gqa2", "small_gqa2", what="grouped-query, 2 KV heads"),
+    Arm("mla", "small_mla", what="MLA, d_c 128"),
+    Arm("mla_dc32", "small_mla_dc32", what="MLA at EG-MLA's latent width (d_c 32)"),
+    Arm("mla_param_matched", "small_mla_dc32",
+        what="MLA d_c 32, FFN widened to EG-MLA kv's total parameters (tables included)"),
+    Arm("egmla_kv", "small_egmla", what="EG-MLA, gate on the up-projected K/V"),
+    Arm("egmla_latent", "small_egmla_latent", what="EG-MLA, gate on the latent"),
+    Arm("egmla_const_gate", "small_egmla_const_gate",
+        what="control: EG-MLA kv with one gate row for every token (no token identity)"),
+    Arm("mla_value_embed", "small_mla_value_embed",
+        what="control: MLA d_c 32 plus a token-id embedding added to V (identity, no gating)"),
+    Arm("egmla_hidden_gate", "small_egmla_hidden_gate",
+        what="control: the latent gated by sigmoid(W h) from the hidden state"),
+]
+ARM = {a.name: a for a in ARMS}
+LONG_ARMS = ("mla_dc32", "mla_param_matched", "egmla_kv", "egmla_latent", "mla_value_embed")
+BASELINES = ("mla_dc32", "mla_param_matched")  # the paired differences are taken against these
+ABLATIONS = {
+    **{f"egmla_kv_de{d}": ("small_egmla", (f"model.attention.d_e={d}",)) for d in (16, 32, 128)},
+    **{f"egmla_kv_group{g}": ("small_egmla", (f"model.attention.gate_group_size={g}",))
+       for g in (2, 4)},
+}
+PHASES = ("lr", "seeds", "long", "ablations", "mqar", "eval")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a study covers: the defaults are the protocol; narrower ones are for a rehearsal or
+    a user's own question (`extra`: train.py overrides added to every run)."""
+
+    arms: tuple[str, ...] = tuple(a.name for a in ARMS)
+    lrs: tuple[float, ...] = LRS
+    lr_extensions: int = LR_EXTENSIONS
+    seeds: tuple[int, ...] = SEEDS
+    scale: float = 1.0
+    extra: tuple[str, ...] = ()
+
+    def steps(self, base: int) -> int:
+        return max(2, round(base * self.scale))
+
+
+@dataclass(frozen=True)
+class Run:
+    phase: str
+    arm: str
+    attention: str
+    lr: float
+    seed: int
+    steps: int
+    overrides: tuple[str, ...] = field(default=())
+    base: tuple[str, ...] = tuple(BASE)
+    extra: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"{self.arm}-lr{self.lr:g}-s{self.seed}-{self.steps}"
+
+    def directory(self, runs_dir: Path) -> Path:
+        return runs_dir / self.phase / self.name
+
+    def command(self, runs_dir: Path) -> list[str]:
+        return [sys.executable, str(ROOT / "train.py"), *self.base,
+                f"model/attention={self.attention}", *self.overrides, *self.extra,
+                f"optim.lr={self.lr}", f"seed={self.seed}", f"trainer.max_steps={self.steps}",
+                f"trainer.val_every_n_steps={min(VAL_EVERY, self.steps)}",
+                f"trainer.checkpoint_every_n_steps={min(VAL_EVERY, self.steps)}",
+                "wandb.mode=disabled", "sample_prompt=null", f"name={self.name}",
+                f"hydra.run.dir={self.directory(runs_dir)}"]
+
+
+class StudyError(ValueError):
+    """Bad input or a failed run; printed as one line, exit status 2."""

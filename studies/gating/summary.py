@@ -1,0 +1,118 @@
+"""The study's statistics and its record: per arm the losses by seed at its chosen rate with a
+mean and 95% interval, the long runs, MQAR and lm-eval, and the paired differences (same seed,
+hence the same data order) against each baseline; written, with one JSON per run and the
+tables, under --results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from egmla import files
+from eval.stats import interval, paired
+from studies.gating.arms import arm_overrides, describe
+from studies.gating.plan import choose_lrs, selection_loss
+from studies.gating.protocol import (ABLATIONS, ARM, ARMS, BASE, BASE_STEPS, BASELINES,
+                                     LM_EVAL_METRICS, LONG_ARMS, LONG_FACTOR, MQAR_STEPS, Setup)
+from studies.gating.tables import render
+
+
+def summarize(records: list[dict[str, Any]], chosen: dict[str, float],
+              setup: Setup = Setup()) -> dict[str, Any]:
+    """Per arm: its configuration, the LR grid, the chosen LR, the losses by seed at that LR with
+    mean and 95% interval, the long runs, MQAR, and the paired differences (same seed, hence the
+    same data order) against each baseline arm."""
+    arms: dict[str, Any] = {}
+    for arm in [a.name for a in ARMS] + list(ABLATIONS):
+        rows = [r for r in records if r["arm"] == arm]
+        if not rows:
+            continue
+        grid = {f"{r['lr']:g}": selection_loss(r) for r in rows if r["phase"] == "lr"}
+        lr = chosen.get(arm if arm in ARM else "egmla_kv")
+        at_lr = {r["seed"]: r["val_loss"] for r in rows
+                 if r["phase"] in ("lr", "seeds", "ablations") and r["lr"] == lr}
+        seeds = dict(sorted(at_lr.items()))
+        attention, overrides = ((ARM[arm].attention, arm_overrides(arm)) if arm in ARM
+                                else ABLATIONS[arm])
+        arms[arm] = {
+            "what": ARM[arm].what if arm in ARM else "ablation of egmla_kv",
+            **describe(attention, overrides),
+            "lr_grid_val_loss": grid, "lr": lr, "lr_protocol": "best over LR (seed 0)",
+            "val_loss_by_seed": seeds, "val_loss": interval(list(seeds.values())),
+            "long": [{"seed": r["seed"], "tokens": r["tokens"], "val_loss": r["val_loss"]}
+                     for r in rows if r["phase"] == "long"],
+            "mqar_accuracy_by_seed": {r["seed"]: r["mqar_accuracy"] for r in rows
+                                      if r["phase"] == "mqar"},
+        }
+        mqar = {seed: mqar_mean(acc) for seed, acc in arms[arm]["mqar_accuracy_by_seed"].items()
+                if acc}
+        arms[arm]["mqar_model"] = next(  # MQAR's model is another size: its own bytes, params
+            ({"params": r["params"], "kv_bytes_per_token_bf16": r["kv_bytes_per_token_bf16"]}
+             for r in rows if r["phase"] == "mqar" and r.get("params")), None)
+        arms[arm]["mqar_mean_accuracy"] = interval(list(mqar.values())) if mqar else None
+        scored = {r["seed"]: r["lm_eval"] for r in rows
+                  if r["phase"] in ("lr", "seeds") and r["lr"] == lr and r.get("lm_eval")}
+        arms[arm]["lm_eval_by_seed"] = dict(sorted(scored.items()))
+        arms[arm]["lm_eval"] = {m: interval([v[m] for v in scored.values() if m in v])
+                                for m in LM_EVAL_METRICS if any(m in v for v in scored.values())}
+    for arm, entry in arms.items():  # against each baseline, paired by seed
+        entry["paired_differences"] = {}
+        entry["paired_differences_mqar"] = {}
+        entry["paired_differences_lm_eval"] = {m: {} for m in entry["lm_eval"]}
+        # an ablation is also paired with what it ablates
+        for base in (*BASELINES, "egmla_kv") if arm in ABLATIONS else BASELINES:
+            if base not in arms or base == arm:
+                continue
+            other = arms[base]
+            entry["paired_differences"][base] = paired(entry["val_loss_by_seed"],
+                                                       other["val_loss_by_seed"])
+            if entry["mqar_accuracy_by_seed"] and other["mqar_accuracy_by_seed"]:
+                entry["paired_differences_mqar"][base] = paired(
+                    *({s: mqar_mean(a) for s, a in e["mqar_accuracy_by_seed"].items() if a}
+                      for e in (entry, other)))
+            for m in entry["lm_eval"]:
+                if m in other["lm_eval"]:
+                    entry["paired_differences_lm_eval"][m][base] = paired(
+                        *({s: v[m] for s, v in e["lm_eval_by_seed"].items() if m in v}
+                          for e in (entry, other)))
+    return {"protocol": {"arms": [a.name for a in ARMS], "ablations": list(ABLATIONS),
+                         "baselines": list(BASELINES), "long_arms": list(LONG_ARMS),
+                         "lm_eval_metrics": list(LM_EVAL_METRICS),
+                         "base_steps": BASE_STEPS, "tokens_per_step": 16 * 128,
+                         "long_factor": LONG_FACTOR, "mqar_steps": MQAR_STEPS,
+                         "recipe": BASE, "lr_grid": list(setup.lrs),
+                         "lr_extensions": setup.lr_extensions,
+                         "selection": "best final validation loss over the LR grid, first seed "
+                         "(best over LR); a best at an edge grows the grid by a factor of 2 "
+                         "past it, at most lr_extensions times"},
+            "arms": arms, "remakes": remakes(records)}
+
+
+def remakes(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs trained again (for an export on a machine without their run directory): the
+    loss each had, the loss it has now, and the difference, largest first."""
+    rows = [{"run": f"{r['phase']}-{r['run']}", "arm": r["arm"], "seed": r["seed"],
+             "recorded_val_loss": r["remade"]["recorded_val_loss"], "val_loss": r["val_loss"],
+             "difference": r["val_loss"] - r["remade"]["recorded_val_loss"]}
+            for r in records if "remade" in r]
+    return sorted(rows, key=lambda row: -abs(row["difference"]))
+
+
+def mqar_mean(accuracy: dict[str, float]) -> float:
+    """A MQAR run's recall accuracy, the mean over its validation slices (4, 8, 16 pairs)."""
+    return sum(accuracy.values()) / len(accuracy)
+
+
+def write_results(results: Path, records: list[dict[str, Any]], setup: Setup) -> None:
+    from egmla.provenance import provenance
+
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "runs").mkdir(exist_ok=True)
+    for r in records:
+        files.write_json(results / "runs" / f"{r['phase']}-{r['run']}.json", r)
+    chosen = choose_lrs(records, setup)
+    summary = {**summarize(records, chosen, setup), "chosen_lr": chosen, "provenance": provenance(),
+               "runs": len(records)}
+    files.write_json(results / "summary.json", summary)
+    files.write_text(results / "tables.md", render(json.loads(json.dumps(summary))))  # as read back

@@ -1,0 +1,260 @@
+"""Issue 19's measurements end to end, resumable: `python -m studies.locality.runs`.
+
+Model by model (drelu, swiglu, reglu, relu2 at seed 0, then SmolLM2-135M-Instruct, the
+training-free baseline), so that each figure comes as soon as its model is ready:
+
+1. train: the model, `experiment=locality` (equal tokens and parameters across activations);
+   the finished run's record (final validation loss, tokens, parameters) goes to
+   `<results>/runs/<name>.json`, committed;
+2. profile and predictors: `python -m studies.locality profile|predictors`, SwiGLU models at
+   per-layer magnitude thresholds calibrated for 50% sparsity (CATS), the ReLU family at exact
+   zeros; the reports are copied to `<results>/<name>/` (made again when a report was made at
+   another setting);
+3. benchmark: `benchmarks/activation_locality.py --add --model M`, which adds the model to the
+   record `<results>/activation_locality.{json,md}` (measured again when its entry was made at
+   another target sparsity);
+
+then train the two more seeds of swiglu and drelu (only the loss table needs them), and
+
+4. losses: each activation's validation loss against SwiGLU's, mean and 95% interval over the
+   seeds it has, the difference unpaired (Welch) and paired by seed (a seed is the data order),
+   written to `<results>/losses.{json,md}`.
+
+Re-running skips what is done. A run known only from its record (a new machine: run
+directories are not committed) is not trained again unless a later step needs its model: a
+seed-0 model is, until the benchmark's record holds it.
+
+    python -m studies.locality.runs                       # everything, in the background
+    python -m studies.locality.runs --steps train losses  # only some steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from studies.pipeline import PipelineError, run_logged, write_json
+
+ROOT = Path(__file__).resolve().parents[2]
+# drelu first: the acceptance figure (its predicted-sparse speedup) is the one to have soonest
+RUNS = [("drelu", 0), ("swiglu", 0), ("reglu", 0), ("relu2", 0),
+        ("swiglu", 1), ("drelu", 1), ("swiglu", 2), ("drelu", 2)]
+SMOLLM2 = "SmolLM2-135M-Instruct"
+# SwiGLU has no exact zeros: its neurons fire above magnitude thresholds, one per layer,
+# calibrated so that this share of each layer's neurons is skipped per token (CATS; TEAL's
+# 40-50%)
+SWIGLU_SPARSITY = 0.5
+STEPS = ("train", "losses", "profile", "predictors", "benchmark")
+
+
+def run_name(ffn: str, seed: int) -> str:
+    return f"locality-{ffn}-s{seed}"
+
+
+def train_command(ffn: str, seed: int, runs_dir: Path, extra: list[str]) -> list[str]:
+    width = ["model.d_ff=2304"] if ffn == "relu2" else []  # no gate: 1.5x wide, equal parameters
+    return [sys.executable, str(ROOT / "train.py"), "experiment=locality", f"model.ffn={ffn}",
+            *width, f"seed={seed}", "wandb.mode=disabled", f"name={run_name(ffn, seed)}",
+            f"hydra.run.dir={runs_dir / run_name(ffn, seed)}", *extra]
+
+
+def train(ffn: str, seed: int, args, log, need_model: bool) -> dict[str, Any]:
+    """The run's record, training it first unless the record exists and its model is not
+    needed (or is there)."""
+    name = run_name(ffn, seed)
+    record_file, directory = args.results / "runs" / f"{name}.json", args.runs_dir / name
+    export = directory / "export"
+    if record_file.is_file() and (not need_model or (export / "config.json").is_file()):
+        return json.loads(record_file.read_text())
+    if not (directory / "summary.json").is_file() or not (export / "config.json").is_file():
+        run_logged(train_command(ffn, seed, args.runs_dir, args.overrides), args.runs_dir / f"{name}.log",
+             log)
+        shutil.rmtree(directory / "checkpoints", ignore_errors=True)  # only a resume needs them
+    summary = json.loads((directory / "summary.json").read_text())
+    config = json.loads((directory / "config.json").read_text())
+    info = json.loads((directory / "run_info.json").read_text())
+    model = json.loads((export / "config.json").read_text())
+    data = config["data"]
+    record = {"name": name, "ffn": ffn, "seed": seed, "val_loss": summary["val_loss"],
+              "steps": summary["global_step"],
+              "tokens": summary["global_step"] * data["batch_size"] * data["seq_len"],
+              "params": info.get("params"), "d_ff": model["d_ff"],
+              "precision": config["trainer"]["precision"], "fit_seconds": summary["fit_seconds"],
+              "overrides": args.overrides, "git": info["starts"][-1].get("git")}
+    write_json(record_file, record)
+    return record
+
+
+def losses(records: list[dict[str, Any]], results: Path) -> dict[str, Any]:
+    """Each activation's final validation loss against SwiGLU's: per seed, mean and interval;
+    the difference of means with Welch's interval (unpaired: different models); and the
+    difference paired by seed with its t-interval (a seed fixes the data order, shared across
+    activations, so the pairing removes the order's share of the spread)."""
+    from eval.stats import difference_interval, interval, paired
+
+    by_ffn: dict[str, dict[int, float]] = {}
+    for r in records:
+        by_ffn.setdefault(r["ffn"], {})[r["seed"]] = r["val_loss"]
+    base = interval(list(by_ffn.get("swiglu", {}).values()))
+    rows = []
+    for ffn, seeds in by_ffn.items():
+        ci = interval(list(seeds.values()))
+        rows.append({"ffn": ffn, "val_loss_by_seed": seeds, "val_loss": ci,
+                     "vs_swiglu": ci["mean"] - base["mean"] if base["n"] else None,
+                     "vs_swiglu_percent": 100 * (ci["mean"] - base["mean"]) / base["mean"]
+                     if base["n"] else None,
+                     "vs_swiglu_interval": difference_interval(
+                         list(seeds.values()), list(by_ffn["swiglu"].values()))
+                     if base["n"] and ffn != "swiglu" else None,
+                     "vs_swiglu_paired": paired(seeds, by_ffn["swiglu"])
+                     if base["n"] and ffn != "swiglu" else None})
+    report = {"what": "final validation loss (nats/token, held-out split) per MLP activation at "
+                      "equal tokens and parameters (configs/experiment/locality.yaml)",
+              "rows": rows}
+    write_json(results / "losses.json", report)
+    lines = ["# Loss cost of each MLP activation against SwiGLU (issue 19)", "",
+             report["what"] + "; mean and 95% t-interval over the seeds there are; the "
+             "difference from SwiGLU with Welch's 95% interval (unpaired) where both have two "
+             "seeds or more, and paired by seed (the same seed is the same data order) with "
+             "the t-interval of the per-seed differences.", "",
+             "| activation | seeds | val loss | 95% CI | vs SwiGLU | 95% CI of the difference "
+             "(Welch) | paired by seed: mean, 95% CI |",
+             "|---|---:|---:|---|---:|---|---|"]
+    for row in rows:
+        ci, d, p = row["val_loss"], row["vs_swiglu_interval"], row["vs_swiglu_paired"]
+        span = "" if ci["low"] is None else f"[{ci['low']:.4f}, {ci['high']:.4f}]"
+        diff = "" if row["vs_swiglu"] is None else (f"{row['vs_swiglu']:+.4f} "
+                                                   f"({row['vs_swiglu_percent']:+.2f}%)")
+        d_span = "" if d is None or d["low"] is None else f"[{d['low']:+.4f}, {d['high']:+.4f}]"
+        paired = "" if p is None or p["low"] is None else (
+            f"{p['mean']:+.4f} [{p['low']:+.4f}, {p['high']:+.4f}] ({p['n']} seeds)")
+        lines.append(f"| {row['ffn']} | {ci['n']} | {ci['mean']:.4f} | {span} | {diff} | "
+                     f"{d_span} | {paired} |")
+    (results / "losses.md").write_text("\n".join(lines) + "\n")
+    return report
+
+
+def benchmarked(results: Path) -> dict[str, float | None]:
+    """The models the benchmark's records in `results` hold, by a run's name (its export's
+    directory) or a known model's: the target sparsity each was measured at (None: none)."""
+    names = {}
+    for record in results.glob("activation_locality*.json"):
+        for m in json.loads(record.read_text()).get("models", []):
+            name = m["model"] if m["model"] == SMOLLM2 else Path(m["model"]).parent.name
+            names[name] = m.get("sparsity")
+    return names
+
+
+def target(ffn: str) -> float | None:
+    """The target sparsity a model of this MLP activation is measured at (None: exact zeros)."""
+    return SWIGLU_SPARSITY if ffn == "swiglu" else None
+
+
+def firing_args(sparsity: float | None) -> list[str]:
+    """studies.locality's arguments for a model's firing set: exact zeros, or per-layer
+    thresholds for a target sparsity."""
+    return ["--threshold", "0.0"] if sparsity is None else ["--sparsity", str(sparsity)]
+
+
+def locality(command: str, model: str, name: str, args, log,
+             sparsity: float | None = None) -> None:
+    """`python -m studies.locality <command>` for `model`, its reports copied to results/<name>.
+    It writes where the benchmark looks (studies.locality.default_out)."""
+    from studies.locality import default_out
+
+    out = args.results / name
+    work = ROOT / default_out(model)
+    report_file = out / f"{command}.json"
+    report = json.loads(report_file.read_text()) if report_file.is_file() else None
+    # the benchmark reads the predictors' file, which is not committed: remade while it is
+    # needed, if a rank was chosen (else there is none to make)
+    missing = (command == "predictors" and benchmarked(args.results).get(name, -1) != sparsity
+               and report is not None and report["chosen_rank"] is not None
+               and not (work / "predictors.safetensors").is_file())
+    config = (report or {}).get("meta", {}).get("config", {})
+    if report is not None and not missing and config.get("sparsity") == sparsity:
+        return
+    cmd = [sys.executable, "-m", "studies.locality", command, "--model", model, "--out", str(work),
+           *firing_args(sparsity), *getattr(args, f"{command}_args")]
+    run_logged(cmd, args.runs_dir / f"{name}-{command}.log", log)
+    out.mkdir(parents=True, exist_ok=True)
+    for file in (f"{command}.json", f"{command}.md", "profile.png"):
+        if (work / file).is_file():
+            shutil.copyfile(work / file, out / file)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m studies.locality.runs", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS),
+                   help="which steps to run (default: all, in the order above)")
+    p.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "locality-runs",
+                   help="where the runs train (default runs/locality-runs)")
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "locality",
+                   help="where the records go (default benchmarks/results/locality)")
+    p.add_argument("--overrides", nargs="*", default=[],
+                   help="train.py overrides for every run (a rehearsal: trainer.max_steps=2 ...)")
+    for step, what in (("profile", "python -m studies.locality profile"),
+                       ("predictors", "python -m studies.locality predictors"),
+                       ("benchmark", "benchmarks/activation_locality.py")):
+        p.add_argument(f"--{step}-args", type=shlex.split, default=[], metavar="'ARGS'",
+                       help=f"extra arguments for {what}, one quoted string (e.g. '--quick')")
+    p.add_argument("--no-smollm2", action="store_true",
+                   help="leave SmolLM2 out of the profile, predictors and benchmark steps")
+    args = p.parse_args(argv)
+    args.runs_dir, args.results = args.runs_dir.resolve(), args.results.resolve()
+    log = lambda message: print(time.strftime("%H:%M:%S"), message, flush=True)  # noqa: E731
+    steps = set(args.steps)
+    later = steps & {"profile", "predictors", "benchmark"}
+
+    def trained(runs: list[tuple[str, int]]) -> list[dict[str, Any]]:
+        records = []
+        if "train" in steps or "losses" in steps or later:
+            for ffn, seed in runs:
+                name = run_name(ffn, seed)
+                need = (seed == 0 and bool(later)
+                        and benchmarked(args.results).get(name, -1) != target(ffn))
+                if "train" not in steps and not (args.results / "runs" / f"{name}.json").is_file():
+                    continue
+                records.append(train(ffn, seed, args, log, need_model=need))
+        return records
+
+    def measure(name: str, model: str, sparsity: float | None) -> None:
+        for command in ("profile", "predictors"):
+            if command in steps:
+                locality(command, model, name, args, log, sparsity)
+        if "benchmark" in steps and benchmarked(args.results).get(name, -1) != sparsity:
+            # it finds the predictors (and their thresholds) where studies.locality wrote them
+            target = [] if sparsity is None else ["--swiglu-sparsity", str(sparsity)]
+            cmd = [sys.executable, str(ROOT / "benchmarks" / "activation_locality.py"),
+                   "--out", str(args.results), "--add", "--model", model, *target,
+                   *args.benchmark_args]
+            run_logged(cmd, args.runs_dir / f"{name}-benchmark.log", log)
+
+    try:
+        records = []
+        for ffn, seed in [run for run in RUNS if run[1] == 0]:
+            done = trained([(ffn, seed)])
+            records += done
+            if done:  # its record is there (and its model, while the benchmark needs it)
+                measure(run_name(ffn, seed), str(args.runs_dir / run_name(ffn, seed) / "export"),
+                        target(ffn))
+        if not args.no_smollm2:
+            measure(SMOLLM2, SMOLLM2, SWIGLU_SPARSITY)
+        records += trained([run for run in RUNS if run[1] != 0])
+        if "losses" in steps and records:
+            print((args.results / "losses.md").read_text() if losses(records, args.results) else "")
+    except PipelineError as error:
+        print(f"locality_runs: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
