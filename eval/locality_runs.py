@@ -7,5 +7,6 @@ import runpy
 import sys
 
 if __name__ == "__main__":
-    print("python -m eval.locality_runs moved to python -m studies.locality.runs; running that", file=sys.stderr)
+    print("python -m eval.locality_runs moved to python -m studies.locality.runs; running that",
+          file=sys.stderr)
     runpy.run_module("studies.locality.runs", run_name="__main__", alter_sys=True)

@@ -7,5 +7,6 @@ import runpy
 import sys
 
 if __name__ == "__main__":
-    print("python -m eval.study moved to python -m studies.gating; running that", file=sys.stderr)
+    print("python -m eval.study moved to python -m studies.gating; running that",
+          file=sys.stderr)
     runpy.run_module("studies.gating", run_name="__main__", alter_sys=True)

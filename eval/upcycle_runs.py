@@ -7,5 +7,6 @@ import runpy
 import sys
 
 if __name__ == "__main__":
-    print("python -m eval.upcycle_runs moved to python -m studies.upcycling; running that", file=sys.stderr)
+    print("python -m eval.upcycle_runs moved to python -m studies.upcycling; running that",
+          file=sys.stderr)
     runpy.run_module("studies.upcycling", run_name="__main__", alter_sys=True)

@@ -175,3 +175,21 @@ def test_the_old_study_commands_are_aliases_that_run_the_study_by_name():
                 "eval/locality_runs.py", "eval/upcycle_runs.py"):
         text = (ROOT / rel).read_text()
         assert "runpy.run_module(\"studies." in text and len(text.splitlines()) < 15, rel
+
+
+def test_no_test_file_imports_another():
+    """Shared test helpers live in tests/support/, never in a test file another one imports
+    (a test module imported twice runs its module code twice, and its fixtures leak)."""
+    tests = ROOT / "tests"
+    names = {p.stem for p in tests.rglob("test_*.py")}
+    offenders = {}
+    for path in sorted(tests.rglob("*.py")):
+        if "legacy" in path.relative_to(tests).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            found = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            hits = [n for n in found if n.split(".")[-1] in names or n.split(".")[0] in names]
+            if hits:
+                offenders[str(path.relative_to(ROOT))] = hits
+    assert not offenders, offenders

@@ -12,7 +12,8 @@ from typing import Any
 import studies.gating as package
 from studies.gating.plan import choose_lrs, eval_runs, plan
 from studies.gating.plots import write_figures
-from studies.gating.protocol import ARM, ARMS, LR_EXTENSIONS, LRS, PHASES, RESULTS, ROOT, SEEDS, Setup, StudyError
+from studies.gating.protocol import (ARM, ARMS, LR_EXTENSIONS, LRS, PHASES, RESULTS, ROOT, SEEDS,
+                                     Setup, StudyError)
 from studies.gating.runner import _before, execute, record, remake, score, stored_records
 from studies.gating.summary import write_results
 

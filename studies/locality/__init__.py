@@ -43,10 +43,10 @@ predictors and benchmark, resumable).
 from studies.locality.cli import build_parser, default_out, main
 from studies.locality.firing import (LayerStats, concentration_curve, coverage_share, pooled,
                                      profile_model, top_overlap)
-from studies.locality.profile import build_report, markdown, sparsity_thresholds
+from studies.locality.profile import build_report, describe_threshold, markdown, sparsity_thresholds
 from studies.locality.sources import BATCH, SOURCES, UsageError, source_texts, token_stream, windows
 
 __all__ = ["BATCH", "SOURCES", "LayerStats", "UsageError", "build_parser", "build_report",
-           "concentration_curve", "coverage_share", "default_out", "main", "markdown", "pooled",
+           "concentration_curve", "coverage_share", "default_out", "describe_threshold", "main", "markdown", "pooled",
            "profile_model", "source_texts", "sparsity_thresholds", "token_stream",
            "top_overlap", "windows"]

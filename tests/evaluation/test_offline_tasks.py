@@ -101,3 +101,19 @@ def test_paper_suite_composes_from_lm_evals_own_tasks():
     manager = TaskManager(include_path=str(TASKS))
     assert "egmla_paper" in manager.all_groups
     assert set(PAPER) <= set(manager.all_tasks)
+
+
+def test_the_scripts_task_list_is_the_group_lm_eval_loads():
+    """The studies and benchmarks read their task list from the group YAML (no list kept by
+    hand): what they read is what lm-eval composes for the group, in the YAML's order."""
+    from lm_eval.tasks import TaskManager
+
+    from eval.local_tasks import group_tasks, install
+
+    install()
+    tasks = group_tasks("egmla_loglikelihood")
+    assert tasks == ("corpus_cloze", "corpus_perplexity", "mqar_recall")
+    loaded = TaskManager(include_path=str(TASKS), include_defaults=False).load("egmla_loglikelihood")
+    assert set(loaded["tasks"]) == set(tasks)
+    with pytest.raises(ValueError, match="no lm-eval group 'nope'"):
+        group_tasks("nope")

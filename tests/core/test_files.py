@@ -1,0 +1,108 @@
+"""egmla.files: every record, cache entry and report is written whole or not at all; and
+egmla.units: the sizes a command line takes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+
+import pytest
+
+from egmla import files
+from egmla.units import parse_bytes
+
+
+def leftovers(directory) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if ".tmp-" in p.name)
+
+
+def test_a_write_replaces_the_file_whole_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "record.json"
+    path.write_text("old")
+    files.write_json(path, {"a": 1})
+    assert path.read_text() == '{\n "a": 1\n}\n' and leftovers(tmp_path) == []
+    files.write_text(path, "new", fsync=True)
+    assert path.read_text() == "new"
+
+
+def test_a_failed_write_keeps_the_old_file_and_removes_its_temporary(tmp_path, monkeypatch):
+    path = tmp_path / "record.json"
+    path.write_text("old")
+
+    def crash(src, dst):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="disk gone"):
+        files.write_bytes(path, b"new")
+    monkeypatch.undo()
+    assert path.read_text() == "old" and leftovers(tmp_path) == []
+    with pytest.raises(RuntimeError):  # a writer that fails midway: the same
+        with files.atomic_path(path) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("killed")
+    assert path.read_text() == "old" and leftovers(tmp_path) == []
+
+
+def test_the_mode_is_the_umasks_unless_asked(tmp_path):
+    old = os.umask(0o022)
+    try:
+        files.write_bytes(tmp_path / "a", b"x")
+        files.write_bytes(tmp_path / "b", b"x", mode=0o600)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "a").stat().st_mode) == 0o644  # as open() gives
+    assert stat.S_IMODE((tmp_path / "b").stat().st_mode) == 0o600
+
+
+def test_parents_are_made_only_when_asked(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        files.write_text(tmp_path / "x" / "y.txt", "a")
+    files.write_text(tmp_path / "x" / "y.txt", "a", parents=True)
+    assert (tmp_path / "x" / "y.txt").read_text() == "a"
+
+
+def test_a_directory_lands_whole_and_a_lost_race_keeps_the_winners(tmp_path):
+    target = tmp_path / "tok"
+    with files.atomic_directory(target) as tmp:
+        tmp.mkdir()
+        (tmp / "tokenizer.json").write_text("mine")
+    assert (target / "tokenizer.json").read_text() == "mine"
+    with files.atomic_directory(target, keep_existing=True) as tmp:  # another writer won
+        tmp.mkdir()
+        (tmp / "tokenizer.json").write_text("late")
+    assert (target / "tokenizer.json").read_text() == "mine" and leftovers(tmp_path) == []
+    with pytest.raises(OSError):
+        with files.atomic_directory(target) as tmp:
+            tmp.mkdir()
+            (tmp / "tokenizer.json").write_text("late")
+    assert leftovers(tmp_path) == []
+
+
+def test_several_files_arrive_together_or_not_at_all(tmp_path):
+    out = tmp_path / "comparison"
+    files.write_files(out, {"a.md": b"a", "a.png": b"png"})
+    assert sorted(p.name for p in out.iterdir()) == ["a.md", "a.png"]
+
+    class Broken(dict):
+        def items(self):
+            yield "b.md", b"b"
+            raise RuntimeError("the plot failed")
+
+    with pytest.raises(RuntimeError):
+        files.write_files(out, Broken({"b.md": b"b"}))
+    assert sorted(p.name for p in out.iterdir()) == ["a.md", "a.png"]  # nothing new
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["comparison"]
+
+
+@pytest.mark.parametrize("text, value", [("512MiB", 512 * 2**20), ("1.5G", 3 * 2**29),
+                                         ("2GB", 2 * 10**9), ("100000", 100_000), (" 8 kib ", 8192)])
+def test_sizes_read_as_people_write_them(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "12 parsecs", "0", "-1MiB"])
+def test_a_bad_size_is_an_argparse_error(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes(text)
