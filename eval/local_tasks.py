@@ -4,7 +4,8 @@ lm-eval resolves a task YAML's relative `dataset_kwargs.data_files` against the 
 directory, so a plain YAML with its JSONL next to it only works when run from that directory.
 `install()` makes lm-eval look next to the YAML first: a relative data file that exists beside
 the YAML becomes an absolute path; any other value is left exactly as written (so hub datasets
-and cwd-relative paths behave as before).
+and cwd-relative paths behave as before). `group_tasks(name)` reads the task list of a group
+YAML here, the one list the scripts that run a group's tasks one by one use.
 """
 
 from __future__ import annotations

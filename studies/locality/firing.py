@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from egmla.models.sparse_ffn import firing, layer_thresholds, over_mlp_inputs, Threshold
+from egmla.models.sparse_ffn import Threshold, firing, layer_thresholds, over_mlp_inputs
 
 
 UNION_BATCHES = (1, 4, 16)

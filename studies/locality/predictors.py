@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from egmla.models.sparse_ffn import (firing, layer_thresholds, LayerPredictor, over_mlp_inputs,
-                                     permute_neurons, Predictor, predictors_to_tensors, Threshold)
+from egmla.models.sparse_ffn import (LayerPredictor, Predictor, Threshold, firing, layer_thresholds,
+                                     over_mlp_inputs, permute_neurons, predictors_to_tensors)
 from studies.locality.profile import describe_threshold
 from studies.locality.sources import BATCH, source_texts, token_stream, windows
 

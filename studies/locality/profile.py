@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from egmla.files import write_bytes
-from egmla.models.sparse_ffn import calibrate_thresholds, Threshold
+from egmla.models.sparse_ffn import Threshold, calibrate_thresholds
 from studies.locality.firing import (COVERAGE, CURVE_POINTS, UNION_BATCHES, pooled, profile_model,
                                      top_overlap)
 from studies.locality.sources import BATCH, source_texts, token_stream, windows
