@@ -224,9 +224,8 @@ class EGMLA(MLA):
             scores = scores + torch.einsum("bthr,bshr->bths", q_rope,
                                            self.key_rope(k_rope, self.n_heads))
         if key_positions is None:  # no cache: the keys are the queries' own tokens
-            key_positions = positions
-        kp = key_positions if key_positions.dim() == 2 else key_positions[None]  # (B or 1, S)
-        visible = kp[:, None, None, :] <= positions[:, :, None, None]  # (B or 1, T, 1, S)
+            key_positions = positions.tensor
+        visible = positions.causal_mask(key_positions).transpose(1, 2)  # (B or 1, T, 1, S)
         attn = (scores * self.scale).masked_fill(~visible, float("-inf")).softmax(-1)  # (B,T,H,S)
 
         weights = attn if inv_sigma is None else attn * inv_sigma[:, None, None, :]
