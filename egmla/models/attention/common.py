@@ -3,13 +3,13 @@ with the causal mask from positions."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from egmla.config import ModelConfig
+from egmla.config import AttentionConfig, ModelConfig
 from egmla.models.layers import Rotary
 from egmla.models.positions import Positions
 
@@ -34,6 +34,10 @@ class AttentionLayer(nn.Module):
     layer, with whatever they share), initialized beyond the model's generic pass
     (`reset_parameters`) and counted (`lookup_tables`), so the model never asks which it is."""
 
+    # The config class (egmla.config) whose models this module computes; the module of a config
+    # is found by it (egmla.models.attention.attention_module). None: a base, or a form that
+    # another class's `build_layers` chooses.
+    config_class: ClassVar[type[AttentionConfig] | None] = None
     needs_token_ids = False  # whether the model must cache every token's id for this layer
 
     @classmethod

@@ -15,6 +15,8 @@ from egmla.models.positions import Positions
 class MHA(AttentionLayer):
     """Caches K and V per layer: 2 * n_kv * d_h elements per token."""
 
+    config_class = MHAConfig
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         a = config.attention

@@ -40,6 +40,8 @@ class MLA(AttentionLayer):
     """Caches c (d_c) and k_rope (rope_heads x d_rope) per layer: d_c + rope_heads * d_rope
     elements per token."""
 
+    config_class = MLAConfig
+
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         a = config.attention
