@@ -10,7 +10,8 @@ layers and a per-layer up-projection W_UE (D = d_nope + d_v per head, e_j = E[id
 
 `kv` is the reading that matches the paper's summary (gate, then layer norm over all heads, then
 split into heads). `latent` keeps MLA's absorbed decode. Which one the paper used could not be
-verified (docs/attention.md).
+verified (docs/attention.md). Each is a class: EGMLA (`kv`) and EGMLALatent (`latent`), sharing
+the gate's parts through EGMLABase; the config says which (`type: egmla`, `gate_position`).
 
 `kv` has two exact computations. Rebuild (`naive`): up-project and gate K/V for every cached key,
 about S * H * D * (d_c + d_e) MACs per layer per step. Absorbed: the norm's statistics of the
