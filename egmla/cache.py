@@ -255,6 +255,7 @@ class ContiguousCache(CacheTensors):
         self.batch_size, self.max_len = batch_size, max_len
         self.length = 0
         self._step = 0  # tokens in the step being written (set by `begin`)
+        self._keys: torch.Tensor | None = None  # key_positions, made once per step
 
     def begin(self, sequence: Mapping[str, torch.Tensor], positions: torch.Tensor | None = None
               ) -> None:
@@ -309,7 +310,12 @@ class ContiguousCache(CacheTensors):
 
     @property
     def key_positions(self) -> torch.Tensor:
-        return torch.arange(self.length + self._step, device=self.device)
+        """0 .. every cached and new token, (S,): the same tensor for every layer of a step, so
+        the layers share one causal mask (egmla.models.positions.Positions.causal_mask)."""
+        S = self.length + self._step
+        if self._keys is None or self._keys.shape[0] != S:
+            self._keys = torch.arange(S, device=self.device)
+        return self._keys
 
     def sequence_field(self, name: str) -> torch.Tensor:
         return self.sequence[name][:, : self.length + self._step]

@@ -61,6 +61,12 @@ def _check_literals(obj: Any, where: str) -> None:
 # Attention variants
 
 
+# Every attention config class by its `type`: a subclass that sets `type` registers itself when
+# it is defined (AttentionConfig.__init_subclass__), so a new variant adds its class and no list.
+# Its module (egmla.models.attention) names the config class it computes.
+ATTENTION_REGISTRY: dict[str, type[AttentionConfig]] = {}
+
+
 @dataclass
 class AttentionConfig:
     """Base of the attention configs. `type` is the registry name, set by each subclass.
@@ -76,6 +82,17 @@ class AttentionConfig:
     native_refusal: ClassVar[str] = ""
     hf_layout: ClassVar[tuple[str, ...]] = ()  # empty: no transformers export (hf_refusal says why)
     hf_refusal: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("type")
+        if not name:
+            return  # a base shared by variants, or a variant refined without a name of its own
+        taken = ATTENTION_REGISTRY.get(name)
+        if taken is not None:
+            raise ConfigError(f"attention type {name!r} of {cls.__module__}.{cls.__qualname__} is "
+                              f"taken by {taken.__module__}.{taken.__qualname__}")
+        ATTENTION_REGISTRY[name] = cls
 
     def validate(self, model: ModelConfig) -> None:
         _check_literals(self, f"attention[{self.type}]")
@@ -425,12 +442,6 @@ class MLAValueEmbedConfig(MLAConfig):
 
     def label(self, model: ModelConfig) -> str:
         return "mla-value-embed"
-
-
-ATTENTION_REGISTRY: dict[str, type[AttentionConfig]] = {
-    cls.type: cls for cls in (MHAConfig, MLAConfig, EGMLAConfig, EGMLAConstGateConfig,
-                              EGMLAHiddenGateConfig, MLAValueEmbedConfig)
-}
 
 
 def attention_from_dict(data: dict[str, Any]) -> AttentionConfig:

@@ -24,10 +24,29 @@ SCRIPTS = ("train.py", "benchmarks")
 # The exported remote-code files run inside transformers, apart from egmla (egmla/export/hf_code).
 STANDALONE = ("egmla/export/hf_code",)
 VARIANT_HOME = ("egmla/models/attention/", "egmla/config.py")
-VARIANT_CLASSES = {"MHAConfig", "MLAConfig", "EGMLAConfig", "MHA", "MLA", "EGMLA",
-                   "EGMLAConstGateConfig", "EGMLAHiddenGateConfig", "MLAValueEmbedConfig",
-                   "EGMLAConstGate", "EGMLAHiddenGate", "MLAValueEmbed"}
-VARIANT_NAMES = {"mha", "mla", "egmla", "egmla_const_gate", "egmla_hidden_gate", "mla_value_embed"}
+
+
+def variant_classes() -> set[str]:
+    """The names of every variant's classes, read from the registry: the config classes and
+    the module classes under them (the forms a module builds, like EGMLALatent, included)."""
+    from egmla.config import AttentionConfig
+    from egmla.models.attention import AttentionLayer
+
+    def under(cls: type) -> set[type]:
+        return {c for sub in cls.__subclasses__() for c in (sub, *under(sub))}
+
+    return {c.__name__ for c in under(AttentionConfig) | under(AttentionLayer)
+            if c.__module__.startswith("egmla.")}
+
+
+def variant_names() -> set[str]:
+    from egmla.config import ATTENTION_REGISTRY
+
+    return {name for name, cls in ATTENTION_REGISTRY.items() if cls.__module__.startswith("egmla.")}
+
+
+VARIANT_CLASSES = variant_classes()
+VARIANT_NAMES = variant_names()
 # Where naming a variant is the point, with the reason.
 NAMED_ON_PURPOSE = {
     "eval/kv_bytes.py": "the report's 'vs MLA' column picks its baseline config by type",
@@ -193,3 +212,15 @@ def test_no_test_file_imports_another():
             if hits:
                 offenders[str(path.relative_to(ROOT))] = hits
     assert not offenders, offenders
+
+
+def test_the_variants_are_read_from_the_registry():
+    """Every registered type and its classes, and the forms a module builds, without a list."""
+    from egmla.models.attention import ATTENTION_MODULES
+
+    assert {"mha", "mla", "egmla"} <= VARIANT_NAMES
+    for name in VARIANT_NAMES:
+        module = ATTENTION_MODULES[name]
+        assert {module.__name__, module.config_class.__name__} <= VARIANT_CLASSES
+    assert "EGMLALatent" in VARIANT_CLASSES  # built by EGMLA for gate_position latent
+    assert not {"AttentionConfig", "AttentionLayer"} & VARIANT_CLASSES

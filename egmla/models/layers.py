@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -54,15 +53,15 @@ def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
     raise ValueError(f"unknown norm {kind!r}; expected layernorm, rmsnorm or none")
 
 
+@dataclasses.dataclass(frozen=True)
 class Rotary:
     """Rotary position embedding in the half-split ("rotate_half") layout used by Llama.
 
     The angles are computed from absolute positions, so any offset (a cached prefix, a chunk of
-    a prompt) is just a different `positions` tensor. No buffers: the frequencies cannot be
-    silently cast to bf16 by `model.to(dtype)`. Layers get their instance from `rotary(dim,
-    theta, freqs, spectrum)`, which shares one per argument tuple: every layer of a forward
-    passes the same `positions` tensor, so the angles are computed by the first layer and
-    reused by the rest.
+    a prompt) is just a different `positions` tensor. A value (equal when its arguments are),
+    holding nothing between calls and no buffers: the frequencies cannot be silently cast to
+    bf16 by `model.to(dtype)`. A forward computes each rotary's angles once and hands them to
+    its layers (egmla.models.positions.Positions).
 
     Frequencies: by default the dim/2 standard ones, theta^(-2j/dim). With `freqs`, one tuple
     of dim/2 indices per RoPE head, each head rotating its pair i at theta^(-2 freqs[h][i] /
@@ -71,66 +70,48 @@ class Rotary:
     the frequencies of a 64-wide head's pairs 0, 8, 16 and 24.
     """
 
-    def __init__(self, dim: int, theta: float, freqs: tuple[tuple[int, ...], ...] | None = None,
-                 spectrum: int | None = None) -> None:
-        if dim % 2:
-            raise ValueError(f"RoPE dim must be even, got {dim}")
-        if freqs is not None and (spectrum is None or any(len(f) != dim // 2 for f in freqs)):
-            raise ValueError(f"RoPE freqs={freqs}: need dim/2={dim // 2} indices per head and a "
-                             "spectrum width")
-        self.dim, self.theta, self.freqs, self.spectrum = dim, theta, freqs, spectrum
-        self._last: tuple | None = None  # (positions, its version, dtype, cos, sin)
-        self._freqs: dict[tuple, torch.Tensor] = {}  # (device, dtype) -> inverse frequencies
+    dim: int
+    theta: float
+    freqs: tuple[tuple[int, ...], ...] | None = None
+    spectrum: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dim % 2:
+            raise ValueError(f"RoPE dim must be even, got {self.dim}")
+        if self.freqs is not None and (self.spectrum is None
+                                       or any(len(f) != self.dim // 2 for f in self.freqs)):
+            raise ValueError(f"RoPE freqs={self.freqs}: need dim/2={self.dim // 2} indices per "
+                             "head and a spectrum width")
+        # the CPU's inverse frequencies, made with the rotary (a decode step then runs 7 small
+        # ops, not 11); other devices compute theirs in each forward
+        with torch.inference_mode(False):  # plain tensors, usable by any later forward
+            cpu = {work: self._make_inv_freq(torch.device("cpu"), work)
+                   for work in (torch.float32, torch.float64)}
+        object.__setattr__(self, "_cpu_inv_freq", cpu)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (B, T) integer -> cos, sin (B, T, dim) in `dtype`; with per-head `freqs`,
         (B, T, heads, dim)."""
-        compiling = torch.compiler.is_compiling()  # a traced forward keeps no memo
-        last = self._last  # one read: another thread may replace it, never half of it
-        if (not compiling and last is not None and last[0] is positions
-                and last[1] == version(positions) and last[2] == dtype):
-            return last[3], last[4]
         work = _compute_dtype(dtype)
         inv_freq = self._inv_freq(positions.device, work)  # (dim/2,) or (heads, dim/2)
         shape = positions.shape + (1,) * inv_freq.dim()
         angles = positions.to(work).view(shape) * inv_freq  # (B, T, [heads,] dim/2)
         angles = torch.cat((angles, angles), dim=-1)  # (B, T, [heads,] dim)
-        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-        if not compiling:
-            self._last = (positions, version(positions), dtype, cos, sin)
-        return cos, sin
+        return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def _inv_freq(self, device: torch.device, work: torch.dtype) -> torch.Tensor:
+        if device.type == "cpu" and work in self._cpu_inv_freq:
+            return self._cpu_inv_freq[work]
+        return self._make_inv_freq(device, work)
+
+    def _make_inv_freq(self, device: torch.device, work: torch.dtype) -> torch.Tensor:
         """theta^(-2i/dim) for i < dim/2, (dim/2,) in `work`, or theta^(-2j/spectrum) for the
-        `freqs` j, (heads, dim/2): made once per device and dtype (a traced forward computes it
-        in its graph)."""
-        def compute() -> torch.Tensor:
-            if self.freqs is None:
-                exponent = torch.arange(0, self.dim, 2, device=device, dtype=torch.int64).to(work)
-                return 1.0 / (self.theta ** (exponent / self.dim))
-            exponent = 2 * torch.tensor(self.freqs, device=device, dtype=torch.int64)
-            return 1.0 / (self.theta ** (exponent.to(work) / self.spectrum))
-
-        if torch.compiler.is_compiling():
-            return compute()
-        if (device, work) not in self._freqs:
-            with torch.inference_mode(False):  # a plain tensor, usable by any later forward
-                self._freqs[device, work] = compute()
-        return self._freqs[device, work]
-
-
-def version(t: torch.Tensor) -> int:
-    """t's in-place version counter; -1 for an inference tensor, which keeps none. (The model's
-    forward hands its layers a tensor object of its own, so per-forward memos keyed on the
-    object cannot outlive the forward even without a counter.)"""
-    return -1 if t.is_inference() else t._version
-
-
-@functools.cache
-def rotary(dim: int, theta: float, freqs: tuple[tuple[int, ...], ...] | None = None,
-           spectrum: int | None = None) -> Rotary:
-    """The shared Rotary for (dim, theta, freqs, spectrum) (see Rotary)."""
-    return Rotary(dim, theta, freqs, spectrum)
+        `freqs` j, (heads, dim/2)."""
+        if self.freqs is None:
+            exponent = torch.arange(0, self.dim, 2, device=device, dtype=torch.int64).to(work)
+            return 1.0 / (self.theta ** (exponent / self.dim))
+        exponent = 2 * torch.tensor(self.freqs, device=device, dtype=torch.int64)
+        return 1.0 / (self.theta ** (exponent.to(work) / self.spectrum))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -14,10 +14,6 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.nn.modules.module import (
-    register_module_module_registration_hook,
-    register_module_parameter_registration_hook,
-)
 
 from egmla import kernels
 from egmla.cache import TOKEN_IDS, CacheSpec, CacheStep, ContiguousCache, LayerView
@@ -25,19 +21,7 @@ from egmla.config import ModelConfig
 from egmla.models.attention import build_attention
 from egmla.models.attention.common import TOKEN_IDS_FIELD
 from egmla.models.layers import FeedForward, Linear, RMSNorm, Rotary
-
-
-# Parameters and submodules assigned on any module, counted (torch's global registration hooks):
-# a block's weights, checked once for the decode kernel, are checked again after any is replaced.
-_assignments = [0]
-
-
-def _count_assignment(*_) -> None:
-    _assignments[0] += 1
-
-
-register_module_parameter_registration_hook(_count_assignment)
-register_module_module_registration_hook(_count_assignment)
+from egmla.models.positions import Positions
 
 
 class Block(nn.Module):
@@ -47,18 +31,24 @@ class Block(nn.Module):
         self.attn = attention
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = FeedForward(config.d_model, config.d_ff, config.ffn)
-        self._kernel: tuple | None = None  # (key, what kernel_weights returns)
+        self._kernel: tuple | None = None  # (x's dtype and device, what kernel_weights returns)
 
-    def forward(self, x, positions, cache=None, token_ids=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: Positions | torch.Tensor,
+                cache: LayerView | None = None, token_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), positions, cache, token_ids)
         return x + self.mlp(self.mlp_norm(x))
 
     def kernel_weights(self, x: torch.Tensor) -> tuple[kernels.BlockWeights, Rotary] | None:
         """This block's weights as egmla.kernels.decode_blocks takes them, with its RoPE, for
         steps on x's dtype and device; None where the kernel cannot compute the block (its
-        attention is not plain RoPE attention over K and V, or its weights do not suit). Checked
-        once, and again after the dtype or device changes or any parameter is assigned."""
-        key = (x.dtype, x.device, _assignments[0])
+        attention is not plain RoPE attention over K and V, or its weights do not suit).
+
+        Checked once and kept, and checked again when x's dtype or device changes. The kept
+        weights are the parameters themselves, so an in-place edit (`copy_`, `load_state_dict`,
+        `model.to`) shows at the next step; a parameter or submodule assigned anew is seen only
+        after `forget_kernel_weights()` (`Transformer.weights_replaced()` for every block)."""
+        key = (x.dtype, x.device)
         if self._kernel is None or self._kernel[0] != key:
             attn = self.attn.rope_kv_attention()
             weights = None if attn is None else kernels.block_weights(
@@ -66,6 +56,10 @@ class Block(nn.Module):
                 self.mlp.dense_kernel(), attn.scale)
             self._kernel = (key, None if weights is None else (weights, attn.rope))
         return self._kernel[1]
+
+    def forget_kernel_weights(self) -> None:
+        """Drop the weights `kernel_weights` kept: the next decode step reads the block again."""
+        self._kernel = None
 
 
 def fused_decode(blocks: Sequence[Block], x: torch.Tensor, positions: torch.Tensor,
@@ -140,6 +134,13 @@ class Transformer(nn.Module):
         for block in self.layers:
             block.attn.reset_parameters()
 
+    def weights_replaced(self) -> None:
+        """Call after assigning parameters or submodules anew (`block.mlp.w_up.weight =
+        nn.Parameter(...)`, a swapped module): the decode kernel's kept weights
+        (`Block.kernel_weights`) are read again at the next step. Edits in place need no call."""
+        for block in self.layers:
+            block.forget_kernel_weights()
+
     def cache_spec(self) -> CacheSpec:
         layers = tuple(block.attn.cache_spec() for block in self.layers)
         needs_ids = any(block.attn.needs_token_ids for block in self.layers)
@@ -184,9 +185,7 @@ class Transformer(nn.Module):
         if positions is None:  # a paged (ragged) step always passes its positions
             positions = (cache.next_positions(T) if cache is not None
                          else torch.arange(T, device=token_ids.device))
-        # (1, T) broadcasts over the batch. A view either way: a tensor object of this forward's
-        # own, on which the layers' shared per-forward values (RoPE angles, the mask) are keyed.
-        positions = positions[None] if positions.dim() == 1 else positions.view(positions.shape)
+        positions = positions[None] if positions.dim() == 1 else positions  # (1, T) broadcasts
         if cache is not None:
             cache.begin({TOKEN_IDS_FIELD: token_ids}, positions)
         x = self.tok_emb(token_ids)  # (B, T, d)
@@ -195,8 +194,10 @@ class Transformer(nn.Module):
         if fused is not None:
             x = fused
         else:
+            # this forward's RoPE angles and masks, computed once and shared by the layers
+            shared = Positions(positions)
             for i, block in enumerate(self.layers):
-                x = block(x, positions, views[i] if views is not None else None, token_ids)
+                x = block(x, shared, views[i] if views is not None else None, token_ids)
         if cache is not None:
             cache.advance()
         if logits_at is not None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import re
+from typing import ClassVar
 
 import pytest
 
-from egmla.config import ATTENTION_REGISTRY, ConfigError, EGMLAConfig, MHAConfig, ModelConfig
+from egmla.config import (ATTENTION_REGISTRY, ConfigError, EGMLAConfig, MHAConfig, MLAConfig,
+                          ModelConfig)
 from egmla.presets import PRESETS, preset
 
 BASE = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4}
@@ -21,12 +23,35 @@ def test_every_preset_round_trips_through_json(name):
     assert data["attention"]["type"] == cfg.attention.type
 
 
-def test_registry_names():
-    from egmla.models.attention import ATTENTION_MODULES
+def test_every_registered_config_has_its_one_module():
+    from egmla.models.attention import ATTENTION_MODULES, AttentionLayer
 
-    assert set(ATTENTION_REGISTRY) == {"mha", "mla", "egmla", "egmla_const_gate",
-                                       "egmla_hidden_gate", "mla_value_embed"}
-    assert set(ATTENTION_MODULES) == set(ATTENTION_REGISTRY)  # every config has its module
+    assert {"mha", "mla", "egmla"} <= set(ATTENTION_REGISTRY)
+    assert set(ATTENTION_MODULES) == set(ATTENTION_REGISTRY)  # derived from it
+    for name, cls in ATTENTION_REGISTRY.items():
+        module = ATTENTION_MODULES[name]
+        assert cls.type == name and issubclass(module, AttentionLayer)
+        assert module.config_class is cls
+
+
+def test_a_type_name_is_registered_once():
+    with pytest.raises(ConfigError, match="'mla' of .*Again is taken by egmla.config.MLAConfig"):
+        class Again(MLAConfig):
+            type: ClassVar[str] = "mla"
+    assert ATTENTION_REGISTRY["mla"] is MLAConfig
+
+
+def test_a_config_without_a_module_fails_by_name():
+    from egmla.models.attention import attention_module
+
+    class Orphan(MHAConfig):
+        type: ClassVar[str] = "orphan_for_a_test"
+
+    try:
+        with pytest.raises(LookupError, match="'orphan_for_a_test'.*config_class = .*Orphan"):
+            attention_module(Orphan())
+    finally:
+        del ATTENTION_REGISTRY["orphan_for_a_test"]
 
 
 def test_unknown_top_level_key_is_named():

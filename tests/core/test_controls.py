@@ -46,6 +46,30 @@ def test_the_constant_gate_ignores_the_token_ids(name, token_dependent, impl):
         assert torch.equal(g, g[:1, :1].expand_as(g))
 
 
+@pytest.mark.parametrize("impl", ["naive", "absorbed"])
+def test_the_constant_gate_on_the_latent_ignores_the_token_ids_and_decodes_as_it_forwards(impl):
+    """`egmla_const_gate` with `gate_position: latent` (EGMLALatentConstGate): the one row gates
+    the latent, so the layer and its cache (no token ids) are the same for any ids, and prefill
+    + decode equal the full forward."""
+    from support.models import build, random_ids, with_attention
+
+    cfg = with_attention(preset("tiny-egmla-const-gate"), gate_position="latent", impl=impl)
+    model = build(cfg)
+    attn = model.layers[0].attn
+    assert type(attn).__name__ == "EGMLALatentConstGate" and not attn.lookup_tables()
+    assert model.cache_spec().sequence == {}  # no token ids cached
+    x, positions, ids = inputs(model)
+    with torch.no_grad():
+        assert torch.equal(attn(x, positions, None, ids),
+                           attn(x, positions, None, (ids + 1) % cfg.vocab_size))
+        ids = random_ids(cfg, 2, 12)
+        full = model(ids)
+        cache = model.new_cache(batch_size=2, max_len=12)
+        steps = [model(ids[:, :9], cache=cache)] + [model(ids[:, t:t + 1], cache=cache)
+                                                    for t in range(9, 12)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-10)
+
+
 def test_the_value_embedding_adds_a_term_of_the_token_id_alone():
     model, attn = layer("tiny-mla-value-embed")
     g = torch.Generator().manual_seed(3)

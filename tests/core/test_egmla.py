@@ -192,3 +192,19 @@ def test_auto_picks_the_cheaper_computation_per_step():
     assert not kv256._use_absorbed(1, 4096, cached=True)
     macs = kv16.step_macs(1, 4096)
     assert macs["rebuild"] / macs["absorbed"] > 3
+
+
+def test_the_latent_gate_is_its_own_class_with_the_same_weight_names():
+    """`type: egmla, gate_position: latent` builds EGMLALatent (MLA's computation over the gated
+    latent; no statistics, no token ids), named as EG-MLA's weights always were."""
+    from egmla.models.attention import EGMLA, EGMLALatent, MLA
+
+    latent, kv = (Transformer(preset(name)) for name in ("tiny-egmla-latent", "tiny-egmla"))
+    attn = latent.layers[0].attn
+    assert type(attn) is EGMLALatent and type(kv.layers[0].attn) is EGMLA
+    for method in ("expand", "decode_cost", "supports_absorbed", "prefers_absorbed", "_absorbed"):
+        assert getattr(EGMLALatent, method) is getattr(MLA, method)  # MLA's, not a branch
+    assert set(attn.cache_spec()) == {"c", "k_rope"} and not attn.needs_token_ids
+    names = {k for k in latent.state_dict() if k.startswith("layers.0.attn.")}
+    assert names == {k for k in kv.state_dict() if k.startswith("layers.0.attn.")}
+    assert {"layers.0.attn.gate_table.weight", "layers.0.attn.w_gate.weight"} <= names

@@ -10,6 +10,7 @@ import torch
 
 from egmla.config import MLAConfig
 from egmla.models import RMSNorm, Rotary, Transformer, apply_rope
+from egmla.models.positions import Positions
 from egmla.presets import PRESETS, preset
 from support.models import VARIANTS, build, random_ids, with_attention
 
@@ -201,22 +202,52 @@ def test_rmsnorm_in_bf16_normalizes_in_float32_then_scales_in_bf16():
         assert torch.equal(norm(x), expected)
 
 
-def test_the_layers_share_one_rope_whose_angles_are_computed_once_per_positions_tensor():
-    from egmla.models.layers import rotary
-
+def test_a_forward_computes_each_ropes_angles_once_and_keeps_nothing(monkeypatch):
+    """The layers' rotaries are values (equal when their arguments are, frozen); a forward
+    computes each one's angles once and hands them to every layer (Positions), and the next
+    forward computes its own."""
     model = build(preset("tiny-mha"))
-    ropes = {id(block.attn.rope) for block in model.layers}
-    assert len(ropes) == 1 and rotary(model.layers[0].attn.head_dim, model.config.rope_theta) is \
-        model.layers[0].attn.rope
-    rope, positions = model.layers[0].attn.rope, torch.arange(6)[None]
-    first = rope.cos_sin(positions, torch.float32)
-    assert rope.cos_sin(positions, torch.float32)[0] is first[0]  # reused
-    assert rope.cos_sin(positions.clone(), torch.float32)[0] is not first[0]  # another tensor
-    positions.add_(3)  # the same tensor changed in place: recomputed, and right
-    moved = rope.cos_sin(positions, torch.float32)
-    assert moved[0] is not first[0]
-    assert torch.allclose(moved[0], Rotary(rope.dim, rope.theta).cos_sin(torch.arange(3, 9)[None],
-                                                                          torch.float32)[0])
+    rope = model.layers[0].attn.rope
+    assert {block.attn.rope for block in model.layers} == {Rotary(rope.dim, rope.theta)}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rope.theta = 1.0
+    calls = []
+    cos_sin = Rotary.cos_sin
+    monkeypatch.setattr(Rotary, "cos_sin", lambda self, *a: calls.append(self) or cos_sin(self, *a))
+    ids = random_ids(preset("tiny-mha"), 2, 6)
+    with torch.no_grad():
+        model(ids)
+        assert len(calls) == 1  # for the model's layers
+        model(ids)
+    assert len(calls) == 2  # one per forward: nothing was kept from the first
+    positions = Positions(torch.arange(6)[None])
+    first = positions.cos_sin(rope, torch.float32)
+    assert positions.cos_sin(model.layers[1].attn.rope, torch.float32)[0] is first[0]
+    moved = Positions(torch.arange(3, 9)[None]).cos_sin(rope, torch.float32)
+    assert torch.allclose(moved[0], cos_sin(Rotary(rope.dim, rope.theta), torch.arange(3, 9)[None],
+                                            torch.float32)[0])
+
+
+def test_the_layers_of_a_cached_step_share_one_mask(monkeypatch):
+    """With a cache, every layer attends over the same key positions: the mask is built once per
+    forward (contiguous cache: one key_positions tensor per step)."""
+    model = build(preset("tiny-gqa2"))
+    built = []
+    causal_mask = Positions.causal_mask
+
+    def counted(self, key_positions, R=1):
+        before = len(self._masks)
+        mask = causal_mask(self, key_positions, R)
+        built.append(len(self._masks) > before)
+        return mask
+
+    monkeypatch.setattr(Positions, "causal_mask", counted)
+    ids = random_ids(preset("tiny-gqa2"), 2, 6)
+    with torch.no_grad():
+        cache = model.new_cache(batch_size=2, max_len=6)
+        model(ids[:, :5], cache=cache)
+        model(ids[:, 5:], cache=cache)
+    assert len(built) == 2 * model.config.n_layers and sum(built) == 2
 
 
 def test_a_positions_buffer_reused_in_inference_mode_never_gets_stale_angles():

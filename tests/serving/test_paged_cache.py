@@ -180,8 +180,8 @@ def test_a_decode_block_in_one_kernel_call_equals_its_modules(dtype, cache_dtype
 def test_the_fused_decode_follows_changes_to_the_model_between_steps():
     """A block's weights are checked for the kernel once and kept (Block.kernel_weights), yet
     every change a user can make between steps shows at the next one: weights edited in place,
-    a parameter assigned anew, sparse decoding attached and then detached, and the model cast to
-    another dtype. After each, the fused step equals the block's modules (fp32 to 1e-5; bf16
+    a parameter assigned anew (then `model.weights_replaced()`), sparse decoding attached and
+    then detached, and the model cast to another dtype. After each, the fused step equals the block's modules (fp32 to 1e-5; bf16
     within one bf16 ulp of the largest output)."""
     from egmla import kernels
     from egmla.models.sparse_ffn import attach, detach
@@ -220,6 +220,7 @@ def test_the_fused_decode_follows_changes_to_the_model_between_steps():
         block.attn.wq.weight.mul_(1.5)  # in place: the kept weights are the same tensors
     edited = check()
     block.mlp.w_up.weight = torch.nn.Parameter(torch.randn_like(block.mlp.w_up.weight) * 0.05)
+    model.weights_replaced()  # a parameter assigned anew: the kept kernel weights are re-read
     assigned = check()
     assert (edited - before).abs().max() > 1e-3 and (assigned - edited).abs().max() > 1e-3
     attached = attach(block.mlp, "gate")  # exact for ReGLU: the same output, fewer neurons

@@ -3,14 +3,15 @@ with the causal mask from positions."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from egmla.config import ModelConfig
-from egmla.models.layers import Rotary, version
+from egmla.config import AttentionConfig, ModelConfig
+from egmla.models.layers import Rotary
+from egmla.models.positions import Positions
 
 # The per-sequence cache field holding every token's id (EG-MLA `kv` reads its keys' ids).
 TOKEN_IDS_FIELD = "token_ids"
@@ -33,6 +34,10 @@ class AttentionLayer(nn.Module):
     layer, with whatever they share), initialized beyond the model's generic pass
     (`reset_parameters`) and counted (`lookup_tables`), so the model never asks which it is."""
 
+    # The config class (egmla.config) whose models this module computes; the module of a config
+    # is found by it (egmla.models.attention.attention_module). None: a base, or a form that
+    # another class's `build_layers` chooses.
+    config_class: ClassVar[type[AttentionConfig] | None] = None
     needs_token_ids = False  # whether the model must cache every token's id for this layer
 
     @classmethod
@@ -69,7 +74,7 @@ def attend(
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float,
-    positions: torch.Tensor,
+    positions: Positions | torch.Tensor,
     key_positions: torch.Tensor | None,
 ) -> torch.Tensor:
     """Causal attention; K/V may have fewer heads than Q (GQA/MQA, and MLA's absorbed decode).
@@ -79,7 +84,8 @@ def attend(
     prefill with no cache), so the plain causal mask applies. Otherwise query at position p
     sees every cached key at position <= p. `key_positions` is (S,) when all rows share them
     (contiguous cache) or (B, S) for ragged rows (paged cache), whose padding slots carry a
-    position larger than any query's, so the mask hides them.
+    position larger than any query's, so the mask hides them. The layers of a forward given one
+    `Positions` share one mask.
     """
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T or S, D)
     B, H, T, _ = q.shape
@@ -92,30 +98,9 @@ def attend(
     # enable_gqa=True, which on CPU takes a slow path when a mask is given (20x at decode).
     R = H // G
     q = q.reshape(B, G, R * T, q.shape[-1])
-    mask = _causal_mask(positions, key_positions, R)
+    mask = Positions.of(positions).causal_mask(key_positions, R)  # (B or 1, 1, R * T, S)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (B, G, R*T, Dv)
     # reshape, not view: CUDA's SDPA kernels may return (B, G, R*T, Dv) laid out as
     # (B, R*T, G, Dv) in memory, which no view can split (it failed a step on an H200)
     return out.reshape(B, H, T, -1).transpose(1, 2)  # (B, T, H, Dv)
 
-
-_last_mask: tuple | None = None  # (positions, key_positions, their versions, R, mask)
-
-
-def _causal_mask(positions: torch.Tensor, key_positions: torch.Tensor, R: int) -> torch.Tensor:
-    """(B or 1, 1, R * T, S) boolean: query at position p sees keys at positions <= p, each
-    query repeated for the R heads folded into it. Every layer of a forward passes the same two
-    tensors, so the first layer builds the mask and the rest reuse it."""
-    global _last_mask
-    compiling = torch.compiler.is_compiling()  # a traced forward keeps no memo
-    last = _last_mask  # one read: another thread may replace it, never half of it
-    versions = None if compiling else (version(positions), version(key_positions))
-    if (not compiling and last is not None and last[0] is positions
-            and last[1] is key_positions and last[2] == versions and last[3] == R):
-        return last[4]
-    kp = key_positions if key_positions.dim() == 2 else key_positions[None]  # (B or 1, S)
-    mask = kp[:, None, :] <= positions[:, :, None]  # (B or 1, T, S)
-    mask = mask[:, None, None].expand(-1, -1, R, -1, -1).reshape(mask.shape[0], 1, -1, kp.shape[-1])
-    if not compiling:
-        _last_mask = (positions, key_positions, versions, R, mask)
-    return mask

@@ -1,8 +1,9 @@
 """The study's control arms (docs/study.md): variants that keep one part of EG-MLA and drop
 another, so that a gain can be traced to token identity, to gating, or to neither.
 
-- `egmla_const_gate` (EGMLAConstGate): EG-MLA with one gate row for every token: gating without
-  token identity (the control for `gate_position: kv`);
+- `egmla_const_gate` (EGMLAConstGate; EGMLALatentConstGate under `gate_position: latent`): EG-MLA
+  with one gate row for every token: gating without token identity (the control for
+  `gate_position: kv`);
 - `egmla_hidden_gate` (EGMLAHiddenGate): the latent gated by sigmoid(W_G h) from the hidden state
   (the control for `gate_position: latent`);
 - `mla_value_embed` (MLAValueEmbed): MLA with a token-id embedding added to the values: token
@@ -14,23 +15,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from egmla.config import ModelConfig
+from egmla.config import (EGMLAConstGateConfig, EGMLAHiddenGateConfig, MLAValueEmbedConfig,
+                          ModelConfig)
 from egmla.models.attention.common import attend
-from egmla.models.attention.egmla import EGMLA
+from egmla.models.attention.egmla import EGMLA, EGMLALatent
 from egmla.models.attention.mla import MLA
 from egmla.models.layers import Linear, make_norm
 
 
-class EGMLAConstGate(EGMLA):
-    """`egmla_const_gate`: every token reads the layer's one gate row, so the gate is one learned
-    vector g = W_UE e (same computation, init and norm as the token gate, no token identity)."""
+class OneGateRow:
+    """The const-gate control's gate (mixed into EGMLA and EGMLALatent): every token reads the
+    layer's one gate row, so the gate is one learned vector g = W_UE e (same computation, init
+    and norm as the token gate, no token identity)."""
 
     gate_reads_ids = False
 
     @classmethod
-    def build_layers(cls, config: ModelConfig) -> list[EGMLAConstGate]:
-        return [cls(config, nn.Embedding(1, config.attention.d_e), layer=i)
-                for i in range(config.n_layers)]
+    def gate_tables(cls, config: ModelConfig) -> list[nn.Embedding]:
+        return [nn.Embedding(1, config.attention.d_e) for _ in range(config.n_layers)]
 
     def lookup_tables(self) -> list[nn.Parameter]:
         return []  # one row, not a per-token table: an ordinary parameter
@@ -41,9 +43,23 @@ class EGMLAConstGate(EGMLA):
         return self.gate_table.weight[0].expand(*shape, -1)
 
 
+class EGMLALatentConstGate(OneGateRow, EGMLALatent):
+    """`egmla_const_gate` with `gate_position: latent`: the latent gated by the one row."""
+
+
+class EGMLAConstGate(OneGateRow, EGMLA):
+    """`egmla_const_gate` (the control for `gate_position: kv`); a `latent` config builds
+    EGMLALatentConstGate's layers."""
+
+    config_class = EGMLAConstGateConfig
+    latent_form = EGMLALatentConstGate
+
+
 class EGMLAHiddenGate(MLA):
     """`egmla_hidden_gate`: the latent gated from the hidden state, c' = Norm(c * sigmoid(W_G h)),
     then cached; attention is MLA's over c' (absorbed decode included)."""
+
+    config_class = EGMLAHiddenGateConfig
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__(config, layer)
@@ -62,6 +78,7 @@ class MLAValueEmbed(MLA):
     Absorbed, the attended embedding sum_j a_j e_j rides along with the attended latent (one
     value of width d_c + d_e) and is up-projected once per query."""
 
+    config_class = MLAValueEmbedConfig
     needs_token_ids = True
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:

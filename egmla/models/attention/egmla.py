@@ -10,7 +10,8 @@ layers and a per-layer up-projection W_UE (D = d_nope + d_v per head, e_j = E[id
 
 `kv` is the reading that matches the paper's summary (gate, then layer norm over all heads, then
 split into heads). `latent` keeps MLA's absorbed decode. Which one the paper used could not be
-verified (docs/attention.md).
+verified (docs/attention.md). Each is a class: EGMLA (`kv`) and EGMLALatent (`latent`), sharing
+the gate's parts through EGMLABase; the config says which (`type: egmla`, `gate_position`).
 
 `kv` has two exact computations. Rebuild (`naive`): up-project and gate K/V for every cached key,
 about S * H * D * (d_c + d_e) MACs per layer per step. Absorbed: the norm's statistics of the
@@ -30,6 +31,8 @@ about H * 2 * d_c * d_e MACs; per query H * D * d_c * d_e. `impl: auto` picks th
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -43,37 +46,40 @@ from egmla.models.layers import Linear, make_norm
 _STATS_WIDTH = {"layernorm": 2, "rmsnorm": 1, "none": 0}
 
 
-class EGMLA(MLA):
-    """Caches c and k_rope per layer like MLA; under `kv` the model also caches token ids once,
-    and each layer the norm's statistics when the absorbed computation may run."""
+class EGMLABase(MLA):
+    """What both gate positions share: the gate table E (the same module in every layer of a
+    group), the up-projection W_UE, the gate norm and their init; `gate(ids)` is g. Where g
+    multiplies is the subclass's: EGMLA (`gate_position: kv`), EGMLALatent (`latent`)."""
 
     gate_reads_ids = True  # the gate's rows are looked up by token id (not: EGMLAConstGate)
+    gate_position: ClassVar[str] = ""  # the config's gate_position this class computes
 
     def __init__(self, config: ModelConfig, gate_table: nn.Embedding, layer: int = 0) -> None:
         super().__init__(config, layer)
         a = config.attention
-        assert isinstance(a, EGMLAConfig)
+        assert isinstance(a, EGMLAConfig) and a.gate_position == self.gate_position
         if gate_table.embedding_dim != a.d_e:
             raise ValueError(f"gate table width {gate_table.embedding_dim} != d_e={a.d_e}")
-        self.gate_position, self.gate_norm_kind, self.d_e = a.gate_position, a.gate_norm, a.d_e
+        self.gate_norm_kind, self.d_e = a.gate_norm, a.d_e
         self.gate_residual = a.gate_residual
-        self.gates_kv = a.gate_position == "kv"
-        self.needs_token_ids = self.gates_kv and self.gate_reads_ids
         gated = a.gated_width(config)
         self.gate_table = gate_table  # the same module in every layer of a group (shared weight)
         self.w_gate = Linear(a.d_e, gated, bias=False)  # W_UE
         self.gate_norm = make_norm(a.gate_norm, gated, config.norm_eps)
-        stats = _STATS_WIDTH[a.gate_norm] if self.gates_kv and a.impl != "naive" else 0
-        self.stats_width = stats
         self.gate_init, self.init_std = a.gate_init, config.init_std
 
     @classmethod
-    def build_layers(cls, config: ModelConfig) -> list[EGMLA]:
-        """One gate table per group of consecutive layers, the same module in each layer of it."""
+    def build_layers(cls, config: ModelConfig) -> list[EGMLABase]:
+        return [cls(config, table, layer=i) for i, table in enumerate(cls.gate_tables(config))]
+
+    @classmethod
+    def gate_tables(cls, config: ModelConfig) -> list[nn.Embedding]:
+        """Each layer's gate table: one per group of consecutive layers, the same module in
+        each layer of it."""
         a = config.attention
         assert isinstance(a, EGMLAConfig)
         tables = [nn.Embedding(config.vocab_size, a.d_e) for _ in range(a.n_gate_tables(config))]
-        return [cls(config, tables[i // a.gate_group_size], layer=i) for i in range(config.n_layers)]
+        return [tables[i // a.gate_group_size] for i in range(config.n_layers)]
 
     def lookup_tables(self) -> list[nn.Parameter]:
         return [self.gate_table.weight]
@@ -86,8 +92,8 @@ class EGMLA(MLA):
           norm's eps, which then scales it linearly: the normed K/V start near MLA's scale;
         - `random`: E[id] ~ N(0, 1), W_UE ~ N(0, 1/d_e), so g = W_UE E[id] ~ N(0, 1), a gate of
           unit scale that differs per token;
-        - `matched`: the `random` gate, and under `kv` the gate norm's gain at init_std * sqrt(d_c),
-          the scale MLA's K/V start at (W_UKV ~ N(0, init_std^2) on a unit-scale latent);
+        - `matched`: the `random` gate, and under `kv` the gate norm's gain at init_std * sqrt(d_c)
+          (EGMLA.reset_parameters);
         - `identity` (with `gate_residual`): E[id] ~ N(0, 1), W_UE = 0, so g = 1 + W_UE E[id] = 1:
           the layer computes MLA's function until W_UE moves (egmla.upcycle's starting point).
 
@@ -104,16 +110,6 @@ class EGMLA(MLA):
             return
         nn.init.normal_(w, std=self.w_gate.in_features**-0.5)
         nn.init.normal_(table, std=1.0)
-        gain = getattr(self.gate_norm, "weight", None)
-        if self.gate_init == "matched" and self.gate_position == "kv" and gain is not None:
-            nn.init.constant_(gain, self.init_std * self.d_c**0.5)
-
-    def cache_spec(self) -> LayerSpec:
-        spec = super().cache_spec()
-        if self.stats_width:
-            spec["norm_stats"] = FieldSpec((self.stats_width,), min_dtype=torch.float32,
-                                           auxiliary=True)
-        return spec
 
     def gate_rows(self, token_ids: torch.Tensor | None,
                   like: torch.Tensor | None = None) -> torch.Tensor:
@@ -130,11 +126,61 @@ class EGMLA(MLA):
         g = self.w_gate(self.gate_rows(token_ids, like))
         return g + 1 if self.gate_residual else g
 
+
+class EGMLALatent(EGMLABase):
+    """`egmla` with `gate_position: latent`: the latent gated before it is cached, c' = Norm(c *
+    g) with g of width d_c; attention is MLA's over c' (absorbed decode included), so the cache
+    holds MLA's fields and no token ids. Built by EGMLA.build_layers for that config (the
+    weights are named as EGMLA's)."""
+
+    gate_position = "latent"
+
     def cached_fields(self, x, token_ids, cos, sin, with_auxiliary):
         fields = super().cached_fields(x, token_ids, cos, sin, with_auxiliary)
-        if self.gate_position == "latent":
-            fields["c"] = self.gate_norm(fields["c"] * self.gate(token_ids, x))  # the gated latent
-        elif with_auxiliary and self.stats_width:
+        fields["c"] = self.gate_norm(fields["c"] * self.gate(token_ids, x))  # the gated latent
+        return fields
+
+
+class EGMLA(EGMLABase):
+    """`egmla` (`gate_position: kv`): caches c and k_rope per layer like MLA, the token ids once
+    per sequence, and per layer the norm's statistics when the absorbed computation may run.
+    A `latent` config builds `latent_form`'s layers instead."""
+
+    config_class = EGMLAConfig
+    gate_position = "kv"
+    latent_form: ClassVar[type[EGMLABase]] = EGMLALatent
+
+    def __init__(self, config: ModelConfig, gate_table: nn.Embedding, layer: int = 0) -> None:
+        super().__init__(config, gate_table, layer)
+        self.needs_token_ids = self.gate_reads_ids
+        a = config.attention
+        self.stats_width = _STATS_WIDTH[a.gate_norm] if a.impl != "naive" else 0
+
+    @classmethod
+    def build_layers(cls, config: ModelConfig) -> list[EGMLABase]:
+        if config.attention.gate_position == cls.latent_form.gate_position:
+            return cls.latent_form.build_layers(config)
+        return super().build_layers(config)
+
+    def reset_parameters(self) -> None:
+        """The gate's init (EGMLABase.reset_parameters); `matched` also sets the gate norm's gain
+        to init_std * sqrt(d_c), the scale MLA's K/V start at (W_UKV ~ N(0, init_std^2) on a
+        unit-scale latent)."""
+        super().reset_parameters()
+        gain = getattr(self.gate_norm, "weight", None)
+        if self.gate_init == "matched" and gain is not None:
+            nn.init.constant_(gain, self.init_std * self.d_c**0.5)
+
+    def cache_spec(self) -> LayerSpec:
+        spec = super().cache_spec()
+        if self.stats_width:
+            spec["norm_stats"] = FieldSpec((self.stats_width,), min_dtype=torch.float32,
+                                           auxiliary=True)
+        return spec
+
+    def cached_fields(self, x, token_ids, cos, sin, with_auxiliary):
+        fields = super().cached_fields(x, token_ids, cos, sin, with_auxiliary)
+        if with_auxiliary and self.stats_width:
             fields["norm_stats"] = self.norm_stats(fields["c"], token_ids)
         return fields
 
@@ -150,18 +196,16 @@ class EGMLA(MLA):
         return torch.cat((mu, torch.rsqrt(var + eps)), dim=-1)
 
     def expand(self, c, key_ids):
-        if self.gate_position == "latent":
-            return super().expand(c, key_ids)
         B, S, _ = c.shape
         kv = self.gate_norm(self.wkv_b(c) * self.gate(key_ids, c))  # (B, S, H * (n + d_v))
         kv = kv.view(B, S, self.n_kv, self.d_nope + self.d_v)  # (B, S, G, n + d_v)
         return kv.split([self.d_nope, self.d_v], dim=-1)
 
-    # ---- the absorbed `kv` computation ------------------------------------------------------
+    # ---- the absorbed computation ------------------------------------------------------------
 
     def step_macs(self, T: int, S: int) -> dict[str, int]:
-        """Multiply-accumulates of one `kv` attention step per layer and sequence, T queries over
-        S keys, for both computations (the new tokens' statistics, common to both, excluded)."""
+        """Multiply-accumulates of one attention step per layer and sequence, T queries over S
+        keys, for both computations (the new tokens' statistics, common to both, excluded)."""
         H, n, v, r, C, E = self.n_heads, self.d_nope, self.d_v, self.d_rope, self.d_c, self.d_e
         E += self.gate_residual  # the absorbed form's constant column (see _absorbed)
         return {
@@ -170,8 +214,6 @@ class EGMLA(MLA):
         }
 
     def decode_cost(self, context: int, dtype: torch.dtype = torch.float32) -> dict[str, int]:
-        if self.gate_position == "latent":
-            return super().decode_cost(context, dtype)
         absorbed = self._use_absorbed(1, context, cached=True)
         key = "absorbed" if absorbed else "rebuild"
         one, two = self.step_macs(1, 1)[key], self.step_macs(1, 2)[key]
@@ -182,17 +224,13 @@ class EGMLA(MLA):
                 "lookup_bytes_per_key": self.d_e * dtype.itemsize * self.gate_reads_ids}
 
     def supports_absorbed(self) -> bool:
-        return self.gate_position == "latent" or self.impl != "naive"
+        return self.impl != "naive"
 
     def prefers_absorbed(self, T: int, S: int) -> bool:
-        if self.gate_position == "latent":
-            return super().prefers_absorbed(T, S)
         macs = self.step_macs(T, S)
         return macs["absorbed"] < macs["rebuild"]
 
     def _absorbed(self, q_nope, q_rope, fields, key_ids, positions, key_positions):
-        if self.gate_position == "latent":
-            return super()._absorbed(q_nope, q_rope, fields, key_ids, positions, key_positions)
         # B batch, T queries, S keys, H heads, n = d_nope, v = d_v, r = d_rope, C = d_c, E = d_e
         # (+1 with gate_residual: g = 1 + W_UE e = [W_UE, 1] [e; 1], the same bilinear form)
         c, k_rope = fields["c"], fields["k_rope"]  # (B, S, C), (B, S, [Hr,] r)
@@ -224,9 +262,8 @@ class EGMLA(MLA):
             scores = scores + torch.einsum("bthr,bshr->bths", q_rope,
                                            self.key_rope(k_rope, self.n_heads))
         if key_positions is None:  # no cache: the keys are the queries' own tokens
-            key_positions = positions
-        kp = key_positions if key_positions.dim() == 2 else key_positions[None]  # (B or 1, S)
-        visible = kp[:, None, None, :] <= positions[:, :, None, None]  # (B or 1, T, 1, S)
+            key_positions = positions.tensor
+        visible = positions.causal_mask(key_positions).transpose(1, 2)  # (B or 1, T, 1, S)
         attn = (scores * self.scale).masked_fill(~visible, float("-inf")).softmax(-1)  # (B,T,H,S)
 
         weights = attn if inv_sigma is None else attn * inv_sigma[:, None, None, :]

@@ -8,11 +8,14 @@ from egmla import kernels
 from egmla.cache import FieldSpec, LayerSpec, LayerView
 from egmla.config import MHAConfig, ModelConfig
 from egmla.models.attention.common import AttentionLayer, RopeKV, attend
-from egmla.models.layers import Linear, apply_rope, rotary
+from egmla.models.layers import Linear, Rotary, apply_rope
+from egmla.models.positions import Positions
 
 
 class MHA(AttentionLayer):
     """Caches K and V per layer: 2 * n_kv * d_h elements per token."""
+
+    config_class = MHAConfig
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -24,7 +27,7 @@ class MHA(AttentionLayer):
         self.wk = Linear(d, self.n_kv * self.head_dim, bias=False)
         self.wv = Linear(d, self.n_kv * self.head_dim, bias=False)
         self.wo = Linear(self.n_heads * self.head_dim, d, bias=False)
-        self.rope = rotary(self.head_dim, config.rope_theta)
+        self.rope = Rotary(self.head_dim, config.rope_theta)
 
     def cache_spec(self) -> LayerSpec:
         return {"k": FieldSpec((self.n_kv, self.head_dim)), "v": FieldSpec((self.n_kv, self.head_dim))}
@@ -40,17 +43,18 @@ class MHA(AttentionLayer):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        positions: Positions | torch.Tensor,
         cache: LayerView | None = None,
         token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # B batch, T new tokens, S cached + new tokens, H query heads, G kv heads, D head dim
         B, T, _ = x.shape
+        positions = Positions.of(positions)
         q, k, v = kernels.linears(x, (self.wq.weight, self.wk.weight, self.wv.weight))  # one pass
         q = q.view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
         k = k.view(B, T, self.n_kv, self.head_dim)  # (B, T, G, D)
         v = v.view(B, T, self.n_kv, self.head_dim)  # (B, T, G, D)
-        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        cos, sin = positions.cos_sin(self.rope, x.dtype)  # (B or 1, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         scale, o, key_positions = self.head_dim**-0.5, None, None
         if cache is not None:

@@ -32,12 +32,15 @@ from torch import nn
 from egmla.cache import FieldSpec, LayerSpec, LayerView
 from egmla.config import MLAConfig, ModelConfig
 from egmla.models.attention.common import TOKEN_IDS_FIELD, AttentionLayer, attend
-from egmla.models.layers import Linear, RMSNorm, apply_rope, rotary
+from egmla.models.layers import Linear, RMSNorm, Rotary, apply_rope
+from egmla.models.positions import Positions
 
 
 class MLA(AttentionLayer):
     """Caches c (d_c) and k_rope (rope_heads x d_rope) per layer: d_c + rope_heads * d_rope
     elements per token."""
+
+    config_class = MLAConfig
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
@@ -59,7 +62,7 @@ class MLA(AttentionLayer):
         self.wkv_b = Linear(a.d_c, self.n_kv * (a.d_nope + a.d_v), bias=False)  # [W_UK; W_UV] per KV head
         self.wo = Linear(H * a.d_v, d, bias=False)
         freqs = a.layer_freqs(layer)
-        self.rope = rotary(a.d_rope, config.rope_theta, freqs,
+        self.rope = Rotary(a.d_rope, config.rope_theta, freqs,
                            None if freqs is None else a.d_nope + a.d_rope)
         self.scale = (a.d_nope + a.d_rope) ** -0.5
 
@@ -122,13 +125,14 @@ class MLA(AttentionLayer):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        positions: Positions | torch.Tensor,
         cache: LayerView | None = None,
         token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # B batch, T new tokens, S cached + new tokens, H heads, C = d_c, n = d_nope, r = d_rope
         B, T, _ = x.shape
-        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        positions = Positions.of(positions)
+        cos, sin = positions.cos_sin(self.rope, x.dtype)
         q = self.wq(x) if self.d_q is None else self.wq_b(self.q_norm(self.wq_a(x)))
         q = q.view(B, T, self.n_heads, self.d_nope + self.d_rope)  # (B, T, H, n + r)
         q_nope, q_rope = q.split([self.d_nope, self.d_rope], dim=-1)
