@@ -8,8 +8,10 @@
 The OpenAI-compatible HTTP server: `python -m serve --model ...` (serve/api.py, docs/serving.md).
 """
 
-from serve.engine import EngineConfig, LLMEngine, SamplingParams
+from serve.config import EngineConfig
+from serve.engine import LLMEngine
 from serve.llm import LLM, CompletionOutput, Logprob, RequestOutput
+from serve.sampling import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob", "RequestOutput",
            "SamplingParams"]

@@ -235,7 +235,7 @@ def test_a_compiled_decode_step_decodes_what_the_eager_one_does(backend, name):
     prompts = mixed_prompts(model.config.vocab_size, count=6)
     engine = LLMEngine(model, EngineConfig(attention_backend=backend, enforce_eager=False,
                                            block_size=4, num_blocks=64, max_num_batched_tokens=32))
-    assert engine._decode_model is not model  # the compiled wrapper
+    assert engine.executor.decode_model is not model  # the compiled wrapper
     outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
     for prompt, out in zip(prompts, outputs):
         assert out == reference_greedy(model, prompt, 6)

@@ -148,7 +148,7 @@ class FailingRequest:
         return seq.prompt == self.prompt and len(seq.output) >= self.after
 
     def _forward(self, rows, every: bool = False):
-        if not any(self._targets(r.seq) for r in rows):
+        if not any(self._targets(self.engine.sequence(r.seq_id)) for r in rows):
             return self._original(rows, every)
         model, vocab = self.engine.model, self.engine.model.config.vocab_size
         model.forward = lambda tokens, *args, **kw: type(model).forward(
