@@ -56,7 +56,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = setting(True, "turn off chunked prefill",
                                            off="--no-chunked-prefill")
     cache_dtype: torch.dtype | None = setting(
-        None, "the KV cache's dtype (auto: the weights')", flag="--kv-cache-dtype",
+        None, "the KV cache's dtype, auto meaning the weights'", flag="--kv-cache-dtype",
         none="auto", choices=("auto", *WEIGHT_DTYPES))
     max_model_len: int | None = setting(
         None, "a request's prompt + output at most (default: the model's context)",
