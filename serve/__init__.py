@@ -5,7 +5,7 @@
     greedy = SamplingParams(temperature=0, max_tokens=8)   # vLLM's default temperature is 1.0
     print(llm.generate("The capital of France is", greedy)[0].outputs[0].text)
 
-The OpenAI-compatible HTTP server: `python -m serve --model ...` (serve/api.py, docs/serving.md).
+The OpenAI-compatible HTTP server: `python -m serve --model ...` (serve/server.py, docs/serving.md).
 """
 
 from serve.config import EngineConfig

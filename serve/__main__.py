@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from egmla.dtypes import WEIGHT_DTYPES as DTYPES
-from serve.attention import BACKENDS as ATTENTION_BACKENDS
+from serve.attention import BACKENDS as ATTENTION_BACKENDS  # noqa: F401 (its old name here)
 from serve.config import EngineConfig
 
 UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from egmla.checkpoint import CheckpointError
-    from serve.api import build_app
+    from serve.server import build_app
     from serve.async_engine import AsyncEngine
     from serve.llm import LLM
     from serve.shutdown import DrainingServer

@@ -78,7 +78,7 @@ RANGES: dict[str, Interval] = {
 # SamplingParams refuses each by name; the HTTP server (serve/protocol.py) refuses the ones its
 # request schemas lack unless they hold an "off" value, which clients often send by default.
 NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
-    "best_of": (None,), "use_beam_search": (False,), "length_penalty": (1,),
+    "best_of": (None, 1), "use_beam_search": (False,), "length_penalty": (1,),
     "early_stopping": (False,), "bad_words": ([],), "allowed_token_ids": (),
     "logits_processors": ([],), "truncate_prompt_tokens": (), "guided_decoding": (),
     "structured_outputs": (), "logit_bias": ({},), "output_kind": (),
