@@ -84,9 +84,9 @@ def set_chat_template(llm, template: str) -> None:
 
 def show_bytes(n: int) -> str:
     """536870912 -> '512MiB' (a whole number of the largest binary unit that divides it)."""
-    for unit in ("GiB", "MiB", "KiB"):
-        if n % UNITS[unit.lower()] == 0:
-            return f"{n // UNITS[unit.lower()]}{unit}"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n % size == 0:
+            return f"{n // size}{unit}"
     return str(n)
 
 

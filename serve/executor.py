@@ -2,21 +2,27 @@
 
 The executor owns what running the model takes on the serving side: the paged cache
 (`PagedKVCache`, its attention backend chosen for the device, serve.attention), the decode
-model (eager, or through torch.compile), and how a step's rows are grouped into ragged forwards
-(`forward_groups`). It reads only the plan's rows (their tokens, positions, block tables),
-never the engine's live sequences.
+model (eager, or through torch.compile), the fused decode (`fused_decode`: on the CPU, a
+decode step of a Llama-shaped model runs each block in one kernel call straight from the
+paged pools, the executor asking each block for its weights), and how a step's rows are
+grouped into ragged forwards (`forward_groups`). It reads only the plan's rows (their tokens,
+positions, block tables), never the engine's live sequences.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
+from egmla import kernels
 from egmla.models import Transformer
+from egmla.models.attention.common import TOKEN_IDS_FIELD
+from egmla.models.transformer import Block
 from serve import attention
 from serve.config import EngineConfig
-from serve.paged_cache import PagedKVCache
+from serve.paged_cache import PagedKVCache, PagedStep, _PagedLayer
 from serve.scheduler import ScheduledRow
 
 log = logging.getLogger("serve")
@@ -38,7 +44,9 @@ class Executor:
     def __init__(self, model: Transformer, config: EngineConfig, dtype: torch.dtype) -> None:
         self.model, weight, spec = model, model.tok_emb.weight, model.cache_spec()
         self.device = weight.device
-        head_dims = {f["k"].shape[-1] for f in spec.layers if set(f) == {"k", "v"}}
+        # the head dims of the layers that declare plain RoPE attention over their cached k and v
+        head_dims = {spec.layers[i]["k"].shape[-1] for i, block in enumerate(model.layers)
+                     if block.attn.rope_kv_attention() is not None}
         choice = attention.select(config.attention_backend, weight.device, dtype,
                                   config.block_size, head_dims)
         self.attention_backend = choice.name  # what runs, and why (logged)
@@ -57,6 +65,10 @@ class Executor:
                                   for r, p in zip(rows, pad)], dtype=torch.long)
         step = self.cache.step([r.block_table for r in rows], [r.start for r in rows],
                                [r.num_new_tokens for r in rows])
+        if T == 1 and not every and self.cache.attention.fuses_blocks:
+            logits = self._fused(tokens.to(self.device), positions.to(self.device), step)
+            if logits is not None:
+                return logits
         model = self.decode_model if step.decode_only else self.model
         if T == 1 and not every:  # one token per row: its logits are the step's only ones
             return model(tokens.to(self.device), positions.to(self.device), cache=step)[:, 0]
@@ -64,6 +76,59 @@ class Executor:
                 torch.tensor([r.num_new_tokens - 1 for r in rows], device=self.device))
         return model(tokens.to(self.device), positions.to(self.device), cache=step,
                      logits_at=last)
+
+    def _fused(self, tokens: torch.Tensor, positions: torch.Tensor, step: PagedStep
+               ) -> torch.Tensor | None:
+        """A decode step's (B, vocab) logits with every block in one kernel call
+        (`fused_decode`), the model's embedding, final norm and LM head around them; None,
+        with nothing written but the step's per-sequence fields, where a block cannot."""
+        model = self.model
+        step.begin({TOKEN_IDS_FIELD: tokens}, positions)
+        x = model.tok_emb(tokens)  # (B, 1, d)
+        x = fused_decode(model.layers, x, positions,
+                         [step.layer(i) for i in range(len(model.layers))])
+        if x is None:
+            return None
+        step.advance()
+        return model.lm_head(model.norm(x))[:, 0]
+
+
+def fused_decode(blocks: Sequence[Block], x: torch.Tensor, positions: torch.Tensor,
+                 views: Sequence[_PagedLayer]) -> torch.Tensor | None:
+    """`blocks` applied in turn to x (B, 1, D) for a decode step over the paged cache (`views`,
+    one per block), one kernel call each (egmla.kernels.decode_blocks), where every block
+    declares plain RoPE attention over its cached `k` and `v` (`Block.kernel_weights`, from the
+    layer's `rope_kv_attention()`) and an MLP the kernel computes (dense, or sparse as
+    attached); else None, with nothing run or written."""
+    rows = x.shape[0] * x.shape[1]
+    plan, pools, cos, sin, angles, where = [], [], [], [], {}, None
+    for block, view in zip(blocks, views):
+        where = view.decode_slots()
+        found = None if where is None else block.kernel_weights(x)
+        if found is None:  # not a decode step the kernel serves, or not a RoPE K/V block
+            return None
+        weights, rope = found
+        sparse = None
+        if block.mlp.decodes_sparse(rows):
+            sparse = block.mlp.sparse.kernel()
+            if sparse is None:  # a dense pass decides (the oracle): the modules run
+                return None
+        if rope not in angles:  # the step's RoPE angles, computed once for the blocks sharing it
+            angles[rope] = [t.view(x.shape[0], -1) for t in rope.cos_sin(positions, torch.float32)]
+        plan.append((weights, sparse))
+        pools.append((where.pools["k"], where.pools["v"]))
+        cos.append(angles[rope][0])
+        sin.append(angles[rope][1])
+    if where is None:
+        return None
+    done = kernels.decode_blocks(x, plan, cos, sin, pools, where.new, where.slots, where.lengths)
+    if done is None:
+        return None
+    out, computed = done
+    for block, (_, sparse), n in zip(blocks, plan, computed):
+        if sparse is not None:
+            block.mlp.sparse.record(rows, n)
+    return out
 
 
 def forward_groups(lengths: list[int], max_padding: float = 0.25) -> list[list[int]]:
