@@ -44,9 +44,11 @@ class Executor:
     def __init__(self, model: Transformer, config: EngineConfig, dtype: torch.dtype) -> None:
         self.model, weight, spec = model, model.tok_emb.weight, model.cache_spec()
         self.device = weight.device
-        # the head dims of the layers that declare plain RoPE attention over their cached k and v
-        head_dims = {spec.layers[i]["k"].shape[-1] for i, block in enumerate(model.layers)
-                     if block.attn.rope_kv_attention() is not None}
+        # The layers that declare plain RoPE attention over their cached k and v: the ones that
+        # attend through the backend (serve.attention), with their head dims.
+        kv = [i for i, block in enumerate(model.layers) if block.attn.rope_kv_attention() is not None]
+        head_dims = {spec.layers[i]["k"].shape[-1] for i in kv}
+        self._prepares = bool(kv)  # what the backend's layers share is built before a forward
         choice = attention.select(config.attention_backend, weight.device, dtype,
                                   config.block_size, head_dims)
         self.attention_backend = choice.name  # what runs, and why (logged)
@@ -65,6 +67,8 @@ class Executor:
                                   for r, p in zip(rows, pad)], dtype=torch.long)
         step = self.cache.step([r.block_table for r in rows], [r.start for r in rows],
                                [r.num_new_tokens for r in rows])
+        if self._prepares:  # (FlexAttention's mask, outside any compiled region)
+            self.cache.attention.prepare(step)
         if T == 1 and not every and self.cache.attention.fuses_blocks:
             logits = self._fused(tokens.to(self.device), positions.to(self.device), step)
             if logits is not None:

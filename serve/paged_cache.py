@@ -67,8 +67,6 @@ class PagedKVCache(CacheTensors):
         super().__init__(spec, (num_blocks * block_size,), dtype, device)  # flat, block-major
         self.num_blocks, self.block_size = num_blocks, block_size
         self.attention = attention or Native()
-        # layers that cache plain K and V (MHA/GQA): the ones the attention backend serves
-        self.kv_layers = sum(set(layer) == {"k", "v"} for layer in spec.layers)
 
     def block_bytes(self) -> int:
         """Bytes of one block across every layer and field."""
@@ -126,13 +124,11 @@ class PagedStep:
             new_slots = slots.gather(1, new_pos.clamp(max=S - 1)).where(new_pos < total[:, None], -1)
         self.slots, self.new_slots = slots.to(device), new_slots.to(device)
         self._tables = tables
-        self.flex_mask = None  # the FlexAttention backend's block mask (build_flex_mask)
+        self.flex_mask = None  # the FlexAttention backend's block mask (its `prepare`)
         self.lengths = total.to(device)
         # the real new tokens' slots, in the flattened (B * T) order (a decode step has no padding)
         self._targets = (self.new_slots.flatten() if self.decode_only
                          else self.new_slots.flatten().index_select(0, self._rows))
-        if cache.kv_layers:  # what the backend's layers share (FlexAttention's mask)
-            cache.attention.prepare(self)
 
     @functools.cached_property
     def _rows(self) -> torch.Tensor:
