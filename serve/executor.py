@@ -49,6 +49,7 @@ class Executor:
         kv = [i for i, block in enumerate(model.layers) if block.attn.rope_kv_attention() is not None]
         head_dims = {spec.layers[i]["k"].shape[-1] for i in kv}
         self._prepares = bool(kv)  # what the backend's layers share is built before a forward
+        self._fuses = bool(kv) and len(kv) == len(model.layers)  # every block may run fused
         choice = attention.select(config.attention_backend, weight.device, dtype,
                                   config.block_size, head_dims)
         self.attention_backend = choice.name  # what runs, and why (logged)
@@ -69,7 +70,7 @@ class Executor:
                                [r.num_new_tokens for r in rows])
         if self._prepares:  # (FlexAttention's mask, outside any compiled region)
             self.cache.attention.prepare(step)
-        if T == 1 and not every and self.cache.attention.fuses_blocks:
+        if T == 1 and not every and self._fuses and self.cache.attention.fuses_blocks:
             logits = self._fused(tokens.to(self.device), positions.to(self.device), step)
             if logits is not None:
                 return logits

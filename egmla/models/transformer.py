@@ -10,6 +10,7 @@ The attention variant is chosen by `config.attention.type`; every variant implem
 from __future__ import annotations
 
 import math
+
 import torch
 from torch import nn
 from torch.nn.modules.module import (

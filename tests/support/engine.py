@@ -41,6 +41,7 @@ class HistorySumModel(torch.nn.Module):
         self.config = SimpleNamespace(vocab_size=vocab_size, max_seq_len=max_seq_len,
                                       eos_token_id=None)
         self.tok_emb = torch.nn.Embedding(vocab_size, 1, dtype=torch.float64)  # dtype, device
+        self.layers = torch.nn.ModuleList()  # no block for the executor's fused decode to run
 
     def cache_spec(self):
         from egmla.cache import CacheSpec, FieldSpec
