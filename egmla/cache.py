@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -99,16 +99,6 @@ class CacheSpec:
 # (below) and serve's PagedStep implement it; the models are written against these alone.
 
 
-class DecodeSlots(NamedTuple):
-    """Where a decode step (one new token per row) reads and writes one layer of a cache kept
-    in flat slot pools, for kernels that work on them in place (`LayerView.decode_slots`)."""
-
-    pools: Mapping[str, torch.Tensor]  # the layer's fields, each (slots, ...)
-    new: torch.Tensor  # (B,) int64: the slot of each row's new token
-    slots: torch.Tensor  # (B, S) int64: row b's keys in order are its first lengths[b]
-    lengths: torch.Tensor  # (B,) int64: keys per row, the new token included (last)
-
-
 @runtime_checkable
 class LayerView(Protocol):
     """One layer's part of a cache step: what an attention layer sees."""
@@ -136,11 +126,6 @@ class LayerView(Protocol):
         see, q (B, T, H, D) -> (B, T, H, Dv), with the fields named `key` and `value` as K and
         V (K/V heads shared by H / G query heads). None, with nothing written, where it cannot;
         the layer then calls `update` and attends itself."""
-        ...
-
-    def decode_slots(self) -> DecodeSlots | None:
-        """This layer's pools and the step's slot tables, for a decode step of a paged cache;
-        None elsewhere (a contiguous cache, a prefill)."""
         ...
 
 
@@ -229,9 +214,6 @@ class LayerCache:
 
     def fused_attention(self, q, new, key, value, scale) -> None:
         return None  # its history is a plain slice already: update + SDPA
-
-    def decode_slots(self) -> None:
-        return None  # not a slot pool
 
 
 class ContiguousCache(CacheTensors):

@@ -1,6 +1,11 @@
-"""A simple generator over the contiguous cache: one prefill, then one token per step.
+"""The token draw, and a simple generator over the contiguous cache (one prefill, then one
+token per step).
 
-For tests and examples; the serving engine (serve/) is the fast path for many requests.
+`next_token_probs` and `draw` are the one implementation of temperature, min_p, top_k, top_p
+and the greedy argmax: the serving sampler (serve/sampling.py: penalties, min_tokens, logprobs,
+the batched greedy path, on top of these) draws through them, and so does `generate`, which
+tests, examples and the training report use; the serving engine (serve/) is the fast path for
+many requests.
 
     >>> import torch
     >>> from egmla.models import Transformer
@@ -80,6 +85,37 @@ def _top_scores(scores: torch.Tensor) -> torch.Tensor:
     return top
 
 
+def check_draw(temperature: float, top_k: int | None, top_p: float | None,
+               min_p: float) -> None:
+    """ValueError, naming the value, for a draw setting outside what `draw` takes (serve's
+    SamplingParams checks its own fields once, at construction, and calls `draw` directly)."""
+    if not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"min_p={min_p}: must be in [0, 1]")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature}: must be >= 0")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k}: must be >= 1")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p}: must be in (0, 1]")
+
+
+def draw(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+    min_p: float,
+) -> torch.Tensor:
+    """`sample_next` without its range checks, for callers that checked their settings."""
+    if temperature == 0.0:
+        scores = _scores(logits)
+        _top_scores(scores)
+        return scores.argmax(dim=-1)
+    probs = next_token_probs(logits, temperature, top_k, top_p, min_p)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
 def sample_next(
     logits: torch.Tensor,
     temperature: float = 0.0,
@@ -91,22 +127,10 @@ def sample_next(
     """logits (B, V) -> next token ids (B,). temperature 0 is greedy (argmax, the lowest id
     among equals). After the temperature, min_p drops the tokens whose probability is below
     min_p x the most likely one's, then top_k and top_p cut (`next_token_probs`). Any finite
-    value in the accepted ranges gives a valid draw; a row with no finite score is a
-    ValueError."""
-    if not 0.0 <= min_p <= 1.0:
-        raise ValueError(f"min_p={min_p}: must be in [0, 1]")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature}: must be >= 0")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k={top_k}: must be >= 1")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p={top_p}: must be in (0, 1]")
-    if temperature == 0.0:
-        scores = _scores(logits)
-        _top_scores(scores)
-        return scores.argmax(dim=-1)
-    probs = next_token_probs(logits, temperature, top_k, top_p, min_p)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    value in the accepted ranges gives a valid draw; a value outside them, or a row with no
+    finite score, is a ValueError."""
+    check_draw(temperature, top_k, top_p, min_p)
+    return draw(logits, temperature, top_k, top_p, generator, min_p)
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ MODEL is a training export directory (runs/<name>/export) or a known imported mo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -18,10 +19,9 @@ from pathlib import Path
 
 from egmla.dtypes import WEIGHT_DTYPES as DTYPES
 from egmla.units import parse_bytes
+from serve.attention import BACKENDS as ATTENTION_BACKENDS  # noqa: F401 (its old name here)
+from serve.config import EngineConfig
 
-# serve.attention.BACKENDS, spelled here so that --help does not import torch (a test keeps
-# the two equal)
-ATTENTION_BACKENDS = ("auto", "native", "sdpa", "flex", "flash_attn")
 
 def positive_int(text: str) -> int:
     try:
@@ -68,6 +68,45 @@ def set_chat_template(llm, template: str) -> None:
                          f"{type(error).__name__}: {error}") from None
 
 
+def show_bytes(n: int) -> str:
+    """536870912 -> '512MiB' (a whole number of the largest binary unit that divides it)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+# How an EngineConfig field's metadata `parse` reads the flag's text (serve/config.py).
+PARSERS = {"positive": positive_int, "bytes": parse_bytes, "fraction": non_negative_float,
+           "int": int}
+
+
+def add_engine_arguments(group: argparse._ArgumentGroup) -> None:
+    """One flag per `EngineConfig` field (serve/config.py), its default and help read from the
+    field: --field-name, or the spelling its metadata gives. The parsed value lands under the
+    field's name (`engine_args`)."""
+    for f in dataclasses.fields(EngineConfig):
+        meta = f.metadata
+        if "off" in meta:  # a True default that a flag turns off
+            group.add_argument(meta["off"], dest=f.name, action="store_false", help=meta["help"])
+            continue
+        flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+        default = meta["none"] if f.default is None and "none" in meta else f.default
+        shown = show_bytes(default) if meta.get("parse") == "bytes" else default
+        help = meta["help"] + ("" if default is None else f" (default {shown})")
+        if isinstance(f.default, bool):
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=default, help=help)
+            continue
+        group.add_argument(flag, dest=f.name, type=PARSERS.get(meta.get("parse")),
+                           choices=meta.get("choices"), default=default, help=help)
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    """The parsed command line's EngineConfig fields, as `LLM(model, **engine_args)` takes them."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m serve", description=__doc__,
@@ -78,48 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default %(default)s)")
     p.add_argument("--dtype", choices=DTYPES, help="the weights' dtype (default: the export's)")
-    p.add_argument("--kv-cache-dtype", choices=["auto", *DTYPES], default="auto",
-                   help="the KV cache's dtype (default auto: the weights')")
     p.add_argument("--device", help="where the model runs: cpu, cuda or cuda:N (default: cpu)")
-    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                   help="how MHA/GQA layers attend over the paged cache: native (this project's "
-                        "CPU kernels), sdpa (gather + PyTorch SDPA), flex (FlexAttention in "
-                        "place), flash_attn (flash-attn's paged decode; CUDA, fp16/bf16, "
-                        "--block-size a multiple of 256); auto picks native on a CPU, flash_attn "
-                        "or flex on a GPU, and logs its choice (default %(default)s)")
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-                   help="run decode steps eagerly; --no-enforce-eager compiles them with "
-                        "torch.compile (dynamic shapes; seconds to minutes at start; no CUDA "
-                        "graphs). Default eager (vLLM's default is compiled)")
-    p.add_argument("--max-model-len", type=positive_int,
-                   help="a request's prompt + output at most (default: the model's context)")
-    p.add_argument("--seed", type=int,
-                   help="seeds the sampling of requests that bring no seed (reproducible runs)")
     p.add_argument("--api-key",
                    help="requests to /v1 must send 'Authorization: Bearer KEY' (else 401)")
     p.add_argument("--chat-template", metavar="FILE_OR_TEXT",
                    help="a Jinja chat template (a file, or the template itself) in place of the "
                         "tokenizer's")
-    g = p.add_argument_group("KV cache and scheduling")
-    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (%(default)s)")
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default="512MiB",
-                   help="memory for the paged KV pool, e.g. 512MiB or 4GiB (default %(default)s)")
-    g.add_argument("--gpu-memory-utilization", type=non_negative_float,
-                   help="on a CUDA device: the share of its memory (0-1] to use, the KV pool "
-                        "taking what the weights and an activation reserve leave; overrides "
-                        "--kv-cache-memory (not on a CPU)")
-    g.add_argument("--num-blocks", type=positive_int,
-                   help="blocks in the KV pool; overrides --kv-cache-memory")
-    g.add_argument("--max-num-seqs", type=positive_int, default=64,
-                   help="sequences in one batch (default %(default)s)")
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=512,
-                   help="token budget of one step (default %(default)s)")
+    g = p.add_argument_group("engine: KV cache, scheduling, attention (serve.config.EngineConfig)")
+    add_engine_arguments(g)
     g.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests accepted beyond --max-num-seqs before answering 503; each prompt "
                         "of a completion is one, and one with more prompts than both together "
                         "is a 400 (default %(default)s)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
-    g.add_argument("--no-chunked-prefill", action="store_true", help="turn off chunked prefill")
     g = p.add_argument_group("requests and shutdown")
     g.add_argument("--max-request-bytes", type=parse_bytes, default="8MiB",
                    help="largest request body accepted; larger ones get 413 (default %(default)s: "
@@ -152,12 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --max-queued-requests={args.max_queued_requests}: must be >= 0", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    # Heavy imports after argument parsing, so --help and usage errors are instant.
+    # The server's imports after argument parsing, so usage errors come before they load.
     import torch
     import uvicorn
 
     from egmla.checkpoint import CheckpointError
-    from serve.api import build_app
+    from serve.server import build_app
     from serve.async_engine import AsyncEngine
     from serve.llm import LLM
     from serve.shutdown import DrainingServer
@@ -165,17 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        llm = LLM(args.model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                  num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens,
-                  enable_prefix_caching=not args.no_prefix_caching,
-                  enable_chunked_prefill=not args.no_chunked_prefill,
-                  dtype=args.dtype, cache_dtype=args.kv_cache_dtype,
-                  ffn_sparsity=args.ffn_sparsity, ffn_threshold=args.ffn_threshold,
-                  ffn_predictors=args.ffn_predictors, max_model_len=args.max_model_len,
-                  seed=args.seed, device=args.device, attention_backend=args.attention_backend,
-                  enforce_eager=args.enforce_eager,
-                  gpu_memory_utilization=args.gpu_memory_utilization)
+        llm = LLM(args.model, dtype=args.dtype, ffn_sparsity=args.ffn_sparsity,
+                  ffn_threshold=args.ffn_threshold, ffn_predictors=args.ffn_predictors,
+                  device=args.device, **engine_args(args))
     except (CheckpointError, ValueError, OSError) as error:
         print(f"error: cannot load --model {args.model}: {error}", file=sys.stderr)
         return 2

@@ -25,7 +25,9 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from serve.engine import EngineMetrics, InvalidRequest, SamplingParams, StepFailed
+from serve.engine import StepFailed
+from serve.metrics import EngineMetrics
+from serve.sampling import InvalidRequest, SamplingParams
 from serve.llm import LLM
 from serve.outputs import RequestUpdate, StopStrings
 

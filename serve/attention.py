@@ -53,7 +53,8 @@ class PagedAttention:
 
     def prepare(self, step) -> None:
         """Build what every layer of `step` shares, before the forward (outside any compiled
-        region: host-side work with data-dependent shapes)."""
+        region: host-side work with data-dependent shapes). The executor calls it for a model
+        with layers that attend through the backend; `attend` builds it itself otherwise."""
 
     def attend(self, step, pools: dict[str, torch.Tensor], q: torch.Tensor,
                new: dict[str, torch.Tensor], key: str, value: str, scale: float
@@ -96,6 +97,8 @@ class Flex(PagedAttention):
         k_pool, v_pool = pools[key], pools[value]
         if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype or k_pool.dim() != 3:
             return None  # a cache in another dtype than the queries: the gather path casts
+        if step.flex_mask is None:  # not prepared by an executor: built here, eagerly
+            self.prepare(step)
         step.write_fields(pools, new)
         mask = step.flex_mask
         B, keys = q.shape[0], mask.shape[-1]  # the pools' used prefix: views, nothing copied

@@ -27,7 +27,9 @@ from egmla.imports import load_pretrained
 from egmla.models import Transformer
 from egmla.models.sparse_ffn import check_settings as check_sparsity
 from egmla.models.sparse_ffn import layer_thresholds, predictors_from_tensors, sparsify
-from serve.engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams, StepFailed
+from serve.config import EngineConfig
+from serve.engine import LLMEngine, StepFailed
+from serve.sampling import InvalidRequest, SamplingParams
 from serve.outputs import OutputProcessor
 
 

@@ -16,6 +16,9 @@ goes through `PagedStep`, which implements the model's cache protocol (`egmla.ca
 - `layer(i).fused_attention(...)`: MHA/GQA attention without the gathered copy, through the
   cache's attention backend (serve.attention: this project's kernels, FlexAttention over the
   pools, flash-attn's paged decode), where it applies.
+- `layer(i).decode_slots()`: the pools and slot tables of a decode step, for the executor's
+  fused decode (serve/executor.py: a whole block in one kernel call), under a backend that
+  fuses blocks.
 
 Slot of position p in a sequence = block_table[p // block_size] * block_size + p % block_size.
 """
@@ -24,14 +27,26 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
-from egmla.cache import CacheSpec, CacheTensors, DecodeSlots, write_sequence_fields
+from egmla.cache import CacheSpec, CacheTensors, write_sequence_fields
 from serve.attention import Native, PagedAttention
 
 # Key position of padding slots: larger than any query position, so `key <= query` is false.
 PAD_POSITION = 2**62
+
+
+class DecodeSlots(NamedTuple):
+    """Where a decode step (one new token per row) reads and writes one layer of the pools, for
+    the kernels that work on them in place (`_PagedLayer.decode_slots`, serve.executor's fused
+    decode)."""
+
+    pools: Mapping[str, torch.Tensor]  # the layer's fields, each (slots, ...)
+    new: torch.Tensor  # (B,) int64: the slot of each row's new token
+    slots: torch.Tensor  # (B, S) int64: row b's keys in order are its first lengths[b]
+    lengths: torch.Tensor  # (B,) int64: keys per row, the new token included (last)
 
 
 class PagedKVCache(CacheTensors):
@@ -52,8 +67,6 @@ class PagedKVCache(CacheTensors):
         super().__init__(spec, (num_blocks * block_size,), dtype, device)  # flat, block-major
         self.num_blocks, self.block_size = num_blocks, block_size
         self.attention = attention or Native()
-        # layers that cache plain K and V (MHA/GQA): the ones the attention backend serves
-        self.kv_layers = sum(set(layer) == {"k", "v"} for layer in spec.layers)
 
     def block_bytes(self) -> int:
         """Bytes of one block across every layer and field."""
@@ -111,13 +124,11 @@ class PagedStep:
             new_slots = slots.gather(1, new_pos.clamp(max=S - 1)).where(new_pos < total[:, None], -1)
         self.slots, self.new_slots = slots.to(device), new_slots.to(device)
         self._tables = tables
-        self.flex_mask = None  # the FlexAttention backend's block mask (build_flex_mask)
+        self.flex_mask = None  # the FlexAttention backend's block mask (its `prepare`)
         self.lengths = total.to(device)
         # the real new tokens' slots, in the flattened (B * T) order (a decode step has no padding)
         self._targets = (self.new_slots.flatten() if self.decode_only
                          else self.new_slots.flatten().index_select(0, self._rows))
-        if cache.kv_layers:  # what the backend's layers share (FlexAttention's mask)
-            cache.attention.prepare(self)
 
     @functools.cached_property
     def _rows(self) -> torch.Tensor:

@@ -10,13 +10,12 @@ The attention variant is chosen by `config.attention.type`; every variant implem
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from egmla import kernels
-from egmla.cache import TOKEN_IDS, CacheSpec, CacheStep, ContiguousCache, LayerView
+from egmla.cache import TOKEN_IDS, CacheSpec, CacheStep, ContiguousCache
 from egmla.config import ModelConfig
 from egmla.models.attention import build_attention
 from egmla.models.attention.common import TOKEN_IDS_FIELD
@@ -60,45 +59,6 @@ class Block(nn.Module):
     def forget_kernel_weights(self) -> None:
         """Drop the weights `kernel_weights` kept: the next decode step reads the block again."""
         self._kernel = None
-
-
-def fused_decode(blocks: Sequence[Block], x: torch.Tensor, positions: torch.Tensor,
-                 views: Sequence[LayerView]) -> torch.Tensor | None:
-    """`blocks` applied in turn to x (B, 1, D) for a decode step over a paged cache (`views`, one
-    per block), one kernel call each (egmla.kernels.decode_blocks), where every block is plain
-    RoPE attention over K and V and an MLP the kernel computes (dense, or sparse as attached);
-    else None, with nothing run or written."""
-    rows = x.shape[0] * x.shape[1]
-    plan, pools, cos, sin, angles, where = [], [], [], [], {}, None
-    for block, view in zip(blocks, views):
-        where = view.decode_slots()
-        if where is None or set(where.pools) != {"k", "v"}:
-            return None
-        found = block.kernel_weights(x)
-        if found is None:
-            return None
-        weights, rope = found
-        sparse = None
-        if block.mlp.decodes_sparse(rows):
-            sparse = block.mlp.sparse.kernel()
-            if sparse is None:  # a dense pass decides (the oracle): the modules run
-                return None
-        if rope not in angles:  # the step's RoPE angles, computed once for the blocks sharing it
-            angles[rope] = [t.view(x.shape[0], -1) for t in rope.cos_sin(positions, torch.float32)]
-        plan.append((weights, sparse))
-        pools.append((where.pools["k"], where.pools["v"]))
-        cos.append(angles[rope][0])
-        sin.append(angles[rope][1])
-    if where is None:
-        return None
-    done = kernels.decode_blocks(x, plan, cos, sin, pools, where.new, where.slots, where.lengths)
-    if done is None:
-        return None
-    out, computed = done
-    for block, (_, sparse), n in zip(blocks, plan, computed):
-        if sparse is not None:
-            block.mlp.sparse.record(rows, n)
-    return out
 
 
 class Transformer(nn.Module):
@@ -190,14 +150,10 @@ class Transformer(nn.Module):
             cache.begin({TOKEN_IDS_FIELD: token_ids}, positions)
         x = self.tok_emb(token_ids)  # (B, T, d)
         views = [cache.layer(i) for i in range(len(self.layers))] if cache is not None else None
-        fused = None if views is None else fused_decode(self.layers, x, positions, views)
-        if fused is not None:
-            x = fused
-        else:
-            # this forward's RoPE angles and masks, computed once and shared by the layers
-            shared = Positions(positions)
-            for i, block in enumerate(self.layers):
-                x = block(x, shared, views[i] if views is not None else None, token_ids)
+        # this forward's RoPE angles and masks, computed once and shared by the layers
+        shared = Positions(positions)
+        for i, block in enumerate(self.layers):
+            x = block(x, shared, views[i] if views is not None else None, token_ids)
         if cache is not None:
             cache.advance()
         if logits_at is not None:

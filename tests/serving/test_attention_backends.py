@@ -166,16 +166,20 @@ def test_auto_picks_by_machine_and_says_why(device, dtype, block, installed, nam
 
 def test_a_model_without_mha_layers_builds_no_flex_mask(monkeypatch):
     """MLA and EG-MLA layers never use the backend: auto on a GPU takes the plain path for
-    them, and an explicit flex builds no block mask for a model without K/V layers."""
+    them, and an explicit flex builds no block mask for a model without layers that declare
+    RoPE K/V attention; a GQA model's step builds one, before its forward."""
     assert attention.select("auto", CUDA, torch.bfloat16, 16, set()).name == "sdpa"
     built = []
-    monkeypatch.setattr(attention.Flex, "prepare", lambda self, step: built.append(step))
-    latent = PagedKVCache(build(VARIANTS["mla-absorbed"]).cache_spec(),
-                          num_blocks=4, block_size=4, attention=attention.Flex())
-    latent.step([[0]], [0], [2])
-    assert not built
-    PagedKVCache(GQA, num_blocks=4, block_size=4, attention=attention.Flex()).step([[0]], [0], [2])
-    assert len(built) == 1
+    prepare = attention.Flex.prepare
+    monkeypatch.setattr(attention.Flex, "prepare",
+                        lambda self, step: (built.append(step), prepare(self, step)))
+    for name, masks in (("mla-absorbed", 0), ("gqa", 1)):
+        engine = LLMEngine(build(VARIANTS[name]), EngineConfig(num_blocks=8, block_size=4,
+                                                               attention_backend="flex"))
+        engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=1))
+        built.clear()
+        engine.step()
+        assert len(built) == masks, name
 
 
 @pytest.mark.parametrize("requested,device,installed,message", [
@@ -235,7 +239,7 @@ def test_a_compiled_decode_step_decodes_what_the_eager_one_does(backend, name):
     prompts = mixed_prompts(model.config.vocab_size, count=6)
     engine = LLMEngine(model, EngineConfig(attention_backend=backend, enforce_eager=False,
                                            block_size=4, num_blocks=64, max_num_batched_tokens=32))
-    assert engine._decode_model is not model  # the compiled wrapper
+    assert engine.executor.decode_model is not model  # the compiled wrapper
     outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
     for prompt, out in zip(prompts, outputs):
         assert out == reference_greedy(model, prompt, 6)

@@ -149,7 +149,7 @@ def test_requests_that_can_never_run_are_refused_up_front(prompt_len, params, co
     ({"logprobs": -1}, "logprobs=-1"), ({"min_tokens": 5, "max_tokens": 4}, "min_tokens=5"),
     ({"ignore_eos": 1}, "ignore_eos=1: must be true or false"),
     ({"stop": 5}, "stop=5: must be a string or a list"), ({"stop": ["a", 1]}, "stop="),
-    ({"best_of": 2}, "best_of: vLLM's, not implemented here"),
+    ({"best_of": 2}, "best_of: vLLM's or OpenAI's, not implemented here"),
     ({"prompt_logprobs": 21}, "prompt_logprobs=21"),
     ({"temprature": 0.5}, "unknown field.s. temprature"),
     ({"seed": 2**64}, "seed=18446744073709551616"), ({"seed": -2**63 - 1}, "seed="),
@@ -324,7 +324,7 @@ def test_pool_sized_from_a_kv_memory_budget():
 
 
 def test_forward_groups_keep_decodes_together_and_bound_prefill_padding():
-    from serve.engine import _forward_groups
+    from serve.executor import forward_groups as _forward_groups
 
     lengths = [1, 512, 1, 30, 500, 1, 28, 2]
     groups = _forward_groups(lengths)

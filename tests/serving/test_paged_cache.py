@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from egmla.models import Transformer, cache_spec_for
-from egmla.models.transformer import fused_decode
 from egmla.presets import PRESETS, preset
+from serve.executor import fused_decode
 from serve.paged_cache import PagedKVCache
 from support.engine import run_ragged
 from support.models import VARIANTS, build, exact_predictor

@@ -1,7 +1,7 @@
 """The sampler is numerically safe for every value SamplingParams accepts.
 
 Property tests: hypothesis draws every sampling parameter from the whole range that validation
-accepts (`serve.engine.RANGES`, so a widened range is a tested range), both ends and beyond
+accepts (`serve.sampling.RANGES`, so a widened range is a tested range), both ends and beyond
 included, with logits in float32 and bfloat16, large (+-1e4 and beyond), equal, or partly
 -inf. Each draw must give a token id of the vocabulary that is not masked, and where the
 sampler exposes its distribution (`next_token_probs`), finite probabilities that sum to 1 and
@@ -20,8 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from egmla.generate import next_token_probs, sample_next
-from serve.engine import (RANGES, SEED_RANGE, EngineConfig, InvalidRequest, LLMEngine,
-                          SamplingParams, StepFailed, sampling_scores)
+from serve import EngineConfig, LLMEngine
+from serve.engine import StepFailed
+from serve.sampling import RANGES, SEED_RANGE, InvalidRequest, SamplingParams, sampling_scores
 from support.models import VARIANTS, build
 
 FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",

@@ -68,7 +68,7 @@ def test_every_token_of_a_random_workload_matches_the_reference(setting):
     for plan in plans:
         assert 0 < plan.num_batched_tokens <= config.max_num_batched_tokens
         assert len(plan.rows) <= config.max_num_seqs
-        assert len({r.seq.seq_id for r in plan.rows}) == len(plan.rows)
+        assert len({r.seq_id for r in plan.rows}) == len(plan.rows)
     st = engine.stats
     assert sum(len(p.preempted) for p in plans) == st.preemptions
     assert sum(r.num_new_tokens for p in plans for r in p.rows if r.is_prefill) == st.prefill_tokens

@@ -566,7 +566,7 @@ def test_the_probed_values_answer_200_with_text_while_others_run(text_llm):
     greedy text."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from serve.engine import RANGES
+    from serve.sampling import RANGES
 
     smallest = {name: math.nextafter(RANGES[name].low, math.inf)
                 for name in ("top_p", "repetition_penalty")}

@@ -199,7 +199,7 @@ def test_the_llm_seed_makes_unseeded_sampling_reproducible(export):
 
 
 def test_what_is_not_implemented_is_refused_by_name(export):
-    with pytest.raises(InvalidRequest, match="use_beam_search: vLLM's, not implemented"):
+    with pytest.raises(InvalidRequest, match="use_beam_search: vLLM's or OpenAI's, not implemented"):
         SamplingParams(use_beam_search=True)
     with pytest.raises(ValueError, match="unknown engine argument.*tensor_parallel_size"):
         LLM(model=str(export), tensor_parallel_size=2)

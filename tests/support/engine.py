@@ -41,6 +41,7 @@ class HistorySumModel(torch.nn.Module):
         self.config = SimpleNamespace(vocab_size=vocab_size, max_seq_len=max_seq_len,
                                       eos_token_id=None)
         self.tok_emb = torch.nn.Embedding(vocab_size, 1, dtype=torch.float64)  # dtype, device
+        self.layers = torch.nn.ModuleList()  # no block for the executor's fused decode to run
 
     def cache_spec(self):
         from egmla.cache import CacheSpec, FieldSpec
@@ -148,7 +149,7 @@ class FailingRequest:
         return seq.prompt == self.prompt and len(seq.output) >= self.after
 
     def _forward(self, rows, every: bool = False):
-        if not any(self._targets(r.seq) for r in rows):
+        if not any(self._targets(self.engine.sequence(r.seq_id)) for r in rows):
             return self._original(rows, every)
         model, vocab = self.engine.model, self.engine.model.config.vocab_size
         model.forward = lambda tokens, *args, **kw: type(model).forward(

@@ -15,7 +15,7 @@ import httpx
 import uvicorn
 
 from serve import LLM
-from serve.api import build_app
+from serve.server import build_app
 from serve.async_engine import AsyncEngine
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -1,0 +1,63 @@
+"""The engine's numbers: running sums kept as it works (`EngineStats`) and the record it reports
+(`EngineMetrics`: `LLMEngine.metrics()`, `snapshot()`, the server's /metrics), as vLLM's
+`v1/metrics/stats.py`. The server's Prometheus exposition of them is serve/prometheus.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    """Running sums the engine adds to as it works (its own bookkeeping; read `metrics()`)."""
+
+    steps: int = 0
+    preemptions: int = 0
+    peak_running: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    sampled_tokens: int = 0  # tokens generated, finished or not
+    aborted: int = 0  # samples aborted (client gone, or stopped by the caller)
+    failed: int = 0  # samples ended by a step that raised (StepFailed)
+    cached_prompt_tokens: int = 0
+    # finished (not aborted) requests' samples: running sums, so metrics survive release()
+    finished: int = 0
+    output_tokens: int = 0
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
+    tpot_sum: float = 0.0
+    tpot_count: int = 0
+    first_arrival: float | None = None
+    last_finish: float | None = None
+    reserved_slot_steps: int = 0  # sum over steps of KV slots held by live sequences
+    used_slot_steps: int = 0  # sum over steps of the slots those sequences filled
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """The engine's metrics, in one record: `metrics()` returns it as a dict, the server publishes
+    one after every step (`snapshot(now=False)`) for its `/metrics`. Latencies and throughput
+    are over finished requests; `*_now` fields describe the pool at this moment."""
+
+    running: int  # sequences in the running batch
+    waiting: int  # sequences waiting to be scheduled
+    requests_finished: int  # samples finished (not aborted or failed)
+    output_tokens: int  # tokens of those samples
+    output_tokens_per_s: float | None  # output_tokens / (last finish - first arrival)
+    ttft_mean_s: float | None
+    tpot_mean_s: float | None
+    steps: int
+    preemptions: int
+    peak_running: int
+    prompt_tokens: int  # prompt (and recomputed) tokens run through a forward
+    generation_tokens: int  # tokens sampled, finished or not
+    kv_blocks_used: int
+    kv_blocks_total: int
+    # The live pool's reserved and filled bytes and their unused share; None in a snapshot
+    # taken with now=False (they need a walk over every held block).
+    kv_bytes_reserved_now: int | None
+    kv_bytes_used_now: int | None
+    fragmentation_now: float | None
+    fragmentation_mean: float  # unused / reserved KV slots, summed over every step of the run
+    prefix_cache_hit_rate: float  # prompt tokens found in the prefix cache / looked up
