@@ -118,6 +118,15 @@ class LayerView(Protocol):
         """A per-sequence field (`CacheSpec.sequence`) for those keys, (B, S, ...)."""
         ...
 
+
+@runtime_checkable
+class AttendsInPlace(Protocol):
+    """What a layer's cache view MAY also offer (a paged decode step does, serve/paged_cache.py;
+    the contiguous cache does not): attention computed by the cache where it can do better than
+    `update` and SDPA, reading its pools in place. A layer that can use it looks for the
+    method (`getattr(cache, "fused_attention", None)`: an isinstance check on a Protocol costs
+    microseconds per layer and step)."""
+
     def fused_attention(self, q: torch.Tensor, new: Mapping[str, torch.Tensor], key: str,
                         value: str, scale: float) -> torch.Tensor | None:
         """Attention computed by the cache where it can do better than `update` and SDPA (a
@@ -211,9 +220,6 @@ class LayerCache:
 
     def sequence_field(self, name: str) -> torch.Tensor:
         return self._cache.sequence_field(name)
-
-    def fused_attention(self, q, new, key, value, scale) -> None:
-        return None  # its history is a plain slice already: update + SDPA
 
 
 class ContiguousCache(CacheTensors):

@@ -57,11 +57,12 @@ class MHA(AttentionLayer):
         cos, sin = positions.cos_sin(self.rope, x.dtype)  # (B or 1, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         scale, o, key_positions = self.head_dim**-0.5, None, None
-        if cache is not None:
-            o = cache.fused_attention(q, {"k": k, "v": v}, key="k", value="v", scale=scale)
-            if o is None:
-                kv = cache.update(k=k, v=v)
-                k, v, key_positions = kv["k"], kv["v"], cache.key_positions  # (B, S, G, D)
+        in_place = getattr(cache, "fused_attention", None)  # egmla.cache.AttendsInPlace
+        if in_place is not None:  # a paged decode step reads its pools in place
+            o = in_place(q, {"k": k, "v": v}, key="k", value="v", scale=scale)
+        if cache is not None and o is None:
+            kv = cache.update(k=k, v=v)
+            k, v, key_positions = kv["k"], kv["v"], cache.key_positions  # (B, S, G, D)
         if o is None:
             o = attend(q, k, v, scale, positions, key_positions)  # (B, T, H, D)
         return self.wo(o.reshape(B, T, self.n_heads * self.head_dim))
