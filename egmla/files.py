@@ -47,7 +47,7 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = "", fsync: bool = Fals
     try:
         yield tmp
         if fsync:
-            _fsync(tmp)
+            fsync_path(tmp)
         if mode is not None:
             os.chmod(tmp, mode)
         os.replace(tmp, path)
@@ -114,7 +114,8 @@ def write_files(directory: str | os.PathLike, files: Mapping[str, bytes]) -> Non
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a rename is durable once its directory is synced)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -3,27 +3,7 @@ routes (serve/routes.py), the request schemas (serve/protocol.py), the response 
 (serve/responses.py), the Prometheus metrics (serve/prometheus.py), the size limit and the API
 key (middleware, here) and the error handlers (here).
 
-    GET  /v1/models              the served model
-    POST /v1/completions         text completion; "stream": true for server-sent events
-    POST /v1/chat/completions    chat through the tokenizer's template; streams the same way
-    POST /tokenize               vLLM's: a prompt (or messages) -> token ids
-    POST /detokenize             vLLM's: token ids -> text
-    GET  /tokenizer_info         vLLM's: the tokenizer's special tokens and chat template
-    GET  /version                the server's version
-    GET  /health                 200 while the engine thread is alive, else 503
-    GET  /metrics                Prometheus text: TTFT, TPOT, requests, KV blocks, prefix hits
-
-Every error is OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`, with the
-status: 400 for a bad field (named in `param`; types are strict, so `"max_tokens": true` is an
-error, not 1) or a request that could never run here (more prompts than the server holds at
-once, a prompt beyond the context or the KV pool), 404 for an unknown model or path, 405 for a
-wrong method, 413 for a body over the size limit, 500 when computing the request raised (its
-forward or sampling: it alone fails, its blocks freed), 503 when the request queue has no room
-for it now or the server is shutting down; a refused request leaves nothing queued. Known
-OpenAI/vLLM fields that this server does not implement are refused unless they hold their
-neutral value; unknown fields are ignored (logged once). Streams end with `data: [DONE]`, after
-an error event if the request failed mid-stream; a client that disconnects has its request
-aborted and its KV blocks freed. Tokenization runs on a worker thread, off the event loop.
+The routes and what each serves are listed in serve/routes.py.
 """
 
 from __future__ import annotations

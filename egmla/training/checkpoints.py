@@ -33,6 +33,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from egmla.checkpoint import SIDECAR_SUFFIX, file_sha256, recorded_digests, sidecar
+from egmla.files import fsync_path
 from egmla.training.rundir import RunError, write_atomic
 
 # What Lightning's fit needs to resume (a weights-only save has no optimizer_states).
@@ -76,18 +77,10 @@ def save_checkpoint(checkpoint: dict[str, Any], path: Path) -> str:
         _write_sidecar(path, [digest, *sorted((old or set()) - {digest})])
         os.replace(tmp, path)
         _write_sidecar(path, [digest])
-        _fsync_directory(path.parent)
+        fsync_path(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
     return digest
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ChecksummedCheckpointIO(TorchCheckpointIO):
