@@ -764,6 +764,12 @@ def private_root(entries: list, scratch_bytes: int, uid: int | None) -> None:
     def parent(path: str) -> None:
         os.makedirs(os.path.dirname(at(path)), mode=0o755, exist_ok=True)
 
+    # The scratch first: an entry under it (an interpreter in a checkout under /tmp) is then
+    # bound inside the scratch instead of being hidden by it.
+    os.makedirs(at(SCRATCH), mode=0o755)
+    owner = "" if uid is None else f",uid={uid},gid={uid}"
+    mount("tmpfs", at(SCRATCH), "tmpfs", MS_NOSUID | MS_NODEV,
+          f"size={scratch_bytes},mode={'700' if uid is not None else '1777'}{owner}")
     for kind, path, *rest in entries:
         if kind == "link":
             parent(path)
@@ -790,10 +796,6 @@ def private_root(entries: list, scratch_bytes: int, uid: int | None) -> None:
         os.symlink(target, at(f"/dev/{name}"))
     os.makedirs(at("/proc"), mode=0o555)
     mount("proc", at("/proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    os.makedirs(at(SCRATCH), mode=0o755)
-    owner = "" if uid is None else f",uid={uid},gid={uid}"
-    mount("tmpfs", at(SCRATCH), "tmpfs", MS_NOSUID | MS_NODEV,
-          f"size={scratch_bytes},mode={'700' if uid is not None else '1777'}{owner}")
     os.chdir(new)
     pivot_root()
     mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)

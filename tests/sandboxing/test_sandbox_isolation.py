@@ -25,7 +25,7 @@ import pytest
 
 from eval.selfdebug.datasets import MBPP_FILE, _humaneval_file, load_mbpp
 from eval.selfdebug.loop import Completion, SelfDebug, Settings
-from sandbox import STARTUP_GRACE_S, Limits, SandboxError, protections, rootfs, run
+from sandbox import STARTUP_GRACE_S, Limits, SandboxError, protections, rootfs, run, runner
 from support import ROOT
 from support.processes import sandbox_uid_processes
 
@@ -229,10 +229,14 @@ def test_the_private_root_holds_the_interpreter_and_nothing_else():
     assert {"dev", "proc", "tmp", "usr"} <= expected_top and "work" not in expected_top
 
 
-def test_installed_packages_inside_a_bound_directory_are_covered():
+@pytest.mark.parametrize("under", ["checkout", "scratch"])
+def test_installed_packages_inside_a_bound_directory_are_covered(under):
     """An interpreter whose standard library holds its site-packages (pyenv, a source build):
-    the directory is bound, its site-packages covered by an empty read-only tmpfs."""
-    lib = Path(tempfile.mkdtemp(prefix=".sandbox-stdlib-", dir=Path(__file__).parent))
+    the directory is bound, its site-packages covered by an empty read-only tmpfs. Also when
+    the directory lies under /tmp, the program's scratch (a checkout under /tmp): it is bound
+    inside the scratch, read-only, and the rest of /tmp stays the program's to write."""
+    where = Path(__file__).parent if under == "checkout" else Path(runner.SCRATCH)
+    lib = Path(tempfile.mkdtemp(prefix=".sandbox-stdlib-", dir=where))
     try:
         (lib / "site-packages").mkdir()
         (lib / "site-packages" / "answers.py").write_text("ANSWERS = 42\n")
@@ -250,10 +254,15 @@ def test_installed_packages_inside_a_bound_directory_are_covered():
                    "def listing(d):\n    return sorted(os.listdir(d))\n"
                    "def importable(name):\n"
                    "    try:\n        __import__(name)\n    except ImportError:\n"
+                   "        return False\n    return True\n"
+                   "def writable(path):\n"
+                   "    try:\n        open(path, 'w').close()\n    except OSError:\n"
                    "        return False\n    return True\n")
         v = isolated(program, [f"assert listing({str(lib)!r}) == ['site-packages', 'visible.py']",
                                f"assert listing({str(lib / 'site-packages')!r}) == []",
-                               "assert importable('visible') and not importable('answers')"],
+                               "assert importable('visible') and not importable('answers')",
+                               f"assert writable({runner.SCRATCH!r} + '/mine.txt')",
+                               f"assert not writable({str(lib / 'mine.txt')!r})"],
                      isolation=extended)
         assert v.status == "passed", v.tests
     finally:
