@@ -26,7 +26,7 @@ from serve import config as engine_config
 from serve.block_manager import BlockManager
 from serve.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, kv_memory_for_share
 from serve.executor import Executor, compiled_decode, forward_groups
-from serve.metrics import EngineMetrics, EngineStats
+from serve.metrics import EngineMetrics, EngineStats, PoolNow
 from serve.request import Sequence
 from serve.sampling import (MAX_LOGPROBS, RANGES, SEED_RANGE, InvalidRequest, SamplingParams,
                             greedy_tokens, is_int, is_plain_greedy, new_generator, sample_token,
@@ -468,28 +468,16 @@ class LLMEngine:
         """The engine's metrics at this moment. `now=False` skips the walk over every held block
         that the `*_now` fields need (they are None then): counters only, cheap enough to take
         after every step."""
-        st = self.stats
-        span = (st.last_finish - st.first_arrival) if st.finished else 0.0
-        reserved = used = fragmentation = None
+        pool = None
         if now:
             blocks = self.blocks.stats()
             slot_bytes = self.cache.block_bytes() // self.config.block_size
-            reserved, used = blocks.reserved_slots * slot_bytes, blocks.used_slots * slot_bytes
-            fragmentation = blocks.fragmentation
-        return EngineMetrics(
+            pool = PoolNow(blocks.reserved_slots * slot_bytes, blocks.used_slots * slot_bytes,
+                           blocks.fragmentation)
+        return self.stats.metrics(
             running=len(self.running), waiting=len(self.waiting),
-            requests_finished=st.finished, output_tokens=st.output_tokens,
-            output_tokens_per_s=st.output_tokens / span if span > 0 else None,
-            ttft_mean_s=st.ttft_sum / st.ttft_count if st.ttft_count else None,
-            tpot_mean_s=st.tpot_sum / st.tpot_count if st.tpot_count else None,
-            steps=st.steps, preemptions=st.preemptions, peak_running=st.peak_running,
-            prompt_tokens=st.prefill_tokens, generation_tokens=st.sampled_tokens,
             kv_blocks_used=self.blocks.num_used(), kv_blocks_total=self.config.num_blocks,
-            kv_bytes_reserved_now=reserved, kv_bytes_used_now=used, fragmentation_now=fragmentation,
-            fragmentation_mean=(1 - st.used_slot_steps / st.reserved_slot_steps
-                                if st.reserved_slot_steps else 0.0),
-            prefix_cache_hit_rate=self.blocks.hit_rate,
-        )
+            prefix_cache_hit_rate=self.blocks.hit_rate, pool=pool)
 
     def metrics(self) -> dict[str, float | int | None]:
         """Run statistics as a dict (`snapshot()`'s fields): latency of finished requests,

@@ -6,6 +6,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class PoolNow(NamedTuple):
+    """The KV pool at one moment (a walk over every held block)."""
+
+    reserved_bytes: int
+    used_bytes: int
+    fragmentation: float
 
 
 @dataclass
@@ -32,6 +41,28 @@ class EngineStats:
     last_finish: float | None = None
     reserved_slot_steps: int = 0  # sum over steps of KV slots held by live sequences
     used_slot_steps: int = 0  # sum over steps of the slots those sequences filled
+
+    def metrics(self, *, running: int, waiting: int, kv_blocks_used: int, kv_blocks_total: int,
+                prefix_cache_hit_rate: float, pool: PoolNow | None) -> EngineMetrics:
+        """These sums as the reported record, with the engine's state at this moment (`pool`
+        None: the `*_now` fields are None)."""
+        span = (self.last_finish - self.first_arrival) if self.finished else 0.0
+        return EngineMetrics(
+            running=running, waiting=waiting,
+            requests_finished=self.finished, output_tokens=self.output_tokens,
+            output_tokens_per_s=self.output_tokens / span if span > 0 else None,
+            ttft_mean_s=self.ttft_sum / self.ttft_count if self.ttft_count else None,
+            tpot_mean_s=self.tpot_sum / self.tpot_count if self.tpot_count else None,
+            steps=self.steps, preemptions=self.preemptions, peak_running=self.peak_running,
+            prompt_tokens=self.prefill_tokens, generation_tokens=self.sampled_tokens,
+            kv_blocks_used=kv_blocks_used, kv_blocks_total=kv_blocks_total,
+            kv_bytes_reserved_now=None if pool is None else pool.reserved_bytes,
+            kv_bytes_used_now=None if pool is None else pool.used_bytes,
+            fragmentation_now=None if pool is None else pool.fragmentation,
+            fragmentation_mean=(1 - self.used_slot_steps / self.reserved_slot_steps
+                                if self.reserved_slot_steps else 0.0),
+            prefix_cache_hit_rate=prefix_cache_hit_rate,
+        )
 
 
 @dataclass(frozen=True)
