@@ -92,6 +92,12 @@ SYSTEMS = {
     "llamacpp-q8_0": System("llamacpp", "Q8_0", False, about="llama.cpp (cyllama), Q8_0 GGUF"),
 }
 LLAMA_FTYPES = {"F32": 0, "F16": 1, "Q8_0": 7}  # llama_ftype values
+BASELINE = "@baseline"  # suffix of a system run from --baseline-tree's checkout
+
+
+def spec(name: str) -> System:
+    """The System of a name, a baseline copy (`ours-fp32@baseline`) included."""
+    return SYSTEMS[name.removesuffix(BASELINE)]
 
 # The prompts are cut from this text, repeated: fixed, so every run and system sees the same ids.
 TEXT = (
@@ -471,12 +477,18 @@ class WorkerFailed(RuntimeError):
 class Worker:
     """The driver's handle on one system's subprocess."""
 
-    def __init__(self, name: str, threads: int):
+    def __init__(self, name: str, threads: int, baseline_tree: Path | None = None):
+        """`name` ending in BASELINE runs the plain system with the copy of this script in
+        `baseline_tree`, which puts that checkout first on the worker's import path."""
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads),
-               "MKL_NUM_THREADS": str(threads), "EGMLA_KERNELS": "1" if SYSTEMS[name].kernels else "0"}
+               "MKL_NUM_THREADS": str(threads), "EGMLA_KERNELS": "1" if spec(name).kernels else "0"}
         self.name = name
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", name], env=env,
+        script = __file__
+        if name.endswith(BASELINE):
+            script = str(baseline_tree / "benchmarks" / "decode_speed.py")
+        self.proc = subprocess.Popen([sys.executable, script, "--worker",
+                                      name.removesuffix(BASELINE)], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def call(self, command: str, **args) -> dict:
@@ -512,9 +524,12 @@ def start_workers(names: list[str], args, errors: list) -> dict[str, Worker]:
             "max_batch": max(args.batch_sizes, default=0),
             "batch_tokens": BATCH_PROMPT_LEN + args.batch_new_tokens}
     workers = {}
-    for name in names:
+    starting = names
+    if args.baseline_first:  # the starting order turns; the measuring order stays `names`
+        starting = sorted(names, key=lambda n: not n.endswith(BASELINE))
+    for name in starting:
         print(f"loading {name} ...", flush=True)
-        w = Worker(name, args.threads)
+        w = Worker(name, args.threads, args.baseline_tree)
         try:
             w.info = w.call("load", **load)
         except WorkerFailed as error:
@@ -523,7 +538,7 @@ def start_workers(names: list[str], args, errors: list) -> dict[str, Worker]:
             w.close()
             continue
         workers[name] = w
-    return workers
+    return {name: workers[name] for name in names if name in workers}
 
 
 def rotated(names: list[str], r: int) -> list[str]:
@@ -560,7 +575,7 @@ def measure(workers: dict[str, Worker], single_prompts: dict, batch_prompts: lis
                       flush=True)
                 single.setdefault((name, p, n), []).append(run)
         for b in args.batch_sizes:
-            for name in rotated([s for s in workers if SYSTEMS[s].batched], r):
+            for name in rotated([s for s in workers if spec(s).batched], r):
                 print(f"[repeat {r + 1}/{args.repeats}] {name}: batch {b} x ({BATCH_PROMPT_LEN} "
                       f"prompt, {args.batch_new_tokens} new) ...", end=" ", flush=True)
                 try:
@@ -605,9 +620,38 @@ def summarize(workers: dict, single: dict, batched: dict, machine_gb_s: float) -
                      "output_tok_s": spread([r["output_tok_s"] for r in runs]),
                      "wall_s": spread([r["wall_s"] for r in runs])}
                     for (name, b), runs in batched.items()]
-    single_rows.sort(key=lambda r: (r["prompt_len"], r["new_tokens"], list(SYSTEMS).index(r["system"])))
-    batched_rows.sort(key=lambda r: (r["batch"], list(SYSTEMS).index(r["system"])))
+    single_rows.sort(key=lambda r: (r["prompt_len"], r["new_tokens"], system_order(r["system"])))
+    batched_rows.sort(key=lambda r: (r["batch"], system_order(r["system"])))
     return single_rows, batched_rows
+
+
+def system_order(name: str) -> tuple[int, bool]:
+    return list(SYSTEMS).index(name.removesuffix(BASELINE)), name.endswith(BASELINE)
+
+
+def paired_against_baseline(single: dict) -> list[dict]:
+    """Per cell and system that has a baseline copy: this checkout's decode tok/s over the
+    baseline's, repeat by repeat (both measured in the same repeat, one after the other)."""
+    rows = []
+    for (name, p, n), base_runs in single.items():
+        if not name.endswith(BASELINE) or (name.removesuffix(BASELINE), p, n) not in single:
+            continue
+        ours = single[(name.removesuffix(BASELINE), p, n)]
+        ratios = [a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(ours, base_runs)]
+        rows.append({"system": name.removesuffix(BASELINE), "prompt_len": p, "new_tokens": n,
+                     "ratio": spread(ratios),
+                     "same_tokens": same_prefix(ours[0]["tokens"], base_runs[0]["tokens"])})
+    rows.sort(key=lambda r: (r["prompt_len"], r["new_tokens"], system_order(r["system"])))
+    return rows
+
+
+def git_state(tree: Path) -> dict:
+    """The commit a checkout is at, and whether its tracked files differ from it."""
+    def git(*argv):
+        return subprocess.run(["git", "-C", str(tree), *argv], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    return {"path": str(tree), "sha": git("rev-parse", "HEAD"),
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -651,6 +695,16 @@ def markdown(report: dict) -> str:
             f"| {r['system']} | {r['prompt_len']} | {r['new_tokens']} | {cell(r['decode_tok_s'])} | "
             f"{cell(r['prefill_s'], '.3f')} | {r['weight_bytes'] / 1e6:.0f} | {r['read_gb_s']:.1f} | "
             f"{r['fraction_of_machine']:.2f} | {same} |")
+    base = report.get("baseline")
+    if base:
+        lines += ["", f"## Against the baseline checkout ({base['git']['sha'][:10]}"
+                  f"{', dirty' if base['git']['dirty'] else ''})", "",
+                  ("Per repeat, this checkout's decode tok/s over the baseline's (the same cell, "
+                   "same repeat, workers interleaved); median (min..max) over the repeats."), "",
+                  "| system | prompt | new | ratio | same tokens |", "|---|---:|---:|---:|---:|"]
+        lines += [f"| {r['system']} | {r['prompt_len']} | {r['new_tokens']} | "
+                  f"{cell(r['ratio'], '.3f')} | {r['same_tokens']}/{r['new_tokens']} |"
+                  for r in base["paired"]]
     if report["batched"]:
         lines += ["", "## Batched", "",
                   (f"Distinct {BATCH_PROMPT_LEN}-token prompts, {c['batch_new_tokens']} new tokens "
@@ -678,7 +732,7 @@ def markdown(report: dict) -> str:
 
 
 def systems_info(workers: dict) -> dict:
-    return {name: {"about": SYSTEMS[name].about, **w.info} for name, w in workers.items()}
+    return {name: {"about": spec(name).about, **w.info} for name, w in workers.items()}
 
 
 # ---- command line -----------------------------------------------------------------------------
@@ -704,6 +758,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="threads of every system, and of the bandwidth probe (2)")
     parser.add_argument("--out", "--output-dir", dest="out", type=Path, default=RESULTS,
                         help="where decode_speed.{json,md} go (benchmarks/results)")
+    parser.add_argument("--baseline-tree", type=Path, default=None, metavar="DIR",
+                        help="another checkout of this project (a git worktree at an older "
+                             "commit): each of our systems also runs from it, interleaved, as "
+                             "SYSTEM@baseline, and the report adds per-repeat paired ratios")
+    parser.add_argument("--baseline-first", action="store_true",
+                        help="start (load) the baseline's workers before this checkout's. The "
+                             "order of starting biases the ratio: in an A/A control on the 2-core "
+                             "machine (one commit against itself) the worker started first "
+                             "decoded about 3%% slower; run once each way and report both")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: prompt 32, 32 new tokens, batch 1 and 4 of 32 new "
                              "tokens, 1 repeat; writes decode_speed_quick.*")
@@ -714,6 +777,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(args.new_tokens) < 2:
         parser.error("--new-tokens: at least 2 (decode speed is measured from the first token on)")
     args.systems = [s for s in SYSTEMS if s in args.systems]  # canonical order, no duplicates
+    if args.baseline_tree is not None:
+        if not (args.baseline_tree / "benchmarks" / "decode_speed.py").is_file():
+            parser.error(f"--baseline-tree {args.baseline_tree}: no benchmarks/decode_speed.py "
+                         "there (give the root of another checkout of this project)")
+        args.baseline_tree = args.baseline_tree.resolve()
+        args.systems += [s + BASELINE for s in args.systems if SYSTEMS[s].runner == "ours"]
     return args
 
 
@@ -723,7 +792,7 @@ def main() -> None:
         os.environ[key] = "1"
     skipped = {}
     if importlib.util.find_spec("cyllama") is None:
-        for s in [s for s in args.systems if SYSTEMS[s].runner == "llamacpp"]:
+        for s in [s for s in args.systems if spec(s).runner == "llamacpp"]:
             skipped[s] = "cyllama is not installed (pip install 'egmla[bench]')"
             args.systems.remove(s)
     for s, why in skipped.items():
@@ -777,6 +846,8 @@ def main() -> None:
         "batched_note": (f"Systems: {', '.join(batched_ran) or 'none'}; llama.cpp's F16 and Q8_0 "
                          "are measured single stream only."),
         "profile": profile,
+        "baseline": (None if args.baseline_tree is None else
+                     {"git": git_state(args.baseline_tree), "paired": paired_against_baseline(single)}),
         "skipped": skipped,
         "errors": errors,
         "prompts": {"single": single_prompts, "batch": batch_prompts[:max(args.batch_sizes,
