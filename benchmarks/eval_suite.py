@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,6 +39,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # measure the checkout this script is in
 from eval.local_tasks import group_tasks  # noqa: E402  (after the path: this checkout's eval)
+from eval.stats import interval  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 TASKS = ROOT / "eval" / "tasks"
@@ -111,14 +110,13 @@ def per_document(samples: list[dict], metric: str) -> dict[int, float]:
 
 
 def paired(a: dict[int, float], b: dict[int, float]) -> dict[str, Any] | None:
-    """Mean of b - a over the documents both scored, its 95% normal interval, and how many
-    documents differ; None unless both scored the same documents."""
+    """Mean of b - a over the documents both scored, its 95% Student-t interval (None below two
+    documents), and how many documents differ; None unless both scored the same documents."""
     if not a or a.keys() != b.keys():
         return None
     diffs = [b[d] - a[d] for d in sorted(a)]
-    mean = statistics.fmean(diffs)
-    half = 1.96 * statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else 0.0
-    return {"mean": mean, "ci95": [mean - half, mean + half], "documents": len(diffs),
+    ci = interval(diffs)  # Student-t over the documents
+    return {"mean": ci["mean"], "ci95": [ci["low"], ci["high"]], "documents": len(diffs),
             "documents_differing": sum(x != 0 for x in diffs)}
 
 
@@ -180,7 +178,7 @@ def render(report: dict[str, Any]) -> str:
     if report.get("precision"):
         lines += ["## bfloat16 against float32 (`--model egmla`, weights and KV cache in the dtype)",
                   "", *_made_by(report["precision"], "float32 and bfloat16"),
-                  ("Paired: the mean over documents of (bf16 - fp32) with its 95% normal interval,"
+                  ("Paired: the mean over documents of (bf16 - fp32) with its 95% Student-t interval,"
                    " and the documents whose score changed."), "",
                   ("| task | documents | metric | float32 | bfloat16 | bf16 - fp32 | paired 95% CI "
                    "| documents changed | seconds fp32 / bf16 |"),
@@ -188,7 +186,8 @@ def render(report: dict[str, Any]) -> str:
         for r in report["precision"]["rows"]:
             for i, (name, a) in enumerate(r["float32"].items()):
                 b, p = r["bfloat16"][name], r["paired"].get(name)
-                ci = f"[{p['ci95'][0]:+.4f}, {p['ci95'][1]:+.4f}]" if p else "-"
+                ci = ("-" if not p or p["ci95"][0] is None
+                      else f"[{p['ci95'][0]:+.4f}, {p['ci95'][1]:+.4f}]")
                 changed = f"{p['documents_differing']}" if p else "-"
                 secs = f"{r['seconds']['float32']} / {r['seconds']['bfloat16']}" if i == 0 else ""
                 lines.append(f"| {r['task'] if i == 0 else ''} | {r['documents'] if i == 0 else ''} "

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from train_variants import composed_model, matched_d_ff, run  # noqa: E402
 
 from egmla.provenance import provenance  # noqa: E402
+from eval.stats import interval  # noqa: E402
 
 POSITIONS = {"kv": "small_egmla", "latent": "small_egmla_latent"}
 INITS = ["random", "matched", "small"]
@@ -58,15 +59,6 @@ def init_diagnostics(attention: str, gate_init: str, d_ff: int) -> dict:
             "norm_input_min_var": min(z.var(-1).min().item() for z, _ in seen),
             "norm_output_std": statistics.mean(y.std().item() for _, y in seen),
             "norm_eps": model.config.norm_eps}
-
-
-def mean_ci(values: list[float]) -> tuple[float, float | None]:
-    """Mean and the half-width of a t interval (95%) over seeds; None with one seed."""
-    m = statistics.mean(values)
-    if len(values) < 2:
-        return m, None
-    t95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776}.get(len(values), 2.0)
-    return m, t95 * statistics.stdev(values) / len(values) ** 0.5
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for pos, init in arms:
         losses = [r["val_loss"] for r in rows if r["position"] == pos and r["gate_init"] == init]
-        mean, half = mean_ci(losses)
-        results.append({"position": pos, "gate_init": init, "val_loss_mean": mean,
+        ci = interval(losses)  # Student-t over the seeds
+        half = None if ci["low"] is None else ci["high"] - ci["mean"]
+        results.append({"position": pos, "gate_init": init, "val_loss_mean": ci["mean"],
                         "val_loss_ci95_half": half, "val_losses": losses,
                         **init_diagnostics(POSITIONS[pos], init, d_ff[pos])})
     info = provenance()
