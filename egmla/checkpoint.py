@@ -17,14 +17,9 @@ place at the end, so a crash or an error never leaves a half-written export behi
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import shutil
-import tempfile
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +27,7 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
+from egmla import files
 from egmla.config import ConfigError, ModelConfig
 from egmla.dtypes import dtype_name, parse_dtype
 from egmla.models.transformer import Transformer
@@ -111,32 +107,15 @@ def save_export(
         meta["extra"] = extra
     config_text = json.dumps({**model.config.to_dict(), **meta}, indent=2)  # fails before writing
 
-    with atomic_directory(directory) as tmp:
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with files.atomic_directory(directory, replace_existing=True) as tmp:
+        tmp.mkdir()  # (honours the umask, unlike tempfile.mkdtemp's 0700: exports get shared)
         (tmp / CONFIG_FILE).write_text(config_text + "\n")
         safetensors.torch.save_model(model, str(tmp / WEIGHTS_FILE))
         os.chmod(tmp / WEIGHTS_FILE, (tmp / CONFIG_FILE).stat().st_mode & 0o777)  # same umask
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
     return directory
-
-
-@contextlib.contextmanager
-def atomic_directory(directory: Path) -> Iterator[Path]:
-    """Yield an empty temporary sibling of `directory`; on success rename it onto `directory`.
-
-    On any error (or KeyboardInterrupt) the temporary directory is removed and `directory` is
-    left as it was: readers see the old contents or the new, never a mix or a half-written one.
-    Whether an existing `directory` may be replaced is the caller's decision.
-    """
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()  # unlike tempfile.mkdtemp (mode 0700), honours the umask: exports get shared
-    try:
-        yield tmp
-        _move_into_place(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def replaceable(directory: Path) -> bool:
@@ -151,23 +130,6 @@ def replaceable(directory: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and isinstance(data.get("egmla"), dict)
-
-
-def _move_into_place(tmp: Path, directory: Path) -> None:
-    """Rename the finished `tmp` onto `directory`, replacing an old export only at the end."""
-    old = None
-    if directory.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old-", dir=directory.parent))
-        os.replace(directory, old / "export")  # a same-filesystem rename, never a copy
-    try:
-        os.replace(tmp, directory)
-    except BaseException:
-        if old is not None:
-            os.replace(old / "export", directory)  # put the previous export back
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def _float_dtype(model: torch.nn.Module) -> torch.dtype:

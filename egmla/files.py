@@ -13,6 +13,9 @@ writers never share it, and it is removed when the write fails.
         fill(tmp)                                   # a compiler's output)
     with atomic_directory(target, keep_existing=True) as tmp:   # a directory, filled in tmp
         build(tmp)
+    with atomic_directory(export, replace_existing=True) as tmp:  # a new one for the old
+        tmp.mkdir()
+        fill(tmp)
     write_files(out, {"a.md": b"...", "a.png": png})  # several files, none until all are ready
 """
 
@@ -79,15 +82,21 @@ def write_json(path: str | os.PathLike, data: Any, *, indent: int | None = 1,
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike, *, keep_existing: bool = False) -> Iterator[Path]:
+def atomic_directory(path: str | os.PathLike, *, keep_existing: bool = False,
+                     replace_existing: bool = False) -> Iterator[Path]:
     """A temporary directory beside `path` for the caller to fill (it does not exist yet);
     renamed onto `path` when the block ends without an error, removed in every case.
     `keep_existing`: when the rename fails because `path` exists already (another writer won
-    the race), theirs stays and ours is dropped, without an error."""
+    the race), theirs stays and ours is dropped, without an error. `replace_existing`: an
+    existing `path` is moved aside, ours renamed in, and the old one removed only then (put
+    back if the rename fails): readers see the old directory or the new, never a mix."""
     path = Path(path)
     tmp = temporary_sibling(path)
     try:
         yield tmp
+        if replace_existing and path.exists():
+            _swap_in(tmp, path)
+            return
         try:
             os.replace(tmp, path)
         except OSError:
@@ -95,6 +104,19 @@ def atomic_directory(path: str | os.PathLike, *, keep_existing: bool = False) ->
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _swap_in(new: Path, path: Path) -> None:
+    """Rename the finished `new` onto the existing directory `path`, the old one removed last."""
+    old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+    os.replace(path, old / path.name)  # a same-filesystem rename, never a copy
+    try:
+        os.replace(new, path)
+    except BaseException:
+        os.replace(old / path.name, path)  # put the previous one back
+        raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def write_files(directory: str | os.PathLike, files: Mapping[str, bytes]) -> None:

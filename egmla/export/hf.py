@@ -29,8 +29,9 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from egmla import files
 from egmla.cache import CacheSpec
-from egmla.checkpoint import CheckpointError, atomic_directory, read_weights
+from egmla.checkpoint import CheckpointError, read_weights
 from egmla.config import ConfigError, ModelConfig
 from egmla.weight_names import BLOCK, DEEPSEEK_ATTENTION, LLAMA_ATTENTION, TOP_LEVEL, build_model, rename_weights
 from egmla.models.transformer import Transformer, cache_spec_for
@@ -180,7 +181,9 @@ def write_transformers_dir(
     directory = Path(os.path.abspath(directory))
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id")
                   if config.get(k) is not None}
-    with atomic_directory(directory) as tmp:
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with files.atomic_directory(directory, replace_existing=True) as tmp:
+        tmp.mkdir()
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         safetensors.torch.save_file(weights, str(tmp / "model.safetensors"),

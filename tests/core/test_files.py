@@ -80,6 +80,23 @@ def test_a_directory_lands_whole_and_a_lost_race_keeps_the_winners(tmp_path):
     assert leftovers(tmp_path) == []
 
 
+def test_a_directory_replaces_the_old_one_whole_or_leaves_it_as_it_was(tmp_path):
+    target = tmp_path / "export"
+    hidden = lambda d: [p.name for p in d.iterdir() if p.name.startswith(".")]  # tmp and old
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError):
+        with files.atomic_directory(target, replace_existing=True) as tmp:
+            tmp.mkdir()
+            (tmp / "new.txt").write_text("half")
+            raise RuntimeError("the writer failed")
+    assert sorted(p.name for p in target.iterdir()) == ["old.txt"] and hidden(tmp_path) == []
+    with files.atomic_directory(target, replace_existing=True) as tmp:
+        tmp.mkdir()
+        (tmp / "new.txt").write_text("new")
+    assert sorted(p.name for p in target.iterdir()) == ["new.txt"] and hidden(tmp_path) == []
+
+
 def test_several_files_arrive_together_or_not_at_all(tmp_path):
     out = tmp_path / "comparison"
     files.write_files(out, {"a.md": b"a", "a.png": b"png"})
