@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from egmla.dtypes import WEIGHT_DTYPES as DTYPES
+from egmla.quant import METHODS as QUANTIZATIONS
 from egmla.units import parse_bytes
 from serve.attention import BACKENDS as ATTENTION_BACKENDS  # noqa: F401 (its old name here)
 from serve.config import EngineConfig
@@ -118,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="TCP port (default %(default)s)")
     p.add_argument("--dtype", choices=DTYPES, help="the weights' dtype (default: the export's)")
     p.add_argument("--device", help="where the model runs: cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS,
+                   help="quantize the weights at load (vLLM's flag): q8_0, llama.cpp's 8-bit "
+                        "blocks of 32 with a float16 scale (default: none, the float weights)")
     p.add_argument("--api-key",
                    help="requests to /v1 must send 'Authorization: Bearer KEY' (else 401)")
     p.add_argument("--chat-template", metavar="FILE_OR_TEXT",
@@ -176,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         llm = LLM(args.model, dtype=args.dtype, ffn_sparsity=args.ffn_sparsity,
                   ffn_threshold=args.ffn_threshold, ffn_predictors=args.ffn_predictors,
-                  device=args.device, **engine_args(args))
+                  device=args.device, quantization=args.quantization, **engine_args(args))
     except (CheckpointError, ValueError, OSError) as error:
         print(f"error: cannot load --model {args.model}: {error}", file=sys.stderr)
         return 2

@@ -27,6 +27,8 @@ from egmla.imports import load_pretrained
 from egmla.models import Transformer
 from egmla.models.sparse_ffn import check_settings as check_sparsity
 from egmla.models.sparse_ffn import layer_thresholds, predictors_from_tensors, sparsify
+from egmla.quant import METHODS as QUANTIZATIONS
+from egmla.quant import quantize_model
 from serve.config import EngineConfig
 from serve.engine import LLMEngine, StepFailed
 from serve.sampling import InvalidRequest, SamplingParams
@@ -96,6 +98,7 @@ class LLM:
         ffn_threshold: float | list[float] = 0.0,
         ffn_predictors: str | os.PathLike | None = None,
         *,
+        quantization: str | None = None,
         device: str | torch.device | None = None,
         max_model_len: int | None = None,
         seed: int | None = None,
@@ -126,10 +129,21 @@ class LLM:
         recall), which takes `ffn_predictors`, the predictors.safetensors that `python -m
         eval.locality predictors` wrote for this model, and their thresholds; loading them
         reorders the model's neurons in place, as they were trained (the function is
-        unchanged). None, the default, is dense."""
+        unchanged). None, the default, is dense.
+
+        `quantization` (vLLM's argument): "q8_0" quantizes every linear layer of the blocks and
+        the LM head at load into llama.cpp's Q8_0 blocks (egmla.quant), activations quantized
+        per block in each product as llama.cpp does; None, the default, keeps the float
+        weights. (So far a Q8_0 model decodes through the modules, not the fused block kernel.)"""
         dtype = parse_model_dtype(dtype)  # a bad dtype fails before loading, naming itself
         where = parse_device(device)  # and so does a device this machine does not have
         check_sparsity(ffn_sparsity, ffn_threshold, ffn_predictors)
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={quantization!r}: expected one of "
+                             f"{', '.join(QUANTIZATIONS)} or None")
+        if quantization is not None and ffn_sparsity is not None:
+            raise ValueError(f"quantization={quantization!r} with ffn_sparsity={ffn_sparsity!r}: "
+                             "the sparse MLP decodes float weights only, choose one")
         if ffn_predictors is not None:  # a missing or unreadable file fails before loading
             predictor_file = (read_weights(Path(ffn_predictors)), read_metadata(Path(ffn_predictors)))
         if "cache_dtype" in engine_args:
@@ -157,6 +171,8 @@ class LLM:
                                  f"for the threshold {trained_at!r}, which predicted mode uses")
             ffn_threshold = trained_at
         sparsify(self.model, ffn_sparsity, ffn_threshold, predictors)
+        if quantization is not None:
+            quantize_model(self.model, quantization)
         self.name = str(model) if not isinstance(model, Transformer) else "egmla"
         self.engine = LLMEngine(self.model, config)
         self.outputs = OutputProcessor(self.engine, self.decode)

@@ -167,6 +167,8 @@ def _load() -> dict[str, object]:
             # shapes without running it, so torch.compile can trace a model that calls it
             torch.library.register_fake("egmla::gemv")(
                 lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
+            torch.library.register_fake("egmla::gemv_q8_0")(
+                lambda x, qs, d: x.new_empty(x.shape[0], qs.shape[0]))
             torch.library.register_fake("egmla::gemv_many")(
                 lambda x, ws: [x.new_empty(x.shape[0], w.shape[0]) for w in ws])
             torch.library.register_fake("egmla::paged_attention")(
@@ -237,7 +239,11 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through the kernel when x has few rows (see the module doc)."""
+    """F.linear(x, weight, bias), through the kernel when x has few rows (see the module doc).
+    A Q8_0 weight (egmla.quant.Q8Weight) takes the Q8_0 product (`q8_linear`)."""
+    if not isinstance(weight, torch.Tensor):
+        y = q8_linear(x, weight)
+        return y if bias is None else y + bias
     rows = _rows_for_kernel(x, (weight,))
     if not rows:
         return _matmul(x, weight, bias)
@@ -250,11 +256,38 @@ def linears(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> list[torch.Tens
     """[F.linear(x, w) for w in weights] (no biases): several projections of one input, such as
     a layer's Q, K and V, in one pass of the kernel over all their rows, so that small weights
     (a GQA layer's K and V) still read on every thread."""
+    if not all(isinstance(w, torch.Tensor) for w in weights):
+        return [linear(x, w) for w in weights]
     rows = _rows_for_kernel(x, weights)
     if not rows:
         return [_matmul(x, w) for w in weights]
     ys = torch.ops.egmla.gemv_many(x.reshape(rows, x.shape[-1]).contiguous(), list(weights))
     return [y.view(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, weights)]
+
+
+def q8_linear(x: torch.Tensor, weight) -> torch.Tensor:
+    """x @ w.T for a Q8_0 weight: the kernel for a decode step's few rows on the CPU, else the
+    same arithmetic in PyTorch (egmla.quant.q8_matmul)."""
+    from egmla.quant import q8_matmul
+
+    K = x.shape[-1]
+    rows = x.numel() // K if K else 0
+    if (x.device.type == "cpu" and x.dtype in DTYPES and 0 < rows <= MAX_ROWS[x.dtype]
+            and not (torch.is_grad_enabled() and x.requires_grad) and load()):
+        return gemv_q8_0(x, weight)
+    return q8_matmul(x, weight)
+
+
+def gemv_q8_0(x: torch.Tensor, weight) -> torch.Tensor:
+    """x @ w.T for a Q8_0 weight (`egmla.quant.Q8Weight`) and x (..., K) float32 or bfloat16
+    on the CPU, the activations quantized per 32-value block as llama.cpp quantizes them for
+    its Q8_0 products (decode.cpp). Raises RuntimeError where the kernels are unavailable."""
+    if not load():
+        raise RuntimeError(f"egmla: the CPU kernels are unavailable ({_state['reason']}); "
+                           "Q8_0 weights need them")
+    K = x.shape[-1]
+    y = torch.ops.egmla.gemv_q8_0(x.reshape(-1, K).contiguous(), weight.qs, weight.d)
+    return y.view(*x.shape[:-1], weight.qs.shape[0])
 
 
 def paged_attention_runs(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:

@@ -10,6 +10,7 @@
 //
 //   torch.ops.egmla.gemv(x, w) -> y                 x (M, K), w (N, K), y (M, N)
 //   torch.ops.egmla.gemv_many(x, [w1, w2]) -> [y1, y2]   several weights sharing x, one pass
+//   torch.ops.egmla.gemv_q8_0(x, qs, d) -> y         x @ w.T for a Q8_0 weight (see below)
 //   torch.ops.egmla.paged_attention(q, k_pool, v_pool, slots, lengths, scale)   decode attention
 //   torch.ops.egmla.decode_block(x, ...)   a whole Llama block for a decode step (see below)
 //   torch.ops.egmla.sparse_mlp(x, ...)     an MLP over only the neurons that fire (see below)
@@ -30,6 +31,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -797,11 +800,148 @@ std::tuple<at::Tensor, int64_t> decode_block(
   return {h.to(dtype), computed};
 }
 
+
+// ---- Q8_0 weights ---------------------------------------------------------------------------
+// A weight (N, K) in blocks of 32 values along K, as llama.cpp's Q8_0 stores it: per block one
+// float16 scale d and 32 int8 q in [-127, 127], w = d * q; here as two tensors, qs (N, K) int8
+// and d (N, K / 32) float16, so a row is two sequential streams. x (M, K) is quantized the same
+// way per block (dx = max|x| / 127, q = round(x / dx)), as llama.cpp quantizes activations for
+// its Q8_0 products; each block's dot product is then exact in int32 and is scaled by dw * dx
+// in float32:
+//   torch.ops.egmla.gemv_q8_0(x, qs, d) -> y        x (M, K) float32 or bfloat16, y like x
+// With AVX-512 VNNI (and VL) a block is one vpdpbusd; otherwise AVX2's maddubs + madd. The
+// unsigned x signed form takes |w| and x * sign(w): |w| <= 127 and |x| <= 127, so the pairs'
+// int16 sums (AVX2) cannot saturate.
+
+constexpr int64_t kQBlock = 32;
+
+void quantize_q8_rows(const float* x, int8_t* q, float* d, int64_t M, int64_t K) {
+  for (int64_t i = 0; i < M * K / kQBlock; ++i) {
+    const float* xb = x + i * kQBlock;
+    float amax = 0.f;
+    for (int64_t j = 0; j < kQBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    d[i] = scale;
+    for (int64_t j = 0; j < kQBlock; ++j)
+      q[i * kQBlock + j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+  }
+}
+
+// Output rows [begin, end) of y (M rows, N wide) for the quantized x (B <= kMaxBatch rows),
+// written once and compiled twice below, for AVX2 and for AVX-512 VNNI (each in its own target
+// region, so that the AVX2 build never holds an AVX-512 instruction).
+#define EGMLA_Q8_ROWS(NAME, BLOCK_DOT)                                                            \
+  template <int B, typename Y>                                                                   \
+  void NAME(const int8_t* xq, const float* xd, const int8_t* wq, const c10::Half* wd, Y* y,     \
+            int64_t K, int64_t N, int64_t begin, int64_t end) {                                  \
+    const int64_t nb = K / kQBlock;                                                              \
+    for (int64_t r = begin; r < end; ++r) {                                                      \
+      const int8_t* qr = wq + r * K;                                                             \
+      const c10::Half* dr = wd + r * nb;                                                         \
+      __m256 acc[B];                                                                             \
+      for (int b = 0; b < B; ++b) acc[b] = _mm256_setzero_ps();                                  \
+      for (int64_t j = 0; j < nb; ++j) {                                                         \
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr + j * kQBlock)); \
+        const float dw = _cvtsh_ss(dr[j].x);                                                     \
+        for (int b = 0; b < B; ++b) {                                                            \
+          const __m256i xv =                                                                     \
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * K + j * kQBlock));    \
+          const __m256 sum = _mm256_cvtepi32_ps(BLOCK_DOT(w, xv));                               \
+          acc[b] = _mm256_fmadd_ps(sum, _mm256_set1_ps(dw * xd[b * nb + j]), acc[b]);            \
+        }                                                                                        \
+      }                                                                                          \
+      for (int b = 0; b < B; ++b) y[b * N + r] = static_cast<Y>(hsum(acc[b]));                   \
+    }                                                                                            \
+  }
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+inline __m256i block_dot_avx2(__m256i w, __m256i x) {
+  const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+EGMLA_Q8_ROWS(q8_rows_avx2, block_dot_avx2)
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+inline __m256i block_dot_vnni(__m256i w, __m256i x) {
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+EGMLA_Q8_ROWS(q8_rows_vnni, block_dot_vnni)
+#pragma GCC pop_options
+#undef EGMLA_Q8_ROWS
+
+template <typename Y>
+void q8_rows(bool vnni, int B, const int8_t* xq, const float* xd, const int8_t* wq,
+             const c10::Half* wd, Y* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
+#define EGMLA_Q8_CASES(NAME)                                                   \
+  switch (B) {                                                                 \
+    case 1: return NAME<1>(xq, xd, wq, wd, y, K, N, begin, end);               \
+    case 2: return NAME<2>(xq, xd, wq, wd, y, K, N, begin, end);               \
+    case 3: return NAME<3>(xq, xd, wq, wd, y, K, N, begin, end);               \
+    default: return NAME<4>(xq, xd, wq, wd, y, K, N, begin, end);              \
+  }
+  if (vnni) EGMLA_Q8_CASES(q8_rows_vnni)
+  EGMLA_Q8_CASES(q8_rows_avx2)
+#undef EGMLA_Q8_CASES
+}
+
+// Whether the VNNI path runs: the CPU has it, and EGMLA_KERNELS_VNNI is not "0" (the switch
+// lets a test run the AVX2 path on a VNNI machine).
+bool cpu_has_vnni() {
+  static const bool has = [] {
+    const char* off = std::getenv("EGMLA_KERNELS_VNNI");
+    return !(off && std::string(off) == "0") && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
+  }();
+  return has;
+}
+
+at::Tensor gemv_q8_0(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
+              "gemv_q8_0: x must be a contiguous (M, K) CPU tensor, got ", x.sizes());
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "gemv_q8_0: x float32 or bfloat16, got ",
+              dtype);
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kQBlock == 0, "gemv_q8_0: K=", K, " is not a multiple of ", kQBlock);
+  TORCH_CHECK(qs.dim() == 2 && qs.size(1) == K && qs.scalar_type() == at::kChar && qs.is_contiguous(),
+              "gemv_q8_0: qs must be contiguous int8 (N, ", K, "), got ", qs.sizes(), " ",
+              qs.scalar_type());
+  const int64_t N = qs.size(0), nb = K / kQBlock;
+  TORCH_CHECK(d.dim() == 2 && d.size(0) == N && d.size(1) == nb && d.scalar_type() == at::kHalf &&
+                  d.is_contiguous(),
+              "gemv_q8_0: d must be contiguous float16 (", N, ", ", nb, "), got ", d.sizes(), " ",
+              d.scalar_type());
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xd(M * nb);
+  quantize_q8_rows(xf.data_ptr<float>(), xq.data(), xd.data(), M, K);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const bool vnni = cpu_has_vnni();
+  const int8_t* wq = qs.data_ptr<int8_t>();
+  const c10::Half* wd = d.data_ptr<c10::Half>();
+  at::parallel_for(0, N, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t m = 0; m < M; m += kMaxBatch) {
+      const int B = static_cast<int>(std::min(kMaxBatch, M - m));
+      if (dtype == at::kFloat)
+        q8_rows(vnni, B, xq.data() + m * K, xd.data() + m * nb, wq, wd, y.data_ptr<float>() + m * N,
+                K, N, r0, r1);
+      else
+        q8_rows(vnni, B, xq.data() + m * K, xd.data() + m * nb, wq, wd,
+                y.data_ptr<c10::BFloat16>() + m * N, K, N, r0, r1);
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(egmla, m) {
   m.def("gemv(Tensor x, Tensor w) -> Tensor");
   m.def("gemv_many(Tensor x, Tensor[] ws) -> Tensor[]");
+  m.def("gemv_q8_0(Tensor x, Tensor qs, Tensor d) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor lengths, "
         "float scale) -> Tensor");
   m.def("decode_block(Tensor x, Tensor attn_norm, float attn_eps, Tensor wq, Tensor wk, Tensor wv, "
@@ -818,6 +958,7 @@ TORCH_LIBRARY(egmla, m) {
 TORCH_LIBRARY_IMPL(egmla, CPU, m) {
   m.impl("gemv", gemv);
   m.impl("gemv_many", gemv_many);
+  m.impl("gemv_q8_0", gemv_q8_0);
   m.impl("paged_attention", paged_attention);
   m.impl("decode_block", decode_block);
   m.impl("sparse_mlp", sparse_mlp);
