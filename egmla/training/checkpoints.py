@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import uuid
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,8 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from egmla import files
 from egmla.checkpoint import SIDECAR_SUFFIX, file_sha256, recorded_digests, sidecar
-from egmla.files import fsync_path
 from egmla.training.rundir import RunError, write_atomic
 
 # What Lightning's fit needs to resume (a weights-only save has no optimizer_states).
@@ -60,13 +59,16 @@ def _write_sidecar(path: Path, digests: list[str]) -> None:
 
 
 def save_checkpoint(checkpoint: dict[str, Any], path: Path) -> str:
-    """torch.save `checkpoint` to `path` atomically, with its sidecar; return the digest."""
+    """torch.save `checkpoint` to `path` atomically, with its sidecar; return the digest.
+
+    The sidecar names the new digest beside the old ones before the rename and only the new one
+    after it, so a crash at any point leaves a checkpoint that its sidecar vouches for."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a save that was killed
-        stale.unlink(missing_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
+    for pattern in (f".{path.name}.tmp-*", f".{path.name}.*.tmp"):  # left by a killed save
+        for stale in path.parent.glob(pattern):  # (the second: names before egmla.files)
+            stale.unlink(missing_ok=True)
+    with files.atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             writer = _HashingWriter(f)
             torch.save(checkpoint, writer)
@@ -75,11 +77,8 @@ def save_checkpoint(checkpoint: dict[str, Any], path: Path) -> str:
         digest = writer.hash.hexdigest()
         old = recorded_digests(path) if path.exists() else None
         _write_sidecar(path, [digest, *sorted((old or set()) - {digest})])
-        os.replace(tmp, path)
-        _write_sidecar(path, [digest])
-        fsync_path(path.parent)
-    finally:
-        tmp.unlink(missing_ok=True)
+    _write_sidecar(path, [digest])
+    files.fsync_path(path.parent)
     return digest
 
 

@@ -76,7 +76,8 @@ def test_a_save_killed_at_any_step_leaves_a_checkpoint_that_verifies(tmp_path, m
 def test_the_next_save_removes_what_a_killed_save_left(tmp_path):
     path = tmp_path / "last.ckpt"
     save_checkpoint(training_checkpoint(2), path)
-    (tmp_path / ".last.ckpt.0badc0de.tmp").write_bytes(b"half a checkpoint")
+    (tmp_path / ".last.ckpt.0badc0de.tmp").write_bytes(b"half a checkpoint")  # older names
+    (tmp_path / ".last.ckpt.tmp-0badc0de0bad").write_bytes(b"half a checkpoint")
     (tmp_path / ".last.ckpt.sha256.0badc0de.tmp").write_text("half a digest")
     (tmp_path / ".best-step2.ckpt.0badc0de.tmp").write_bytes(b"another file's")
     save_checkpoint(training_checkpoint(4), path)
