@@ -15,9 +15,10 @@ A model is quantized for inference with `quantize_model(model, "q8_0")`: every l
 its blocks and its LM head becomes a `QuantizedLinear` (the token embedding stays as it is: a
 lookup reads one row). A product with a quantized weight quantizes the activations per block
 too, as llama.cpp does for Q8_0, on every path: the kernel for a decode step's few rows, and
-for more rows (a prefill) the same arithmetic in PyTorch (`q8_matmul`), so a prompt computed
-in chunks or at once agrees with itself up to float rounding, except where that rounding moves
-an activation across a quantization boundary (one step, amax / 127, of that activation).
+for more rows (a prefill) the same arithmetic in PyTorch (`egmla.kernels.q8_matmul`), so a
+prompt computed in chunks or at once agrees with itself up to float rounding, except where
+that rounding moves an activation across a quantization boundary (one step, amax / 127, of
+that activation).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-Q8_BLOCK = 32
+from egmla import kernels
+from egmla.kernels import Q8_BLOCK
 METHODS = ("q8_0",)  # what quantize_model (and serve.LLM(quantization=...)) takes
 
 
@@ -84,22 +86,6 @@ def quantize_q8_0(weight: torch.Tensor) -> Q8Weight:
                     d=d.to(torch.float16).contiguous())
 
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """x (..., K) float as the kernel sees it: per block of 32, dx = max|x| / 127 and
-    q = round(x * (127 / max|x|)) (half to even), returned as dx * q in float32."""
-    blocks = x.float().unflatten(-1, (-1, Q8_BLOCK))
-    amax = blocks.abs().amax(-1, keepdim=True).double()  # divisions rounded once, as C's
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)).float()
-    dx = (amax / 127.0).float()
-    return (torch.round(blocks * inv) * dx).flatten(-2)
-
-
-def q8_matmul(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
-    """x @ w.T in PyTorch with the kernel's arithmetic (activations quantized per block),
-    in float32, returned in x's dtype: the path for many rows."""
-    return (quantize_activations(x) @ weight.dequantize(torch.float32).T).to(x.dtype)
-
-
 class QuantizedLinear(nn.Module):
     """A linear layer (no bias) over a Q8_0 weight, for inference: `weight` is the Q8Weight
     (its tensors are buffers, so `model.to(device)` and `state_dict()` carry them)."""
@@ -115,8 +101,6 @@ class QuantizedLinear(nn.Module):
         return Q8Weight(self.qs, self.d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from egmla import kernels
-
         return kernels.linear(x, self.weight)
 
     def extra_repr(self) -> str:
@@ -142,5 +126,4 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
     return model
 
 
-__all__ = ["METHODS", "Q8_BLOCK", "Q8Weight", "QuantizedLinear", "q8_matmul", "quantize_model",
-           "quantize_q8_0"]
+__all__ = ["METHODS", "Q8_BLOCK", "Q8Weight", "QuantizedLinear", "quantize_model", "quantize_q8_0"]

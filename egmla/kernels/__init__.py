@@ -67,6 +67,7 @@ LIBRARY = "libegmla_kernels.so"
 # at 128.
 MAX_ROWS = {torch.float32: 16, torch.bfloat16: 64}
 DTYPES = (torch.float32, torch.bfloat16)
+Q8_BLOCK = 32  # values per block of a Q8_0 weight (egmla.quant) and of its activations
 FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w")
 
 
@@ -265,11 +266,26 @@ def linears(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> list[torch.Tens
     return [y.view(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, weights)]
 
 
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x (..., K) float as the kernel sees it: per block of 32, dx = max|x| / 127 and
+    q = round(x * (127 / max|x|)) (half to even), returned as dx * q in float32."""
+    blocks = x.float().unflatten(-1, (-1, Q8_BLOCK))
+    amax = blocks.abs().amax(-1, keepdim=True).double()  # divisions rounded once, as C's
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)).float()
+    dx = (amax / 127.0).float()
+    return (torch.round(blocks * inv) * dx).flatten(-2)
+
+
+def q8_matmul(x: torch.Tensor, weight) -> torch.Tensor:
+    """x @ w.T for a Q8_0 weight (egmla.quant.Q8Weight) in PyTorch with the kernel's
+    arithmetic (activations quantized per block), in float32, returned in x's dtype: the path
+    for many rows."""
+    return (quantize_activations(x) @ weight.dequantize(torch.float32).T).to(x.dtype)
+
+
 def q8_linear(x: torch.Tensor, weight) -> torch.Tensor:
     """x @ w.T for a Q8_0 weight: the kernel for a decode step's few rows on the CPU, else the
-    same arithmetic in PyTorch (egmla.quant.q8_matmul)."""
-    from egmla.quant import q8_matmul
-
+    same arithmetic in PyTorch (`q8_matmul`)."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
     if (x.device.type == "cpu" and x.dtype in DTYPES and 0 < rows <= MAX_ROWS[x.dtype]

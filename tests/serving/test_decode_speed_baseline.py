@@ -26,9 +26,10 @@ def test_a_directory_that_is_not_a_checkout_is_refused_naming_it(tmp_path):
 def test_the_checkout_against_itself_pairs_every_cell_with_the_same_tokens(tmp_path):
     """A/A: the baseline is this checkout, started first; the greedy tokens of the two workers
     agree, and every cell has one paired ratio per repeat."""
-    run = subprocess.run([sys.executable, str(SCRIPT), "--systems", "ours-fp32", "--prompt-lens", "8",
-                          "--new-tokens", "16", "--batch-sizes", "--repeats", "2", "--baseline-tree", str(ROOT),
-                          "--baseline-first", "--out", str(tmp_path)],
+    run = subprocess.run([sys.executable, str(SCRIPT), "--systems", "ours-fp32",
+                          "--prompt-lens", "8", "--new-tokens", "16", "--batch-sizes",
+                          "--repeats", "2", "--baseline-tree", str(ROOT), "--baseline-first",
+                          "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert run.stdout.index("loading ours-fp32@baseline") < run.stdout.index("loading ours-fp32 ")
