@@ -7,6 +7,8 @@ makes exactly the tokens asked for. Systems (`--systems`):
 - `ours-fp32`, `ours-bf16`: `serve.LLM(...).engine` in float32 / bfloat16, with our CPU kernels
   (egmla/kernels) as shipped;
 - `ours-fp32-nokernels`: `ours-fp32` with EGMLA_KERNELS=0, the A/B switch of the kernels;
+- `ours-q8_0`: our engine with `quantization="q8_0"` (llama.cpp's Q8_0 blocks, made at load from
+  the float weights; decoded through the modules so far, not the fused block kernel);
 - `transformers-fp32`: transformers `model.generate` on the same GGUF (float32, greedy);
 - `llamacpp-f32`, `llamacpp-f16`, `llamacpp-q8_0`: llama.cpp through cyllama (the optional
   `bench` extra), on the GGUF requantized once into $EGMLA_CACHE/gguf/. The source is Q4_1, so
@@ -78,6 +80,7 @@ class System:
     batched: bool  # part of the batched table
     kernels: bool = True  # EGMLA_KERNELS for the subprocess
     about: str = ""
+    quantization: str | None = None  # ours: serve.LLM(quantization=...)
 
 
 SYSTEMS = {
@@ -85,6 +88,9 @@ SYSTEMS = {
     "ours-bf16": System("ours", "bfloat16", True, about="serve.LLM engine, bfloat16"),
     "ours-fp32-nokernels": System("ours", "float32", True, kernels=False,
                                   about="serve.LLM engine, float32, EGMLA_KERNELS=0"),
+    "ours-q8_0": System("ours", "float32", False, quantization="q8_0",
+                        about="serve.LLM engine, Q8_0 weights (quantization='q8_0'), float32 "
+                              "activations; decoded through the modules, not the fused block"),
     "transformers-fp32": System("transformers", "float32", True,
                                 about="transformers model.generate, float32"),
     "llamacpp-f32": System("llamacpp", "F32", True, about="llama.cpp (cyllama), F32 GGUF"),
@@ -126,9 +132,13 @@ def spread(values: list[float]) -> dict:
 
 
 def decode_weight_bytes(module, embedding, head) -> int:
-    """Bytes of the parameters one decode step reads: all of them (tied tensors once), less an
-    input embedding that is not also the output head (a lookup reads one row of it)."""
+    """Bytes of the weights one decode step reads: every parameter (tied tensors once) and every
+    quantized weight's blocks and scales (egmla.quant's buffers), less an input embedding that
+    is not also the output head (a lookup reads one row of it)."""
+    from egmla.quant import QuantizedLinear
+
     total = sum(p.numel() * p.element_size() for p in module.parameters())
+    total += sum(m.weight.nbytes() for m in module.modules() if isinstance(m, QuantizedLinear))
     if embedding is not head:
         total -= embedding.numel() * embedding.element_size()
     return total
@@ -198,7 +208,8 @@ class OursRunner:
         num_blocks = max(math.ceil(max_tokens / block) + 2,
                          max_batch * (math.ceil(batch_tokens / block) + 1))
         self.llm = LLM(MODEL, dtype=system.variant, block_size=block, num_blocks=num_blocks,
-                       max_num_seqs=max(64, max_batch), enable_prefix_caching=False)
+                       max_num_seqs=max(64, max_batch), enable_prefix_caching=False,
+                       quantization=system.quantization)
         self.engine = self.llm.engine
         model = self.llm.model
         self.single([1, 2, 3, 4, 5, 6, 7, 8], 4)  # warm-up; builds the kernels on first use
