@@ -8,7 +8,7 @@ makes exactly the tokens asked for. Systems (`--systems`):
   (egmla/kernels) as shipped;
 - `ours-fp32-nokernels`: `ours-fp32` with EGMLA_KERNELS=0, the A/B switch of the kernels;
 - `ours-q8_0`: our engine with `quantization="q8_0"` (llama.cpp's Q8_0 blocks, made at load from
-  the float weights; decoded through the modules so far, not the fused block kernel);
+  the float weights; a decode step's blocks run in the fused Q8_0 block kernel);
 - `transformers-fp32`: transformers `model.generate` on the same GGUF (float32, greedy);
 - `llamacpp-f32`, `llamacpp-f16`, `llamacpp-q8_0`: llama.cpp through cyllama (the optional
   `bench` extra), on the GGUF requantized once into $EGMLA_CACHE/gguf/. The source is Q4_1, so
@@ -90,7 +90,7 @@ SYSTEMS = {
                                   about="serve.LLM engine, float32, EGMLA_KERNELS=0"),
     "ours-q8_0": System("ours", "float32", False, quantization="q8_0",
                         about="serve.LLM engine, Q8_0 weights (quantization='q8_0'), float32 "
-                              "activations; decoded through the modules, not the fused block"),
+                              "activations; the fused Q8_0 block kernel"),
     "transformers-fp32": System("transformers", "float32", True,
                                 about="transformers model.generate, float32"),
     "llamacpp-f32": System("llamacpp", "F32", True, about="llama.cpp (cyllama), F32 GGUF"),

@@ -134,7 +134,7 @@ class LLM:
         `quantization` (vLLM's argument): "q8_0" quantizes every linear layer of the blocks and
         the LM head at load into llama.cpp's Q8_0 blocks (egmla.quant), activations quantized
         per block in each product as llama.cpp does; None, the default, keeps the float
-        weights. (So far a Q8_0 model decodes through the modules, not the fused block kernel.)"""
+        weights; a decode step's blocks run in the fused Q8_0 block kernel on the CPU."""
         dtype = parse_model_dtype(dtype)  # a bad dtype fails before loading, naming itself
         where = parse_device(device)  # and so does a device this machine does not have
         check_sparsity(ffn_sparsity, ffn_threshold, ffn_predictors)

@@ -177,6 +177,8 @@ def _load() -> dict[str, object]:
             # (the count of MLP neurons computed is data-dependent: an unbacked size)
             torch.library.register_fake("egmla::decode_block")(
                 lambda x, *rest: (torch.empty_like(x), torch.library.get_ctx().new_dynamic_size()))
+            torch.library.register_fake("egmla::decode_block_q8")(
+                lambda x, *rest: (torch.empty_like(x), torch.library.get_ctx().new_dynamic_size()))
             torch.library.register_fake("egmla::sparse_mlp")(
                 lambda x, activation, w_gate, w_up, down_t, *rest: (
                     x.new_empty(x.shape[0], down_t.shape[1]),
@@ -375,9 +377,11 @@ class BlockWeights:
     args: tuple
     scale: float
     dtype: torch.dtype
+    op: str = "decode_block"  # decode_block_q8 for Q8_0 weights (each a [qs, d] pair)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return tuple(a for a in self.args if isinstance(a, torch.Tensor))
+        flat = [t for a in self.args for t in (a if isinstance(a, list) else [a])]
+        return tuple(t for t in flat if isinstance(t, torch.Tensor))
 
 
 def block_weights(norms: Sequence[torch.nn.Module], attention: Sequence[torch.Tensor], mlp: MLP,
@@ -388,6 +392,8 @@ def block_weights(norms: Sequence[torch.nn.Module], attention: Sequence[torch.Te
     (`weight`, `eps`); attention: wq, wk, wv, wo of RoPE attention; mlp: its dense weights (a
     sparse decoding rides with each step, see `decode_blocks`)."""
     attn_norm, mlp_norm = norms
+    if not isinstance(attention[0], torch.Tensor):
+        return _q8_block_weights(norms, attention, mlp, scale)
     weights = (attn_norm.weight, *attention, mlp_norm.weight, *mlp.weights())
     dtype = weights[0].dtype
     if dtype not in DTYPES or not all(w.dtype == dtype and w.device.type == "cpu" and w.is_contiguous()
@@ -395,6 +401,23 @@ def block_weights(norms: Sequence[torch.nn.Module], attention: Sequence[torch.Te
         return None
     return BlockWeights((attn_norm.weight, attn_norm.eps, *attention, mlp_norm.weight, mlp_norm.eps,
                          *mlp.args()), float(scale), dtype)
+
+
+def _q8_block_weights(norms: Sequence[torch.nn.Module], attention: Sequence, mlp: MLP,
+                      scale: float) -> BlockWeights | None:
+    """block_weights for Q8_0 weights (egmla.quant.Q8Weight, read by duck type: this module sits
+    below egmla.quant): every matrix Q8_0 on the CPU, float32 norms, a dense MLP."""
+    attn_norm, mlp_norm = norms
+    mats = (*attention, *mlp.weights())
+    if (not all(hasattr(w, "qs") and w.device.type == "cpu" and w.is_contiguous() for w in mats)
+            or mlp.sparse is not None or not load()
+            or any(n.weight.dtype != torch.float32 for n in norms)):
+        return None
+    pair = lambda w: [w.qs, w.d]  # noqa: E731
+    return BlockWeights((attn_norm.weight, attn_norm.eps, *map(pair, attention), mlp_norm.weight,
+                         mlp_norm.eps, ACTIVATIONS[mlp.activation],
+                         [] if mlp.gate is None else pair(mlp.gate), pair(mlp.up), pair(mlp.down)),
+                        float(scale), torch.float32, op="decode_block_q8")
 
 
 def decode_blocks(x: torch.Tensor, blocks: Sequence[tuple[BlockWeights, Sparse | None]],
@@ -418,8 +441,9 @@ def decode_blocks(x: torch.Tensor, blocks: Sequence[tuple[BlockWeights, Sparse |
         return None
     if not all(paged_attention_runs(x, k, v) for k, v in pools):
         return None
-    op, h, computed = torch.ops.egmla.decode_block, x.view(B, D), []
+    h, computed = x.view(B, D), []
     for (weights, sparse), c, s, (k_pool, v_pool) in zip(blocks, cos, sin, pools):
+        op = getattr(torch.ops.egmla, weights.op)
         h, n = op(h, *weights.args, c, s, k_pool, v_pool, new_slots, slots, lengths, weights.scale,
                   *(sparse.args() if sparse else ()))
         computed.append(n)

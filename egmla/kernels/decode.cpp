@@ -640,167 +640,6 @@ std::tuple<at::Tensor, int64_t> sparse_mlp(const at::Tensor& x, int64_t activati
   return {y.to(dtype), computed};
 }
 
-// ---------------------------------------------------------------------------------------------
-// A whole pre-norm Llama block for a decode step (one new token per row) in one call:
-//
-//   n1  = rms_norm(x) * attn_norm;    q, k, v = rope(wq n1), rope(wk n1), wv n1
-//   h   = x + wo . softmax(q . K * scale) V      (K, V: the row's keys in the pools, k and v
-//                                                 written at the row's new slot first)
-//   n2  = rms_norm(h) * mlp_norm;     out = h + mlp(n2)   (mlp_run: dense or sparse, any activation)
-//
-// The module path's arithmetic (same kernels for the products and the attention) without its
-// ~40 operator calls per layer, each of which costs more than its work at one token. The
-// activations stay float32 from input to output (bf16 weights widen in registers); a bf16
-// block rounds its residual stream to bf16 after each add, where the module path rounds it.
-
-template <typename W>
-void rms_norm_rows(const float* x, const W* w, float* y, int64_t B, int64_t D, float eps) {
-  for (int64_t b = 0; b < B; ++b) {
-    const float* xr = x + b * D;
-    float* yr = y + b * D;
-    float ss = 0.f;
-    for (int64_t d = 0; d < D; ++d) ss += xr[d] * xr[d];
-    const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
-    for (int64_t d = 0; d < D; ++d) yr[d] = xr[d] * r * static_cast<float>(w[d]);
-  }
-}
-
-// Rotary embedding in place, half-split layout: pairs (i, i + Dh/2) share cos/sin[b] (B, Dh).
-void rope_rows(float* t, const float* cos, const float* sin, int64_t B, int64_t heads, int64_t Dh) {
-  const int64_t half = Dh / 2;
-  for (int64_t b = 0; b < B; ++b) {
-    const float* c = cos + b * Dh;
-    const float* s = sin + b * Dh;
-    for (int64_t h = 0; h < heads; ++h) {
-      float* r = t + (b * heads + h) * Dh;
-      for (int64_t i = 0; i < half; ++i) {
-        const float x1 = r[i], x2 = r[i + half];
-        r[i] = x1 * c[i] - x2 * s[i];
-        r[i + half] = x2 * c[i + half] + x1 * s[i + half];
-      }
-    }
-  }
-}
-
-template <typename P>
-void write_rows(P* pool, const int64_t* new_slots, const float* src, int64_t B, int64_t row) {
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t i = 0; i < row; ++i) pool[new_slots[b] * row + i] = static_cast<P>(src[b * row + i]);
-}
-
-// x += delta, rounded to bf16 when the block's dtype is bf16.
-void add_residual(float* x, const float* delta, int64_t n, bool to_bf16) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i] + delta[i];
-    x[i] = to_bf16 ? static_cast<float>(c10::BFloat16(v)) : v;
-  }
-}
-
-struct BlockShape {
-  int64_t B, D, H, G, Dh, S;
-};
-
-template <typename W, typename P>
-int64_t decode_block_impl(float* x, bool to_bf16, const BlockShape& n, const W* attn_norm,
-                          float attn_eps, const W* wq, const W* wk, const W* wv, const W* wo,
-                          const W* mlp_norm, float mlp_eps, const MLPArgs& mlp, const float* cos,
-                          const float* sin, P* k_pool, P* v_pool, const int64_t* new_slots,
-                          const int64_t* slots, const int64_t* lengths, float scale) {
-  const int64_t B = n.B, D = n.D, HD = n.H * n.Dh, GD = n.G * n.Dh;
-  std::vector<float> normed(B * D), q(B * HD), k(B * GD), v(B * GD), att(B * HD), out(B * D);
-  rms_norm_rows(x, attn_norm, normed.data(), B, D, attn_eps);
-  gemv_impl<W, float>(normed.data(), {wq, wk, wv}, {q.data(), k.data(), v.data()}, {HD, GD, GD}, B, D);
-  rope_rows(q.data(), cos, sin, B, n.H, n.Dh);
-  rope_rows(k.data(), cos, sin, B, n.G, n.Dh);
-  write_rows(k_pool, new_slots, k.data(), B, GD);
-  write_rows(v_pool, new_slots, v.data(), B, GD);
-  attend_rows(q.data(), k_pool, v_pool, slots, lengths, B, n.H, n.G, n.Dh, n.Dh, n.S, scale, att.data());
-  gemv_impl<W, float>(att.data(), {wo}, {out.data()}, {D}, B, HD);
-  add_residual(x, out.data(), B * D, to_bf16);
-  rms_norm_rows(x, mlp_norm, normed.data(), B, D, mlp_eps);
-  const int64_t computed = mlp_run<W>(normed.data(), out.data(), B, D, mlp);
-  add_residual(x, out.data(), B * D, to_bf16);
-  return computed;
-}
-
-void check_matrix(const at::Tensor& w, int64_t rows, int64_t cols, at::ScalarType dtype, const char* name) {
-  TORCH_CHECK(w.dim() == 2 && w.size(0) == rows && w.size(1) == cols, "decode_block: ", name, " is ",
-              w.sizes(), ", expected (", rows, ", ", cols, ")");
-  TORCH_CHECK(w.scalar_type() == dtype && w.is_contiguous() && w.device().is_cpu(), "decode_block: ",
-              name, " must be a contiguous CPU tensor of x's dtype");
-}
-
-std::tuple<at::Tensor, int64_t> decode_block(
-    const at::Tensor& x, const at::Tensor& attn_norm, double attn_eps, const at::Tensor& wq,
-    const at::Tensor& wk, const at::Tensor& wv, const at::Tensor& wo, const at::Tensor& mlp_norm,
-    double mlp_eps, int64_t activation, const std::optional<at::Tensor>& w_gate,
-    const at::Tensor& w_up, const at::Tensor& w_down, const at::Tensor& cos, const at::Tensor& sin,
-    at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& new_slots, const at::Tensor& slots,
-    const at::Tensor& lengths, double scale, const std::optional<at::Tensor>& down_t,
-    double threshold, int64_t hot, const std::optional<at::Tensor>& p_w1,
-    const std::optional<at::Tensor>& p_w2, const std::optional<at::Tensor>& p_bias) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
-              "decode_block: x must be a contiguous CPU (B, D) tensor, got ", x.sizes());
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "decode_block: float32 or bfloat16, got ",
-              dtype);
-  TORCH_CHECK(k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes() &&
-                  k_pool.scalar_type() == v_pool.scalar_type() &&
-                  (k_pool.scalar_type() == at::kFloat || k_pool.scalar_type() == at::kBFloat16) &&
-                  k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.device().is_cpu() &&
-                  v_pool.device().is_cpu(),
-              "decode_block: pools (slots, G, Dh) of one shape, float32 or bfloat16, got ",
-              k_pool.sizes(), " and ", v_pool.sizes());
-  BlockShape n{x.size(0), x.size(1), 0, k_pool.size(1), k_pool.size(2), slots.size(1)};
-  TORCH_CHECK(n.Dh % 2 == 0 && wq.dim() == 2 && wq.size(0) % n.Dh == 0 && (wq.size(0) / n.Dh) % n.G == 0,
-              "decode_block: wq ", wq.sizes(), " is not a whole number of heads of ", n.Dh,
-              " grouped over ", n.G, " K/V heads");
-  n.H = wq.size(0) / n.Dh;
-  check_matrix(wq, n.H * n.Dh, n.D, dtype, "wq");
-  check_matrix(wk, n.G * n.Dh, n.D, dtype, "wk");
-  check_matrix(wv, n.G * n.Dh, n.D, dtype, "wv");
-  check_matrix(wo, n.D, n.H * n.Dh, dtype, "wo");
-  const MLPArgs mlp = mlp_args("decode_block", n.D, dtype, activation, w_gate, w_up, w_down, down_t,
-                               threshold, hot, p_w1, p_w2, p_bias);
-  for (const at::Tensor* w : {&attn_norm, &mlp_norm})
-    TORCH_CHECK(w->dim() == 1 && w->size(0) == n.D && w->scalar_type() == dtype && w->is_contiguous(),
-                "decode_block: norm weights (D,) of x's dtype, got ", w->sizes());
-  for (const at::Tensor* t : {&cos, &sin})
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == n.B && t->size(1) == n.Dh &&
-                    t->scalar_type() == at::kFloat && t->is_contiguous(),
-                "decode_block: cos and sin (B, Dh) float32, got ", t->sizes());
-  check_slots(slots, lengths, n.B, k_pool.size(0), "decode_block");
-  TORCH_CHECK(new_slots.dim() == 1 && new_slots.size(0) == n.B && new_slots.scalar_type() == at::kLong &&
-                  new_slots.is_contiguous(), "decode_block: new_slots (B,) int64");
-  const int64_t* ns = new_slots.data_ptr<int64_t>();
-  const int64_t* lp = lengths.data_ptr<int64_t>();
-  for (int64_t b = 0; b < n.B; ++b)  // each row's query is its newest key
-    TORCH_CHECK(slots.data_ptr<int64_t>()[b * n.S + lp[b] - 1] == ns[b], "decode_block: row ", b,
-                "'s new slot ", ns[b], " is not its last key's");
-
-  at::Tensor h = x.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);  // one copy, ours to write
-  int64_t computed = 0;
-  const auto run = [&](auto* weight_type, auto* pool_type) {
-    using W = std::remove_pointer_t<decltype(weight_type)>;
-    using P = std::remove_pointer_t<decltype(pool_type)>;
-    computed = decode_block_impl<W, P>(
-        h.data_ptr<float>(), dtype == at::kBFloat16, n, attn_norm.data_ptr<W>(),
-        static_cast<float>(attn_eps), wq.data_ptr<W>(), wk.data_ptr<W>(), wv.data_ptr<W>(),
-        wo.data_ptr<W>(), mlp_norm.data_ptr<W>(), static_cast<float>(mlp_eps), mlp,
-        cos.data_ptr<float>(), sin.data_ptr<float>(), k_pool.data_ptr<P>(), v_pool.data_ptr<P>(), ns,
-        slots.data_ptr<int64_t>(), lp, static_cast<float>(scale));
-  };
-  const bool bf16_pool = k_pool.scalar_type() == at::kBFloat16;
-  if (dtype == at::kFloat)
-    bf16_pool ? run(static_cast<float*>(nullptr), static_cast<c10::BFloat16*>(nullptr))
-              : run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
-  else
-    bf16_pool ? run(static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr))
-              : run(static_cast<c10::BFloat16*>(nullptr), static_cast<float*>(nullptr));
-  return {h.to(dtype), computed};
-}
-
-
 // ---- Q8_0 weights ---------------------------------------------------------------------------
 // A weight (N, K) in blocks of 32 values along K, as llama.cpp's Q8_0 stores it: per block one
 // float16 scale d and 32 int8 q in [-127, 127], w = d * q; here as two tensors, qs (N, K) int8
@@ -898,6 +737,219 @@ bool cpu_has_vnni() {
   return has;
 }
 
+struct Q8Mat {  // a Q8_0 weight (N, K): qs (N, K) int8, d (N, K / 32) float16
+  const int8_t* q;
+  const c10::Half* d;
+};
+
+// y_i = x @ w_i.T (float32, M rows) for several Q8_0 weights sharing x: x quantized once, then
+// every weight's output rows in one parallel region (as gemv_impl does for float weights).
+void gemv_q8_many(const float* x, const std::vector<Q8Mat>& ws, const std::vector<float*>& ys,
+                  const std::vector<int64_t>& ns, int64_t M, int64_t K) {
+  const int64_t nb = K / kQBlock;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xd(M * nb);
+  quantize_q8_rows(x, xq.data(), xd.data(), M, K);
+  std::vector<int64_t> first{0};  // row where each weight starts, over all of them
+  for (int64_t n : ns) first.push_back(first.back() + n);
+  const bool vnni = cpu_has_vnni();
+  at::parallel_for(0, first.back(), 64, [&](int64_t r0, int64_t r1) {
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const int64_t lo = std::max(r0, first[i]), hi = std::min(r1, first[i + 1]);
+      if (lo >= hi) continue;
+      for (int64_t m = 0; m < M; m += kMaxBatch)
+        q8_rows(vnni, static_cast<int>(std::min(kMaxBatch, M - m)), xq.data() + m * K,
+                xd.data() + m * nb, ws[i].q, ws[i].d, ys[i] + m * ns[i], K, ns[i], lo - first[i],
+                hi - first[i]);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// A whole pre-norm Llama block for a decode step (one new token per row) in one call:
+//
+//   n1  = rms_norm(x) * attn_norm;    q, k, v = rope(wq n1), rope(wk n1), wv n1
+//   h   = x + wo . softmax(q . K * scale) V      (K, V: the row's keys in the pools, k and v
+//                                                 written at the row's new slot first)
+//   n2  = rms_norm(h) * mlp_norm;     out = h + mlp(n2)   (mlp_run: dense or sparse, any activation)
+//
+// The module path's arithmetic (same kernels for the products and the attention) without its
+// ~40 operator calls per layer, each of which costs more than its work at one token. The
+// activations stay float32 from input to output (bf16 weights widen in registers); a bf16
+// block rounds its residual stream to bf16 after each add, where the module path rounds it.
+
+template <typename W>
+void rms_norm_rows(const float* x, const W* w, float* y, int64_t B, int64_t D, float eps) {
+  for (int64_t b = 0; b < B; ++b) {
+    const float* xr = x + b * D;
+    float* yr = y + b * D;
+    float ss = 0.f;
+    for (int64_t d = 0; d < D; ++d) ss += xr[d] * xr[d];
+    const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+    for (int64_t d = 0; d < D; ++d) yr[d] = xr[d] * r * static_cast<float>(w[d]);
+  }
+}
+
+// Rotary embedding in place, half-split layout: pairs (i, i + Dh/2) share cos/sin[b] (B, Dh).
+void rope_rows(float* t, const float* cos, const float* sin, int64_t B, int64_t heads, int64_t Dh) {
+  const int64_t half = Dh / 2;
+  for (int64_t b = 0; b < B; ++b) {
+    const float* c = cos + b * Dh;
+    const float* s = sin + b * Dh;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* r = t + (b * heads + h) * Dh;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = r[i], x2 = r[i + half];
+        r[i] = x1 * c[i] - x2 * s[i];
+        r[i + half] = x2 * c[i + half] + x1 * s[i + half];
+      }
+    }
+  }
+}
+
+template <typename P>
+void write_rows(P* pool, const int64_t* new_slots, const float* src, int64_t B, int64_t row) {
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < row; ++i) pool[new_slots[b] * row + i] = static_cast<P>(src[b * row + i]);
+}
+
+// x += delta, rounded to bf16 when the block's dtype is bf16.
+void add_residual(float* x, const float* delta, int64_t n, bool to_bf16) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i] + delta[i];
+    x[i] = to_bf16 ? static_cast<float>(c10::BFloat16(v)) : v;
+  }
+}
+
+struct BlockShape {
+  int64_t B, D, H, G, Dh, S;
+};
+
+// The block's sequence, its products supplied by the caller: qkv(normed, q, k, v), wo(att, out)
+// and mlp(normed, out) -> the MLP neurons computed (float or Q8_0 weights, dense or sparse).
+template <typename N, typename P, typename QKV, typename WO, typename MLP>
+int64_t decode_block_impl(float* x, bool to_bf16, const BlockShape& n, const N* attn_norm,
+                          float attn_eps, QKV&& qkv, WO&& wo, const N* mlp_norm, float mlp_eps,
+                          MLP&& mlp, const float* cos, const float* sin, P* k_pool, P* v_pool,
+                          const int64_t* new_slots, const int64_t* slots, const int64_t* lengths,
+                          float scale) {
+  const int64_t B = n.B, D = n.D, HD = n.H * n.Dh, GD = n.G * n.Dh;
+  std::vector<float> normed(B * D), q(B * HD), k(B * GD), v(B * GD), att(B * HD), out(B * D);
+  rms_norm_rows(x, attn_norm, normed.data(), B, D, attn_eps);
+  qkv(normed.data(), q.data(), k.data(), v.data());
+  rope_rows(q.data(), cos, sin, B, n.H, n.Dh);
+  rope_rows(k.data(), cos, sin, B, n.G, n.Dh);
+  write_rows(k_pool, new_slots, k.data(), B, GD);
+  write_rows(v_pool, new_slots, v.data(), B, GD);
+  attend_rows(q.data(), k_pool, v_pool, slots, lengths, B, n.H, n.G, n.Dh, n.Dh, n.S, scale, att.data());
+  wo(att.data(), out.data());
+  add_residual(x, out.data(), B * D, to_bf16);
+  rms_norm_rows(x, mlp_norm, normed.data(), B, D, mlp_eps);
+  const int64_t computed = mlp(normed.data(), out.data());
+  add_residual(x, out.data(), B * D, to_bf16);
+  return computed;
+}
+
+void check_matrix(const at::Tensor& w, int64_t rows, int64_t cols, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) == rows && w.size(1) == cols, "decode_block: ", name, " is ",
+              w.sizes(), ", expected (", rows, ", ", cols, ")");
+  TORCH_CHECK(w.scalar_type() == dtype && w.is_contiguous() && w.device().is_cpu(), "decode_block: ",
+              name, " must be a contiguous CPU tensor of x's dtype");
+}
+
+// Checks a decode step's x, pools, RoPE tables and slots against each other and the query
+// rows of wq (wq_rows), and returns the step's shape; `op` names the caller in messages.
+BlockShape check_block_step(const char* op, const at::Tensor& x, int64_t wq_rows,
+                            const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
+                            const at::Tensor& v_pool, const at::Tensor& new_slots,
+                            const at::Tensor& slots, const at::Tensor& lengths) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), op,
+              ": x must be a contiguous CPU (B, D) tensor, got ", x.sizes());
+  TORCH_CHECK(k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes() &&
+                  k_pool.scalar_type() == v_pool.scalar_type() &&
+                  (k_pool.scalar_type() == at::kFloat || k_pool.scalar_type() == at::kBFloat16) &&
+                  k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.device().is_cpu() &&
+                  v_pool.device().is_cpu(),
+              op, ": pools (slots, G, Dh) of one shape, float32 or bfloat16, got ", k_pool.sizes(),
+              " and ", v_pool.sizes());
+  BlockShape n{x.size(0), x.size(1), 0, k_pool.size(1), k_pool.size(2), slots.size(1)};
+  TORCH_CHECK(n.Dh % 2 == 0 && wq_rows % n.Dh == 0 && (wq_rows / n.Dh) % n.G == 0, op, ": wq's ",
+              wq_rows, " rows are not a whole number of heads of ", n.Dh, " grouped over ", n.G,
+              " K/V heads");
+  n.H = wq_rows / n.Dh;
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == n.B && t->size(1) == n.Dh &&
+                    t->scalar_type() == at::kFloat && t->is_contiguous(),
+                op, ": cos and sin (B, Dh) float32, got ", t->sizes());
+  check_slots(slots, lengths, n.B, k_pool.size(0), op);
+  TORCH_CHECK(new_slots.dim() == 1 && new_slots.size(0) == n.B &&
+                  new_slots.scalar_type() == at::kLong && new_slots.is_contiguous(),
+              op, ": new_slots (B,) int64");
+  const int64_t* ns = new_slots.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  for (int64_t b = 0; b < n.B; ++b)  // each row's query is its newest key
+    TORCH_CHECK(slots.data_ptr<int64_t>()[b * n.S + lp[b] - 1] == ns[b], op, ": row ", b,
+                "'s new slot ", ns[b], " is not its last key's");
+  return n;
+}
+
+std::tuple<at::Tensor, int64_t> decode_block(
+    const at::Tensor& x, const at::Tensor& attn_norm, double attn_eps, const at::Tensor& wq,
+    const at::Tensor& wk, const at::Tensor& wv, const at::Tensor& wo, const at::Tensor& mlp_norm,
+    double mlp_eps, int64_t activation, const std::optional<at::Tensor>& w_gate,
+    const at::Tensor& w_up, const at::Tensor& w_down, const at::Tensor& cos, const at::Tensor& sin,
+    at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& new_slots, const at::Tensor& slots,
+    const at::Tensor& lengths, double scale, const std::optional<at::Tensor>& down_t,
+    double threshold, int64_t hot, const std::optional<at::Tensor>& p_w1,
+    const std::optional<at::Tensor>& p_w2, const std::optional<at::Tensor>& p_bias) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "decode_block: float32 or bfloat16, got ",
+              dtype);
+  TORCH_CHECK(wq.dim() == 2, "decode_block: wq is ", wq.sizes());
+  const BlockShape n = check_block_step("decode_block", x, wq.size(0), cos, sin, k_pool, v_pool,
+                                        new_slots, slots, lengths);
+  check_matrix(wq, n.H * n.Dh, n.D, dtype, "wq");
+  check_matrix(wk, n.G * n.Dh, n.D, dtype, "wk");
+  check_matrix(wv, n.G * n.Dh, n.D, dtype, "wv");
+  check_matrix(wo, n.D, n.H * n.Dh, dtype, "wo");
+  const MLPArgs mlp = mlp_args("decode_block", n.D, dtype, activation, w_gate, w_up, w_down, down_t,
+                               threshold, hot, p_w1, p_w2, p_bias);
+  for (const at::Tensor* w : {&attn_norm, &mlp_norm})
+    TORCH_CHECK(w->dim() == 1 && w->size(0) == n.D && w->scalar_type() == dtype && w->is_contiguous(),
+                "decode_block: norm weights (D,) of x's dtype, got ", w->sizes());
+  const int64_t* ns = new_slots.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+
+  at::Tensor h = x.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);  // one copy, ours to write
+  int64_t computed = 0;
+  const auto run = [&](auto* weight_type, auto* pool_type) {
+    using W = std::remove_pointer_t<decltype(weight_type)>;
+    using P = std::remove_pointer_t<decltype(pool_type)>;
+    const int64_t B = n.B, D = n.D, HD = n.H * n.Dh, GD = n.G * n.Dh;
+    const W *q = wq.data_ptr<W>(), *k = wk.data_ptr<W>(), *v = wv.data_ptr<W>(), *o = wo.data_ptr<W>();
+    computed = decode_block_impl(
+        h.data_ptr<float>(), dtype == at::kBFloat16, n, attn_norm.data_ptr<W>(),
+        static_cast<float>(attn_eps),
+        [&](const float* in, float* yq, float* yk, float* yv) {
+          gemv_impl<W, float>(in, {q, k, v}, {yq, yk, yv}, {HD, GD, GD}, B, D);
+        },
+        [&](const float* in, float* y) { gemv_impl<W, float>(in, {o}, {y}, {D}, B, HD); },
+        mlp_norm.data_ptr<W>(), static_cast<float>(mlp_eps),
+        [&](const float* in, float* y) { return mlp_run<W>(in, y, B, D, mlp); },
+        cos.data_ptr<float>(), sin.data_ptr<float>(), k_pool.data_ptr<P>(), v_pool.data_ptr<P>(), ns,
+        slots.data_ptr<int64_t>(), lp, static_cast<float>(scale));
+  };
+  const bool bf16_pool = k_pool.scalar_type() == at::kBFloat16;
+  if (dtype == at::kFloat)
+    bf16_pool ? run(static_cast<float*>(nullptr), static_cast<c10::BFloat16*>(nullptr))
+              : run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+  else
+    bf16_pool ? run(static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr))
+              : run(static_cast<c10::BFloat16*>(nullptr), static_cast<float*>(nullptr));
+  return {h.to(dtype), computed};
+}
+
+
 at::Tensor gemv_q8_0(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
               "gemv_q8_0: x must be a contiguous (M, K) CPU tensor, got ", x.sizes());
@@ -915,25 +967,85 @@ at::Tensor gemv_q8_0(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
               "gemv_q8_0: d must be contiguous float16 (", N, ", ", nb, "), got ", d.sizes(), " ",
               d.scalar_type());
   at::Tensor xf = x.to(at::kFloat).contiguous();
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xd(M * nb);
-  quantize_q8_rows(xf.data_ptr<float>(), xq.data(), xd.data(), M, K);
-  at::Tensor y = at::empty({M, N}, x.options());
-  const bool vnni = cpu_has_vnni();
-  const int8_t* wq = qs.data_ptr<int8_t>();
-  const c10::Half* wd = d.data_ptr<c10::Half>();
-  at::parallel_for(0, N, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t m = 0; m < M; m += kMaxBatch) {
-      const int B = static_cast<int>(std::min(kMaxBatch, M - m));
-      if (dtype == at::kFloat)
-        q8_rows(vnni, B, xq.data() + m * K, xd.data() + m * nb, wq, wd, y.data_ptr<float>() + m * N,
-                K, N, r0, r1);
-      else
-        q8_rows(vnni, B, xq.data() + m * K, xd.data() + m * nb, wq, wd,
-                y.data_ptr<c10::BFloat16>() + m * N, K, N, r0, r1);
-    }
-  });
-  return y;
+  at::Tensor y = at::empty({M, N}, xf.options());
+  gemv_q8_many(xf.data_ptr<float>(), {Q8Mat{qs.data_ptr<int8_t>(), d.data_ptr<c10::Half>()}},
+               {y.data_ptr<float>()}, {N}, M, K);
+  return y.to(dtype);
+}
+
+// decode_block with Q8_0 weights (float32 activations, float32 norms): each weight is a pair
+// [qs (N, K) int8, d (N, K / 32) float16]; the MLP dense (w_gate empty for relu2).
+Q8Mat q8_mat(const char* op, const char* name, at::TensorList w, int64_t rows, int64_t cols) {
+  TORCH_CHECK(w.size() == 2, op, ": ", name, " must be [qs, d], got ", w.size(), " tensors");
+  const at::Tensor &qs = w[0], &d = w[1];
+  TORCH_CHECK(cols % kQBlock == 0, op, ": ", name, "'s input width ", cols, " is not a multiple of ",
+              kQBlock);
+  TORCH_CHECK(qs.dim() == 2 && qs.size(0) == rows && qs.size(1) == cols && qs.scalar_type() == at::kChar &&
+                  qs.is_contiguous() && qs.device().is_cpu(),
+              op, ": ", name, "'s qs must be contiguous int8 (", rows, ", ", cols, "), got ", qs.sizes());
+  TORCH_CHECK(d.dim() == 2 && d.size(0) == rows && d.size(1) == cols / kQBlock &&
+                  d.scalar_type() == at::kHalf && d.is_contiguous() && d.device().is_cpu(),
+              op, ": ", name, "'s d must be contiguous float16 (", rows, ", ", cols / kQBlock,
+              "), got ", d.sizes());
+  return {qs.data_ptr<int8_t>(), d.data_ptr<c10::Half>()};
+}
+
+std::tuple<at::Tensor, int64_t> decode_block_q8(
+    const at::Tensor& x, const at::Tensor& attn_norm, double attn_eps, at::TensorList wq,
+    at::TensorList wk, at::TensorList wv, at::TensorList wo, const at::Tensor& mlp_norm,
+    double mlp_eps, int64_t activation, at::TensorList w_gate, at::TensorList w_up,
+    at::TensorList w_down, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_pool,
+    at::Tensor& v_pool, const at::Tensor& new_slots, const at::Tensor& slots,
+    const at::Tensor& lengths, double scale) {
+  const char* op = "decode_block_q8";
+  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x float32, got ", x.scalar_type());
+  TORCH_CHECK(wq.size() == 2 && wq[0].dim() == 2, op, ": wq must be [qs, d]");
+  const BlockShape n = check_block_step(op, x, wq[0].size(0), cos, sin, k_pool, v_pool, new_slots,
+                                        slots, lengths);
+  const int64_t B = n.B, D = n.D, HD = n.H * n.Dh, GD = n.G * n.Dh;
+  const Q8Mat q = q8_mat(op, "wq", wq, HD, D), k = q8_mat(op, "wk", wk, GD, D),
+              v = q8_mat(op, "wv", wv, GD, D), o = q8_mat(op, "wo", wo, D, HD);
+  TORCH_CHECK(activation >= kSwiGLU && activation <= kReLU2, op, ": activation ", activation,
+              " is not 0..3");
+  TORCH_CHECK(w_gate.empty() == (activation == kReLU2), op, ": ",
+              activation == kReLU2 ? "relu2 has no gate" : "a gated MLP needs w_gate");
+  TORCH_CHECK(w_up.size() == 2 && w_up[0].dim() == 2, op, ": w_up must be [qs, d]");
+  const int64_t F = w_up[0].size(0);
+  const Q8Mat up = q8_mat(op, "w_up", w_up, F, D), down = q8_mat(op, "w_down", w_down, D, F);
+  const std::optional<Q8Mat> gate =
+      w_gate.empty() ? std::nullopt : std::optional<Q8Mat>(q8_mat(op, "w_gate", w_gate, F, D));
+  for (const at::Tensor* w : {&attn_norm, &mlp_norm})
+    TORCH_CHECK(w->dim() == 1 && w->size(0) == D && w->scalar_type() == at::kFloat && w->is_contiguous(),
+                op, ": norm weights (D,) float32, got ", w->sizes());
+
+  at::Tensor h = x.clone();  // ours to write
+  const auto mlp = [&](const float* in, float* y) {
+    std::vector<float> g(gate ? B * F : 0), u(B * F);
+    if (gate)
+      gemv_q8_many(in, {*gate, up}, {g.data(), u.data()}, {F, F}, B, D);
+    else
+      gemv_q8_many(in, {up}, {u.data()}, {F}, B, D);
+    for (int64_t i = 0; i < B * F; ++i) u[i] = activate(activation, gate ? g[i] : 0.f, u[i]);
+    gemv_q8_many(u.data(), {down}, {y}, {D}, B, F);
+    return F;
+  };
+  const auto run = [&](auto* pool_type) {
+    using P = std::remove_pointer_t<decltype(pool_type)>;
+    return decode_block_impl(
+        h.data_ptr<float>(), false, n, attn_norm.data_ptr<float>(), static_cast<float>(attn_eps),
+        [&](const float* in, float* yq, float* yk, float* yv) {
+          gemv_q8_many(in, {q, k, v}, {yq, yk, yv}, {HD, GD, GD}, B, D);
+        },
+        [&](const float* in, float* y) { gemv_q8_many(in, {o}, {y}, {D}, B, HD); },
+        mlp_norm.data_ptr<float>(), static_cast<float>(mlp_eps), mlp, cos.data_ptr<float>(),
+        sin.data_ptr<float>(), k_pool.data_ptr<P>(), v_pool.data_ptr<P>(),
+        new_slots.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(),
+        static_cast<float>(scale));
+  };
+  const int64_t computed = k_pool.scalar_type() == at::kBFloat16
+                               ? run(static_cast<c10::BFloat16*>(nullptr))
+                               : run(static_cast<float*>(nullptr));
+  return {h, computed};
 }
 
 }  // namespace
@@ -950,6 +1062,10 @@ TORCH_LIBRARY(egmla, m) {
         "Tensor new_slots, Tensor slots, Tensor lengths, float scale, Tensor? down_t=None, "
         "float threshold=0., int hot=0, Tensor? p_w1=None, Tensor? p_w2=None, "
         "Tensor? p_bias=None) -> (Tensor, int)");
+  m.def("decode_block_q8(Tensor x, Tensor attn_norm, float attn_eps, Tensor[] wq, Tensor[] wk, "
+        "Tensor[] wv, Tensor[] wo, Tensor mlp_norm, float mlp_eps, int activation, Tensor[] w_gate, "
+        "Tensor[] w_up, Tensor[] w_down, Tensor cos, Tensor sin, Tensor(a!) k_pool, "
+        "Tensor(b!) v_pool, Tensor new_slots, Tensor slots, Tensor lengths, float scale) -> (Tensor, int)");
   m.def("sparse_mlp(Tensor x, int activation, Tensor? w_gate, Tensor w_up, Tensor down_t, "
         "float threshold=0., int hot=0, Tensor? p_w1=None, Tensor? p_w2=None, "
         "Tensor? p_bias=None) -> (Tensor, int)");
@@ -961,5 +1077,6 @@ TORCH_LIBRARY_IMPL(egmla, CPU, m) {
   m.impl("gemv_q8_0", gemv_q8_0);
   m.impl("paged_attention", paged_attention);
   m.impl("decode_block", decode_block);
+  m.impl("decode_block_q8", decode_block_q8);
   m.impl("sparse_mlp", sparse_mlp);
 }

@@ -55,7 +55,19 @@ def test_the_quantized_model_stays_close_to_the_float_one():
     assert (quantized - exact).norm() / exact.norm() < 0.02
 
 
-def test_the_engine_decodes_the_quantized_models_own_greedy_tokens(tmp_path):
+def test_the_engine_decodes_the_quantized_models_own_greedy_tokens(tmp_path, monkeypatch):
+    """Through the fused Q8_0 block kernel (decode_block_q8: seen running), against full
+    forwards of the same model through its modules."""
+    from egmla import kernels
+    from serve import executor
+
+    ops, real = [], kernels.decode_blocks
+
+    def decode_blocks(x, blocks, *rest):  # the real kernel call, noted
+        ops.extend(w.op for w, _ in blocks)
+        return real(x, blocks, *rest)
+
+    monkeypatch.setattr(executor.kernels, "decode_blocks", decode_blocks, raising=True)
     tiny_text_export(tmp_path / "m")
     llm = LLM(tmp_path / "m", quantization="q8_0", num_blocks=64)
     prompt = llm.encode("the quick brown fox")
@@ -67,6 +79,7 @@ def test_the_engine_decodes_the_quantized_models_own_greedy_tokens(tmp_path):
         for _ in range(12):
             ids.append(int(llm.model(torch.tensor([ids]))[0, -1].argmax()))
     assert list(tokens) == ids[len(prompt):]
+    assert ops and set(ops) == {"decode_block_q8"}
 
 
 @pytest.mark.parametrize("kwargs, message", [
