@@ -30,6 +30,7 @@ from torch import nn
 
 from egmla import kernels
 from egmla.kernels import Q8_BLOCK
+
 METHODS = ("q8_0",)  # what quantize_model (and serve.LLM(quantization=...)) takes
 
 

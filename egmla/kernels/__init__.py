@@ -288,12 +288,7 @@ def q8_matmul(x: torch.Tensor, weight) -> torch.Tensor:
 def q8_linear(x: torch.Tensor, weight) -> torch.Tensor:
     """x @ w.T for a Q8_0 weight: the kernel for a decode step's few rows on the CPU, else the
     same arithmetic in PyTorch (`q8_matmul`)."""
-    K = x.shape[-1]
-    rows = x.numel() // K if K else 0
-    if (x.device.type == "cpu" and x.dtype in DTYPES and 0 < rows <= MAX_ROWS[x.dtype]
-            and not (torch.is_grad_enabled() and x.requires_grad) and load()):
-        return gemv_q8_0(x, weight)
-    return q8_matmul(x, weight)
+    return gemv_q8_0(x, weight) if _rows_for_kernel(x, ()) else q8_matmul(x, weight)
 
 
 def gemv_q8_0(x: torch.Tensor, weight) -> torch.Tensor:
