@@ -7,6 +7,8 @@ makes exactly the tokens asked for. Systems (`--systems`):
 - `ours-fp32`, `ours-bf16`: `serve.LLM(...).engine` in float32 / bfloat16, with our CPU kernels
   (egmla/kernels) as shipped;
 - `ours-fp32-nokernels`: `ours-fp32` with EGMLA_KERNELS=0, the A/B switch of the kernels;
+- `ours-fp32-smallpages`, `ours-bf16-smallpages`: with EGMLA_HUGEPAGES=0, the A/B switch of
+  the weights' placement on transparent huge pages (egmla/kernels/placement.py);
 - `ours-q8_0`: our engine with `quantization="q8_0"` (llama.cpp's Q8_0 blocks, made at load from
   the float weights; a decode step's blocks run in the fused Q8_0 block kernel);
 - `transformers-fp32`: transformers `model.generate` on the same GGUF (float32, greedy);
@@ -79,6 +81,7 @@ class System:
     variant: str  # torch dtype name, or llama.cpp file type
     batched: bool  # part of the batched table
     kernels: bool = True  # EGMLA_KERNELS for the subprocess
+    hugepages: bool = True  # EGMLA_HUGEPAGES for the subprocess (weights on huge pages)
     about: str = ""
     quantization: str | None = None  # ours: serve.LLM(quantization=...)
 
@@ -88,6 +91,10 @@ SYSTEMS = {
     "ours-bf16": System("ours", "bfloat16", True, about="serve.LLM engine, bfloat16"),
     "ours-fp32-nokernels": System("ours", "float32", True, kernels=False,
                                   about="serve.LLM engine, float32, EGMLA_KERNELS=0"),
+    "ours-fp32-smallpages": System("ours", "float32", False, hugepages=False,
+                                   about="serve.LLM engine, float32, EGMLA_HUGEPAGES=0"),
+    "ours-bf16-smallpages": System("ours", "bfloat16", False, hugepages=False,
+                                   about="serve.LLM engine, bfloat16, EGMLA_HUGEPAGES=0"),
     "ours-q8_0": System("ours", "float32", False, quantization="q8_0",
                         about="serve.LLM engine, Q8_0 weights (quantization='q8_0'), float32 "
                               "activations; the fused Q8_0 block kernel"),
@@ -493,7 +500,8 @@ class Worker:
         `baseline_tree`, which puts that checkout first on the worker's import path."""
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads),
-               "MKL_NUM_THREADS": str(threads), "EGMLA_KERNELS": "1" if spec(name).kernels else "0"}
+               "MKL_NUM_THREADS": str(threads), "EGMLA_KERNELS": "1" if spec(name).kernels else "0",
+               "EGMLA_HUGEPAGES": "1" if spec(name).hugepages else "0"}
         self.name = name
         script = __file__
         if name.endswith(BASELINE):

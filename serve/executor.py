@@ -44,6 +44,10 @@ class Executor:
     def __init__(self, model: Transformer, config: EngineConfig, dtype: torch.dtype) -> None:
         self.model, weight, spec = model, model.tok_emb.weight, model.cache_spec()
         self.device = weight.device
+        if self.device.type == "cpu":  # a decode step streams the weights: from huge pages
+            placed = kernels.place_weights(model)
+            log.info("weights on huge pages: %s", f"{placed / 2**20:.0f} MiB moved" if placed
+                     else kernels.hugepages() or "already")
         # The layers that declare plain RoPE attention over their cached k and v: the ones that
         # attend through the backend (serve.attention), with their head dims.
         kv = [i for i, block in enumerate(model.layers) if block.attn.rope_kv_attention() is not None]

@@ -35,7 +35,10 @@ The library is built into egmla/kernels/_build/<key>/ (or $EGMLA_KERNELS_DIR, or
 $EGMLA_CACHE/kernels where the package directory is read-only), keyed by the source, the
 compiler flags, the compiler and the torch version, so a new torch or an edited kernel rebuilds.
 EGMLA_KERNELS=0 turns the fast path off (the A/B switch of the benchmarks); CXX picks the
-compiler (default c++).
+compiler (default c++); EGMLA_KERNELS_AVX512=0 keeps the kernels to AVX2 on an AVX-512 CPU.
+
+`place_weights(model)` (egmla/kernels/placement.py) moves a model's weights onto transparent
+huge pages, in the order a decode step reads them; the serving executor does it on the CPU.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from egmla import files
+from egmla.kernels.placement import hugepages, place_weights  # noqa: F401 - re-exported
 from egmla.paths import cache_dir
 
 SOURCE = Path(__file__).with_name("decode.cpp")

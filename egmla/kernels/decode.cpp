@@ -40,8 +40,8 @@
 
 namespace {
 
-constexpr int64_t kRows = 4;    // weight rows per block: four streams in flight
-constexpr int64_t kMaxBatch = 4;  // x rows per pass: kRows * kMaxBatch accumulators
+constexpr int64_t kRows = 4;      // weight rows per unit of work split over the threads
+constexpr int64_t kMaxBatch = 4;  // x rows per pass over a weight row (2 * kMaxBatch accumulators)
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
@@ -88,78 +88,138 @@ inline float dot_long(const float* q, const P* k, int64_t D) {
   return s;
 }
 
-// Rows [r0, r0 + R) of w against rows [m0, m0 + B) of x (fp32, K floats each): y[m][r] = dot.
-template <int R, int B, typename W>
-inline void dot_block(const float* x, const W* w, float* acc_out, int64_t K, int64_t r0) {
-  __m256 acc[R][B];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b) acc[r][b] = _mm256_setzero_ps();
-  const int64_t K8 = K - K % 8;
-  for (int64_t k = 0; k < K8; k += 8) {
-    __m256 xv[B];
-    for (int b = 0; b < B; ++b) xv[b] = _mm256_loadu_ps(x + b * K + k);
-    for (int r = 0; r < R; ++r) {
-      __m256 wv = load8(w + (r0 + r) * K + k);
-      for (int b = 0; b < B; ++b) acc[r][b] = _mm256_fmadd_ps(wv, xv[b], acc[r][b]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int b = 0; b < B; ++b) {
-      float s = hsum(acc[r][b]);
-      for (int64_t k = K8; k < K; ++k) s += static_cast<float>(w[(r0 + r) * K + k]) * x[b * K + k];
-      acc_out[b * R + r] = s;
-    }
-  }
+#pragma GCC pop_options
+
+// ---- weight rows against a few rows of x: the products of every decode-time linear ---------
+// Each output row reads one weight row as one sequential stream. Reading four rows in lockstep
+// (four streams at a row's stride) measured slower on this machine, as the rows are short (a
+// 576-wide fp32 row is 36 cache lines): for SmolLM2's fp32 shapes, in alternating processes,
+// about 25 -> 33 GB/s at one row of x and 16 -> 25 GB/s at four, a plain sum reading 56 GB/s.
+//
+// bf16 weights are not widened one by one: a 32-bit lane of a bf16 row holds two weights,
+// w[2j] in its low half and w[2j+1] in its high half. Shifted left by 16 bits the lane is
+// w[2j] as a float; masked to its high half, w[2j+1] (its low bits zero). So against x split
+// into its even and odd elements (`split_even_odd`, once per call) a load, a shift, an and and
+// two FMAs take 2 x (vector width) weights, where widening took two conversions per vector of
+// weights: the same products, in fp32, summed in another order.
+//
+// Written once as a macro and compiled for AVX2 and for AVX-512 (F, BW, VL), each in its own
+// target region so that the AVX2 build holds no AVX-512 instruction; `rows_range` picks by the
+// CPU (`cpu_has_avx512`).
+
+// x (B, K) -> xs (B, K): per row its E = (K + 1) / 2 even elements, then its odd ones.
+inline void split_even_odd(const float* x, float* xs, int64_t B, int64_t K) {
+  const int64_t E = (K + 1) / 2;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < K; ++j) xs[b * K + (j % 2 ? E + j / 2 : j / 2)] = x[b * K + j];
 }
 
-// One row of w against rows [0, B) of x, k unrolled twice: a single sequential stream.
-template <int B, typename W>
-inline void dot_row(const float* x, const W* wr, float* out, int64_t K) {
-  __m256 acc[2][B];
-  for (int u = 0; u < 2; ++u)
-    for (int b = 0; b < B; ++b) acc[u][b] = _mm256_setzero_ps();
-  const int64_t K16 = K - K % 16;
-  int64_t k = 0;
-  for (; k < K16; k += 16) {
-    __m256 w0 = load8(wr + k), w1 = load8(wr + k + 8);
-    for (int b = 0; b < B; ++b) {
-      acc[0][b] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + b * K + k), acc[0][b]);
-      acc[1][b] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + b * K + k + 8), acc[1][b]);
-    }
+#define EGMLA_ROWS(SUFFIX, VEC, WIDTH, SETZERO, LOADU, FMADD, HSUM, LOADI, VECI, SLLI, AND,       \
+                   SET1I, CASTPS)                                                                 \
+  /* fp32 weights: U vectors of each weight row in flight per row of x */                          \
+  template <int B>                                                                                 \
+  inline void dot_row_##SUFFIX(const float* x, const float* wr, float* out, int64_t K) {          \
+    constexpr int U = B == 1 ? 4 : 2;                                                              \
+    VEC acc[U][B];                                                                                 \
+    for (int u = 0; u < U; ++u)                                                                    \
+      for (int b = 0; b < B; ++b) acc[u][b] = SETZERO();                                           \
+    int64_t k = 0;                                                                                 \
+    for (; k + U * WIDTH <= K; k += U * WIDTH)                                                     \
+      for (int u = 0; u < U; ++u) {                                                                \
+        const VEC w = LOADU(wr + k + u * WIDTH);                                                   \
+        for (int b = 0; b < B; ++b)                                                                \
+          acc[u][b] = FMADD(w, LOADU(x + b * K + k + u * WIDTH), acc[u][b]);                       \
+      }                                                                                            \
+    for (; k + WIDTH <= K; k += WIDTH)                                                             \
+      for (int b = 0; b < B; ++b) acc[0][b] = FMADD(LOADU(wr + k), LOADU(x + b * K + k), acc[0][b]); \
+    for (int b = 0; b < B; ++b) {                                                                  \
+      for (int u = 1; u < U; ++u) acc[0][b] = _mm##WIDTH##_add(acc[0][b], acc[u][b]);              \
+      float s = HSUM(acc[0][b]);                                                                   \
+      for (int64_t j = k; j < K; ++j) s += wr[j] * x[b * K + j];                                   \
+      out[b] = s;                                                                                  \
+    }                                                                                              \
+  }                                                                                                \
+  /* bf16 weights against xs = split_even_odd(x): 2 * WIDTH weights per load */                    \
+  template <int B>                                                                                 \
+  inline void dot_row_##SUFFIX(const float* xs, const c10::BFloat16* wr, float* out, int64_t K) { \
+    constexpr int U = B <= 2 ? 2 : 1;                                                              \
+    const int64_t E = (K + 1) / 2;                                                                 \
+    const VECI high = SET1I(static_cast<int>(0xFFFF0000u));                                        \
+    VEC acc[2 * U][B];                                                                             \
+    for (int u = 0; u < 2 * U; ++u)                                                                \
+      for (int b = 0; b < B; ++b) acc[u][b] = SETZERO();                                           \
+    int64_t k = 0;                                                                                 \
+    for (; k + 2 * U * WIDTH <= K; k += 2 * U * WIDTH)                                             \
+      for (int u = 0; u < U; ++u) {                                                                \
+        const int64_t at = k + u * 2 * WIDTH;                                                      \
+        const VECI v = LOADI(reinterpret_cast<const VECI*>(wr + at));                              \
+        const VEC even = CASTPS(SLLI(v, 16)), odd = CASTPS(AND(v, high));                          \
+        for (int b = 0; b < B; ++b) {                                                              \
+          acc[2 * u][b] = FMADD(even, LOADU(xs + b * K + at / 2), acc[2 * u][b]);                  \
+          acc[2 * u + 1][b] = FMADD(odd, LOADU(xs + b * K + E + at / 2), acc[2 * u + 1][b]);       \
+        }                                                                                          \
+      }                                                                                            \
+    for (int b = 0; b < B; ++b) {                                                                  \
+      for (int u = 1; u < 2 * U; ++u) acc[0][b] = _mm##WIDTH##_add(acc[0][b], acc[u][b]);          \
+      float s = HSUM(acc[0][b]);                                                                   \
+      for (int64_t j = k; j < K; ++j)                                                              \
+        s += static_cast<float>(wr[j]) * xs[b * K + (j % 2 ? E + j / 2 : j / 2)];                 \
+      out[b] = s;                                                                                  \
+    }                                                                                              \
+  }                                                                                                \
+  template <int B, typename W, typename Y>                                                         \
+  void rows_range_##SUFFIX(const float* x, const W* w, Y* y, int64_t K, int64_t N, int64_t begin, \
+                           int64_t end) {                                                          \
+    float out[kMaxBatch];                                                                          \
+    for (int64_t r = begin; r < end; ++r) {                                                        \
+      dot_row_##SUFFIX<B>(x, w + r * K, out, K);                                                   \
+      for (int b = 0; b < B; ++b) y[b * N + r] = static_cast<Y>(out[b]);                           \
+    }                                                                                              \
   }
-  for (int b = 0; b < B; ++b) {
-    float s = hsum(_mm256_add_ps(acc[0][b], acc[1][b]));
-    for (int64_t j = k; j < K; ++j) s += static_cast<float>(wr[j]) * x[b * K + j];
-    out[b] = s;
-  }
+
+#define _mm8_add _mm256_add_ps
+#define _mm16_add _mm512_add_ps
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+EGMLA_ROWS(avx2, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, hsum,
+           _mm256_loadu_si256, __m256i, _mm256_slli_epi32, _mm256_and_si256, _mm256_set1_epi32,
+           _mm256_castsi256_ps)
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl")
+EGMLA_ROWS(avx512, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps,
+           _mm512_reduce_add_ps, _mm512_loadu_si512, __m512i, _mm512_slli_epi32, _mm512_and_si512,
+           _mm512_set1_epi32, _mm512_castsi512_ps)
+#pragma GCC pop_options
+#undef EGMLA_ROWS
+#undef _mm8_add
+#undef _mm16_add
+
+// Whether the AVX-512 paths run (here and Q8_0's VNNI): the CPU has AVX-512 F, BW and VL, and
+// EGMLA_KERNELS_AVX512 is not "0" (the switch lets a test run the AVX2 paths on such a machine).
+bool cpu_has_avx512() {
+  static const bool has = [] {
+    const char* off = std::getenv("EGMLA_KERNELS_AVX512");
+    return !(off && std::string(off) == "0") && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
+  }();
+  return has;
 }
 
-// Output rows [begin, end) for rows [0, B) of x. bf16 weight rows are short (a 576-wide row is
-// 18 cache lines), and reading them one after another as one stream measured faster than four
-// rows in lockstep (14 -> 18 GB/s); fp32 rows read best four at a time for one row of x, two at
-// a time for more (R * B accumulators, R weight and B x vectors must fit AVX2's 16 registers).
+// Output rows [begin, end) for rows [0, B) of x (bf16 weights: xs = split_even_odd(x)). fp32
+// weights take the AVX2 rows on every CPU: interleaved in one process, AVX-512's were 5-15%
+// slower on this machine's (AMD) at one row of x; for bf16 they were as fast or faster.
 template <int B, typename W, typename Y>
 void rows_range(const float* x, const W* w, Y* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
-  float out[kRows * kMaxBatch];
-  if constexpr (std::is_same_v<W, c10::BFloat16>) {
-    for (int64_t r = begin; r < end; ++r) {
-      dot_row<B>(x, w + r * K, out, K);
-      for (int b = 0; b < B; ++b) y[b * N + r] = static_cast<Y>(out[b]);
-    }
-    return;
-  }
-  constexpr int R = B == 1 ? kRows : 2;
-  int64_t r = begin;
-  for (; r + R <= end; r += R) {
-    dot_block<R, B>(x, w, out, K, r);
-    for (int b = 0; b < B; ++b)
-      for (int i = 0; i < R; ++i) y[b * N + r + i] = static_cast<Y>(out[b * R + i]);
-  }
-  for (; r < end; ++r) {
-    dot_block<1, B>(x, w, out, K, r);
-    for (int b = 0; b < B; ++b) y[b * N + r] = static_cast<Y>(out[b]);
-  }
+  if (std::is_same_v<W, c10::BFloat16> && cpu_has_avx512())
+    return rows_range_avx512<B>(x, w, y, K, N, begin, end);
+  rows_range_avx2<B>(x, w, y, K, N, begin, end);
 }
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
 
 // out[0, Dv) += p * v[0, Dv)
 template <typename P>
@@ -272,6 +332,12 @@ void run_pass(const float* x, const W* w, Y* y, int64_t B, int64_t K, int64_t N,
 template <typename W, typename Y>
 void gemv_impl(const float* x, const std::vector<const W*>& ws, const std::vector<Y*>& ys,
                const std::vector<int64_t>& ns, int64_t M, int64_t K) {
+  std::vector<float> split;  // bf16 weights take x's even and odd elements apart (rows_range)
+  if constexpr (std::is_same_v<W, c10::BFloat16>) {
+    split.resize(M * K);
+    split_even_odd(x, split.data(), M, K);
+    x = split.data();
+  }
   std::vector<int64_t> first_block{0};  // block index where each weight starts
   for (int64_t n : ns) first_block.push_back(first_block.back() + (n + kRows - 1) / kRows);
   const int64_t grain = std::max<int64_t>(1, 256 / kRows);  // no thread for fewer than 256 rows
@@ -726,14 +792,9 @@ void q8_rows(bool vnni, int B, const int8_t* xq, const float* xd, const int8_t* 
 #undef EGMLA_Q8_CASES
 }
 
-// Whether the VNNI path runs: the CPU has it, and EGMLA_KERNELS_VNNI is not "0" (the switch
-// lets a test run the AVX2 path on a VNNI machine).
+// Whether the VNNI path runs: the AVX-512 paths run (cpu_has_avx512) and the CPU has VNNI.
 bool cpu_has_vnni() {
-  static const bool has = [] {
-    const char* off = std::getenv("EGMLA_KERNELS_VNNI");
-    return !(off && std::string(off) == "0") && __builtin_cpu_supports("avx512vnni") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
-  }();
+  static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
   return has;
 }
 

@@ -94,11 +94,11 @@ def test_the_kernel_equals_the_quantized_reference(dtype):
 
 
 def test_the_avx2_path_equals_the_reference_too():
-    """EGMLA_KERNELS_VNNI=0 takes the AVX2 path on a VNNI machine (read once per process)."""
+    """EGMLA_KERNELS_AVX512=0 takes the AVX2 path on a VNNI machine (read once per process)."""
     code = ("import sys, torch; sys.path.insert(0, 'tests'); from core.test_quant import "
             "check_products; check_products(torch.float32); check_products(torch.bfloat16)")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "EGMLA_KERNELS_VNNI": "0"}, timeout=600)
+                         env={**os.environ, "EGMLA_KERNELS_AVX512": "0"}, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
 
 

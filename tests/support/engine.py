@@ -27,6 +27,21 @@ def mixed_prompts(vocab: int, count: int = 16, seed: int = 0) -> list[list[int]]
     return prompts
 
 
+def tiny_llm_tokens() -> str:
+    """A tiny float32 GQA model's greedy tokens through LLMEngine, after "placed" or "not
+    placed": whether the executor moved its weights (egmla.kernels.place_weights)."""
+    from egmla.presets import preset
+    from serve import EngineConfig, LLMEngine, SamplingParams
+    from support.models import build
+
+    model = build(preset("tiny-gqa2"), torch.float32)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64))
+    tokens = engine.generate(mixed_prompts(model.config.vocab_size, count=4),
+                             SamplingParams(temperature=0, max_tokens=8))
+    placed = getattr(model, "_egmla_placed", None) is not None
+    return f"{'placed' if placed else 'not placed'} {tokens}"
+
+
 class HistorySumModel(torch.nn.Module):
     """A fake model for scheduler-only tests (nanochat's MockModel idea), cheap enough for
     thousands of requests, yet one that reads its whole history from the cache the engine hands
