@@ -9,12 +9,17 @@ makes exactly the tokens asked for. Systems (`--systems`):
 - `ours-fp32-nokernels`: `ours-fp32` with EGMLA_KERNELS=0, the A/B switch of the kernels;
 - `ours-fp32-smallpages`, `ours-bf16-smallpages`: with EGMLA_HUGEPAGES=0, the A/B switch of
   the weights' placement on transparent huge pages (egmla/kernels/placement.py);
-- `ours-q8_0`: our engine with `quantization="q8_0"` (llama.cpp's Q8_0 blocks, made at load from
-  the float weights; a decode step's blocks run in the fused Q8_0 block kernel);
+- `ours-q8_0`, `ours-q4_0`: our engine with `quantization="q8_0"` / `"q4_0"` (llama.cpp's
+  blocks, made at load from the float weights; a decode step's blocks run in the fused
+  quantized block kernel);
+- `ours-gguf`: our engine with `quantization="gguf"`: the packaged file's own blocks (Q4_1
+  layers, a Q8_0 head), the weights `llamacpp-q4_1` runs;
 - `transformers-fp32`: transformers `model.generate` on the same GGUF (float32, greedy);
-- `llamacpp-f32`, `llamacpp-f16`, `llamacpp-q8_0`: llama.cpp through cyllama (the optional
-  `bench` extra), on the GGUF requantized once into $EGMLA_CACHE/gguf/. The source is Q4_1, so
-  F32 holds exactly the dequantized weights our loader produces; F16 and Q8_0 round them again.
+- `llamacpp-f32`, `llamacpp-f16`, `llamacpp-q8_0`, `llamacpp-q4_0`: llama.cpp through cyllama
+  (the optional `bench` extra), on the GGUF requantized once into $EGMLA_CACHE/gguf/. The
+  source is Q4_1, so F32 holds exactly the dequantized weights our loader produces; F16, Q8_0
+  and Q4_0 round them again (llama.cpp picks its own type for Q4_0's output tensor: see the
+  weights column); `llamacpp-q4_1`: the packaged Q4_1 file itself.
 
 What is measured:
 
@@ -98,13 +103,25 @@ SYSTEMS = {
     "ours-q8_0": System("ours", "float32", False, quantization="q8_0",
                         about="serve.LLM engine, Q8_0 weights (quantization='q8_0'), float32 "
                               "activations; the fused Q8_0 block kernel"),
+    "ours-q4_0": System("ours", "float32", False, quantization="q4_0",
+                        about="serve.LLM engine, Q4_0 weights (quantization='q4_0', made at load "
+                              "from the float weights); the fused quantized block kernel"),
+    "ours-gguf": System("ours", "float32", False, quantization="gguf",
+                        about="serve.LLM engine, the GGUF file's own blocks (quantization='gguf': "
+                              "Q4_1 layers, a Q8_0 head); the fused quantized block kernel"),
     "transformers-fp32": System("transformers", "float32", True,
                                 about="transformers model.generate, float32"),
     "llamacpp-f32": System("llamacpp", "F32", True, about="llama.cpp (cyllama), F32 GGUF"),
     "llamacpp-f16": System("llamacpp", "F16", False, about="llama.cpp (cyllama), F16 GGUF"),
     "llamacpp-q8_0": System("llamacpp", "Q8_0", False, about="llama.cpp (cyllama), Q8_0 GGUF"),
+    "llamacpp-q4_0": System("llamacpp", "Q4_0", False,
+                            about="llama.cpp (cyllama), Q4_0 GGUF (llama.cpp's own choice of type "
+                                  "for the output tensor)"),
+    "llamacpp-q4_1": System("llamacpp", "Q4_1", False,
+                            about="llama.cpp (cyllama), the packaged Q4_1 GGUF as shipped"),
 }
-LLAMA_FTYPES = {"F32": 0, "F16": 1, "Q8_0": 7}  # llama_ftype values
+LLAMA_FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7}  # llama_ftype values
+SHIPPED = "Q4_1"  # the packaged file's type: llama.cpp reads it as it is
 BASELINE = "@baseline"  # suffix of a system run from --baseline-tree's checkout
 
 
@@ -353,6 +370,8 @@ def quantized_gguf(ftype: str) -> Path:
     from egmla.paths import cache_dir
 
     source = KNOWN_MODELS[MODEL].path()
+    if ftype == SHIPPED:
+        return source
     target = cache_dir() / "gguf" / f"{source.stem}-to-{ftype}.gguf"
     if target.is_file():
         return target

@@ -18,7 +18,7 @@ not elements) and 4 bytes for the int32 token id stored once per token of the se
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -124,7 +124,8 @@ class AttendsInPlace(Protocol):
     """What a layer's cache view MAY also offer (a paged decode step does, serve/paged_cache.py;
     the contiguous cache does not): attention computed by the cache where it can do better than
     `update` and SDPA, reading its pools in place. A layer that can use it looks for the
-    method (`getattr(cache, "fused_attention", None)`: an isinstance check on a Protocol costs
+    method (`getattr(cache, "fused_attention", None)`, `"fused_latent_attention"`: an
+    isinstance check on a Protocol costs
     microseconds per layer and step)."""
 
     def fused_attention(self, q: torch.Tensor, new: Mapping[str, torch.Tensor], key: str,
@@ -135,6 +136,15 @@ class AttendsInPlace(Protocol):
         see, q (B, T, H, D) -> (B, T, H, Dv), with the fields named `key` and `value` as K and
         V (K/V heads shared by H / G query heads). None, with nothing written, where it cannot;
         the layer then calls `update` and attends itself."""
+        ...
+
+    def fused_latent_attention(self, q: torch.Tensor, new: Mapping[str, torch.Tensor],
+                               scale: float) -> torch.Tensor | None:
+        """MLA's absorbed attention computed by the cache (an MQA whose one key is the cached
+        [c, k_rope] and value c): write `new` (exactly the layer's fields, `c` and `k_rope`)
+        and return softmax((q[..., :C] . c + q[..., C:] . k_rope) * scale) . c over every key
+        each query may see, q (B, T, H, C + r) -> (B, T, H, C), query head h reading RoPE key
+        h // (H / Hr). None, with nothing written, where it cannot."""
         ...
 
 
@@ -170,19 +180,27 @@ def write_sequence_fields(spec: CacheSpec, sequence: Mapping[str, torch.Tensor],
         write(name, sequence[name])
 
 
+# allocate(layout) -> zero tensors of those (shape, dtype) in order, or None for torch.zeros
+Allocator = Callable[[list[tuple[tuple[int, ...], torch.dtype]]], "list[torch.Tensor] | None"]
+
+
 class CacheTensors:
     """Every tensor a cache allocates for `spec`: per layer and field, and per-sequence fields,
-    each of shape (*leading, *field.shape). `nbytes()` measures the storage actually allocated.
-    Shared by the contiguous cache (leading = batch, positions) and the paged one (slots)."""
+    each of shape (*leading, *field.shape), zero-filled by `allocate` (None: torch.zeros on
+    `device`). `nbytes()` measures the storage actually allocated. Shared by the contiguous
+    cache (leading = batch, positions) and the paged one (slots)."""
 
     def __init__(self, spec: CacheSpec, leading: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device | str | None) -> None:
-        def alloc(f: FieldSpec) -> torch.Tensor:
-            return torch.zeros((*leading, *f.shape), dtype=f.resolve(dtype), device=device)
-
+                 device: torch.device | str | None, allocate: Allocator | None = None) -> None:
+        groups = [*spec.layers, spec.sequence]  # each layer's fields, then the sequence's
+        layout = [((*leading, *f.shape), f.resolve(dtype)) for group in groups for f in group.values()]
+        made = allocate(layout) if allocate is not None else None
+        if made is None:
+            made = [torch.zeros(shape, dtype=dt, device=device) for shape, dt in layout]
+        tensors = iter(made)
+        filled = [{name: next(tensors) for name in group} for group in groups]
         self.spec, self.dtype, self.device = spec, dtype, device
-        self.layers = [{name: alloc(f) for name, f in layer.items()} for layer in spec.layers]
-        self.sequence = {name: alloc(f) for name, f in spec.sequence.items()}
+        self.layers, self.sequence = filled[:-1], filled[-1]
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for layer in self.layers for t in layer.values()] + list(self.sequence.values())

@@ -262,6 +262,14 @@ KNOWN_MODELS: dict[str, PackagedGGUF] = {
 }
 
 
+def gguf_source(name_or_path: str | os.PathLike) -> Path | None:
+    """The GGUF file a model name in KNOWN_MODELS (any case) converts from, or None for any
+    other model (an export, a transformers directory, a hub id)."""
+    known = {name.lower(): name for name in KNOWN_MODELS}
+    name = known.get(str(name_or_path).lower())
+    return None if name is None or Path(name_or_path).is_dir() else KNOWN_MODELS[name].path()
+
+
 def load_pretrained(
     name_or_path: str | os.PathLike, dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from egmla.dtypes import WEIGHT_DTYPES as DTYPES
-from egmla.quant import METHODS as QUANTIZATIONS
+from egmla.quant import QUANTIZATIONS
 from egmla.units import parse_bytes
 from serve.attention import BACKENDS as ATTENTION_BACKENDS  # noqa: F401 (its old name here)
 from serve.config import EngineConfig
@@ -120,8 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, help="the weights' dtype (default: the export's)")
     p.add_argument("--device", help="where the model runs: cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--quantization", choices=QUANTIZATIONS,
-                   help="quantize the weights at load (vLLM's flag): q8_0, llama.cpp's 8-bit "
-                        "blocks of 32 with a float16 scale (default: none, the float weights)")
+                   help="block-quantized weights (vLLM's flag): q8_0, q4_0 or q4_1 quantizes "
+                        "them at load into llama.cpp's blocks of 32 (8 or 4 bits, a float16 "
+                        "scale); gguf keeps a GGUF model's quantized tensors as stored (default: "
+                        "none, the float weights)")
     p.add_argument("--api-key",
                    help="requests to /v1 must send 'Authorization: Bearer KEY' (else 401)")
     p.add_argument("--chat-template", metavar="FILE_OR_TEXT",

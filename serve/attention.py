@@ -19,8 +19,11 @@ may see (its own row's history, causally), straight from or through the paged po
 
 `auto` picks `native` on a CPU, and on a GPU `flash_attn` where it is installed and applies,
 else `flex`. MLA and EG-MLA layers attend over their own latent fields (absorbed or naive, see
-egmla.models.attention) with the gather path under every backend: their scores need two cached
-fields (c and k_rope), which none of these kernels takes in place.
+egmla.models.attention). Under `native`, a decode step of an MLA or EG-MLA `latent` layer
+(absorbed: an MQA over [c, k_rope] with value c) reads the pools in place
+(`attend_latent`, egmla.kernels.paged_latent_attention); every other latent step, and every
+latent step under the other backends, gathers the history and runs PyTorch (EG-MLA `kv`'s
+absorbed scores need its cached norm statistics and gate rows, which no kernel takes yet).
 """
 
 from __future__ import annotations
@@ -61,6 +64,13 @@ class PagedAttention:
                ) -> torch.Tensor | None:
         return None
 
+    def attend_latent(self, step, pools: dict[str, torch.Tensor], q: torch.Tensor,
+                      new: dict[str, torch.Tensor], scale: float) -> torch.Tensor | None:
+        """MLA's absorbed attention (egmla.kernels.paged_latent_attention's function) of a
+        step's queries q (B, T, H, C + r) over the pools `c` and `k_rope`, with the layer's
+        new fields written: (B, T, H, C); or None (nothing written) where it does not apply."""
+        return None
+
 
 class Native(PagedAttention):
     name, fuses_blocks = "native", True
@@ -72,6 +82,15 @@ class Native(PagedAttention):
         out = kernels.paged_attention(q[:, 0], pools[key], pools[value], step.slots,
                                       step.lengths, scale)
         return out[:, None]  # (B, 1, H, Dv)
+
+    def attend_latent(self, step, pools, q, new, scale):
+        if (not step.decode_only or set(pools) != {"c", "k_rope"}
+                or not kernels.paged_latent_attention_runs(q, pools["c"], pools["k_rope"])):
+            return None
+        step.write_fields(pools, new)
+        out = kernels.paged_latent_attention(q[:, 0], pools["c"], pools["k_rope"], step.slots,
+                                             step.lengths, scale)
+        return out[:, None]  # (B, 1, H, C)
 
 
 class Flex(PagedAttention):

@@ -23,12 +23,11 @@ from tqdm.auto import tqdm
 from egmla.checkpoint import read_metadata, read_weights
 from egmla.devices import parse_device
 from egmla.dtypes import parse_model_dtype
-from egmla.imports import load_pretrained
+from egmla.imports import KNOWN_MODELS, gguf_source, load_pretrained
 from egmla.models import Transformer
 from egmla.models.sparse_ffn import check_settings as check_sparsity
 from egmla.models.sparse_ffn import layer_thresholds, predictors_from_tensors, sparsify
-from egmla.quant import METHODS as QUANTIZATIONS
-from egmla.quant import quantize_model
+from egmla.quant import QUANTIZATIONS, load_gguf_weights, quantize_model
 from serve.config import EngineConfig
 from serve.engine import LLMEngine, StepFailed
 from serve.sampling import InvalidRequest, SamplingParams
@@ -131,16 +130,27 @@ class LLM:
         reorders the model's neurons in place, as they were trained (the function is
         unchanged). None, the default, is dense.
 
-        `quantization` (vLLM's argument): "q8_0" quantizes every linear layer of the blocks and
-        the LM head at load into llama.cpp's Q8_0 blocks (egmla.quant), activations quantized
-        per block in each product as llama.cpp does; None, the default, keeps the float
-        weights; a decode step's blocks run in the fused Q8_0 block kernel on the CPU."""
+        `quantization` (vLLM's argument): "q8_0", "q4_0" or "q4_1" quantizes every linear layer
+        of the blocks and the LM head at load into llama.cpp's blocks of that format
+        (egmla.quant); "gguf" (vLLM's name) keeps a GGUF model's quantized tensors as the file
+        stores them (for a model in egmla.imports.KNOWN_MODELS: the shipped SmolLM2 is Q4_1,
+        its head Q8_0), checked to decode to the converted model's weights exactly. Activations
+        are quantized per block in each product as llama.cpp does. None, the default, keeps
+        the float weights. A decode step's blocks run in the fused quantized block kernel on
+        the CPU."""
         dtype = parse_model_dtype(dtype)  # a bad dtype fails before loading, naming itself
         where = parse_device(device)  # and so does a device this machine does not have
         check_sparsity(ffn_sparsity, ffn_threshold, ffn_predictors)
         if quantization is not None and quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={quantization!r}: expected one of "
                              f"{', '.join(QUANTIZATIONS)} or None")
+        gguf_file = None
+        if quantization == "gguf":
+            gguf_file = None if isinstance(model, Transformer) else gguf_source(model)
+            if gguf_file is None:
+                what = repr(str(model)) if isinstance(model, (str, Path)) else "a model object"
+                raise ValueError(f"quantization='gguf': {what} is not a GGUF model; those are "
+                                 f"{', '.join(KNOWN_MODELS)}")
         if quantization is not None and ffn_sparsity is not None:
             raise ValueError(f"quantization={quantization!r} with ffn_sparsity={ffn_sparsity!r}: "
                              "the sparse MLP decodes float weights only, choose one")
@@ -171,7 +181,9 @@ class LLM:
                                  f"for the threshold {trained_at!r}, which predicted mode uses")
             ffn_threshold = trained_at
         sparsify(self.model, ffn_sparsity, ffn_threshold, predictors)
-        if quantization is not None:
+        if gguf_file is not None:
+            load_gguf_weights(self.model, gguf_file)
+        elif quantization is not None:
             quantize_model(self.model, quantization)
         self.name = str(model) if not isinstance(model, Transformer) else "egmla"
         self.engine = LLMEngine(self.model, config)

@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 
+from egmla import kernels
 from egmla.cache import CacheSpec, CacheTensors, write_sequence_fields
 from serve.attention import Native, PagedAttention
 
@@ -51,7 +52,9 @@ class DecodeSlots(NamedTuple):
 
 class PagedKVCache(CacheTensors):
     """Block pools for every cached field; `nbytes()` measures what was allocated. `attention`:
-    how MHA/GQA layers attend over it (serve.attention; default this project's kernels)."""
+    how MHA/GQA layers attend over it (serve.attention; default this project's kernels). On
+    the CPU the pools live on transparent huge pages (egmla.kernels.huge_zeros) where the
+    system has them."""
 
     def __init__(
         self,
@@ -64,7 +67,10 @@ class PagedKVCache(CacheTensors):
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
-        super().__init__(spec, (num_blocks * block_size,), dtype, device)  # flat, block-major
+        on_cpu = torch.device(device or "cpu").type == "cpu"
+        # flat, block-major; on the CPU on huge pages, where a decode step reads it block by block
+        super().__init__(spec, (num_blocks * block_size,), dtype, device,
+                         allocate=kernels.huge_zeros if on_cpu else None)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.attention = attention or Native()
 
@@ -240,6 +246,16 @@ class _PagedLayer:
         if not (step.decode_only and step.cache.attention.fuses_blocks):
             return None
         return DecodeSlots(self._pools, step._targets, step.slots, step.lengths)
+
+    def fused_latent_attention(self, q: torch.Tensor, new: Mapping[str, torch.Tensor],
+                               scale: float) -> torch.Tensor | None:
+        """MLA's absorbed attention through the cache's backend (serve.attention), read from
+        the pools in place: q (B, T, H, C + r) -> (B, T, H, C). None, with nothing written,
+        where it does not apply."""
+        if set(new) != set(self._pools):
+            return None
+        return self._step.cache.attention.attend_latent(self._step, self._pools, q, dict(new),
+                                                        scale)
 
     def fused_attention(self, q: torch.Tensor, new: Mapping[str, torch.Tensor], key: str,
                         value: str, scale: float) -> torch.Tensor | None:

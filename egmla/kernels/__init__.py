@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from egmla import files
-from egmla.kernels.placement import hugepages, place_weights  # noqa: F401 - re-exported
+from egmla.kernels.placement import huge_zeros, hugepages, place_weights  # noqa: F401 - re-exported
 from egmla.paths import cache_dir
 
 SOURCE = Path(__file__).with_name("decode.cpp")
@@ -172,16 +172,18 @@ def _load() -> dict[str, object]:
             # shapes without running it, so torch.compile can trace a model that calls it
             torch.library.register_fake("egmla::gemv")(
                 lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
-            torch.library.register_fake("egmla::gemv_q8_0")(
-                lambda x, qs, d: x.new_empty(x.shape[0], qs.shape[0]))
+            torch.library.register_fake("egmla::gemv_quant")(
+                lambda x, w: x.new_empty(x.shape[0], w[0].shape[0]))
             torch.library.register_fake("egmla::gemv_many")(
                 lambda x, ws: [x.new_empty(x.shape[0], w.shape[0]) for w in ws])
             torch.library.register_fake("egmla::paged_attention")(
                 lambda q, k, v, slots, lengths, scale: q.new_empty(*q.shape[:2], v.shape[-1]))
+            torch.library.register_fake("egmla::paged_latent_attention")(
+                lambda q, c, r, slots, lengths, scale: q.new_empty(*q.shape[:2], c.shape[-1]))
             # (the count of MLP neurons computed is data-dependent: an unbacked size)
             torch.library.register_fake("egmla::decode_block")(
                 lambda x, *rest: (torch.empty_like(x), torch.library.get_ctx().new_dynamic_size()))
-            torch.library.register_fake("egmla::decode_block_q8")(
+            torch.library.register_fake("egmla::decode_block_quant")(
                 lambda x, *rest: (torch.empty_like(x), torch.library.get_ctx().new_dynamic_size()))
             torch.library.register_fake("egmla::sparse_mlp")(
                 lambda x, activation, w_gate, w_up, down_t, *rest: (
@@ -247,9 +249,9 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), through the kernel when x has few rows (see the module doc).
-    A Q8_0 weight (egmla.quant.Q8Weight) takes the Q8_0 product (`q8_linear`)."""
+    A block-quantized weight (egmla.quant.QuantWeight) takes its product (`quant_linear`)."""
     if not isinstance(weight, torch.Tensor):
-        y = q8_linear(x, weight)
+        y = quant_linear(x, weight)
         return y if bias is None else y + bias
     rows = _rows_for_kernel(x, (weight,))
     if not rows:
@@ -282,29 +284,30 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inv) * dx).flatten(-2)
 
 
-def q8_matmul(x: torch.Tensor, weight) -> torch.Tensor:
-    """x @ w.T for a Q8_0 weight (egmla.quant.Q8Weight) in PyTorch with the kernel's
-    arithmetic (activations quantized per block), in float32, returned in x's dtype: the path
-    for many rows."""
+def quant_matmul(x: torch.Tensor, weight) -> torch.Tensor:
+    """x @ w.T for a block-quantized weight (egmla.quant.QuantWeight) in PyTorch with the
+    kernel's arithmetic (activations quantized per block), in float32, returned in x's dtype:
+    the path for many rows."""
     return (quantize_activations(x) @ weight.dequantize(torch.float32).T).to(x.dtype)
 
 
-def q8_linear(x: torch.Tensor, weight) -> torch.Tensor:
-    """x @ w.T for a Q8_0 weight: the kernel for a decode step's few rows on the CPU, else the
-    same arithmetic in PyTorch (`q8_matmul`)."""
-    return gemv_q8_0(x, weight) if _rows_for_kernel(x, ()) else q8_matmul(x, weight)
+def quant_linear(x: torch.Tensor, weight) -> torch.Tensor:
+    """x @ w.T for a block-quantized weight: the kernel for a decode step's few rows on the
+    CPU, else the same arithmetic in PyTorch (`quant_matmul`)."""
+    return gemv_quant(x, weight) if _rows_for_kernel(x, ()) else quant_matmul(x, weight)
 
 
-def gemv_q8_0(x: torch.Tensor, weight) -> torch.Tensor:
-    """x @ w.T for a Q8_0 weight (`egmla.quant.Q8Weight`) and x (..., K) float32 or bfloat16
-    on the CPU, the activations quantized per 32-value block as llama.cpp quantizes them for
-    its Q8_0 products (decode.cpp). Raises RuntimeError where the kernels are unavailable."""
+def gemv_quant(x: torch.Tensor, weight) -> torch.Tensor:
+    """x @ w.T for a Q8_0, Q4_0 or Q4_1 weight (`egmla.quant.QuantWeight`) and x (..., K)
+    float32 or bfloat16 on the CPU, the activations quantized per 32-value block as llama.cpp
+    quantizes them for these products (decode.cpp). Raises RuntimeError where the kernels are
+    unavailable."""
     if not load():
         raise RuntimeError(f"egmla: the CPU kernels are unavailable ({_state['reason']}); "
-                           "Q8_0 weights need them")
+                           "quantized weights need them")
     K = x.shape[-1]
-    y = torch.ops.egmla.gemv_q8_0(x.reshape(-1, K).contiguous(), weight.qs, weight.d)
-    return y.view(*x.shape[:-1], weight.qs.shape[0])
+    y = torch.ops.egmla.gemv_quant(x.reshape(-1, K).contiguous(), weight.tensors())
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def paged_attention_runs(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
@@ -326,6 +329,30 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         raise RuntimeError(f"egmla kernels unavailable: {_state['reason']}")
     out = torch.ops.egmla.paged_attention(q.float().contiguous(), k_pool, v_pool, slots, lengths,
                                           float(scale))
+    return out.to(q.dtype)
+
+
+def paged_latent_attention_runs(q: torch.Tensor, c_pool: torch.Tensor, r_pool: torch.Tensor) -> bool:
+    """Whether `paged_latent_attention` can take these tensors here."""
+    return (q.device.type == "cpu" and c_pool.device.type == "cpu" and c_pool.dtype in DTYPES
+            and r_pool.dtype == c_pool.dtype and c_pool.dim() == 2 and r_pool.dim() in (2, 3)
+            and not (torch.is_grad_enabled() and q.requires_grad) and load())
+
+
+def paged_latent_attention(q: torch.Tensor, c_pool: torch.Tensor, r_pool: torch.Tensor,
+                           slots: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """MLA's absorbed decode attention read in place from a paged cache's pools (where
+    `paged_latent_attention_runs`): an MQA whose one key is [c, k_rope] and value c.
+
+    q (B, H, C + r): each row's query heads, absorbed (W_UK^T q_nope) then q_rope; c_pool
+    (slots, C) and r_pool (slots, r) or (slots, Hr, r), float32 or bfloat16, query head h
+    reading RoPE key h // (H / Hr); slots (B, S) int64, of which row b's first lengths[b] are
+    its keys; -> (B, H, C) in q's dtype: softmax((q_c . c + q_r . k_rope) * scale) . c.
+    Softmax and sums in float32."""
+    if not load():
+        raise RuntimeError(f"egmla kernels unavailable: {_state['reason']}")
+    out = torch.ops.egmla.paged_latent_attention(q.float().contiguous(), c_pool, r_pool, slots,
+                                                 lengths, float(scale))
     return out.to(q.dtype)
 
 
@@ -376,7 +403,7 @@ class BlockWeights:
     args: tuple
     scale: float
     dtype: torch.dtype
-    op: str = "decode_block"  # decode_block_q8 for Q8_0 weights (each a [qs, d] pair)
+    op: str = "decode_block"  # decode_block_quant for quantized weights (each [qs, d(, m)])
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         flat = [t for a in self.args for t in (a if isinstance(a, list) else [a])]
@@ -392,7 +419,7 @@ def block_weights(norms: Sequence[torch.nn.Module], attention: Sequence[torch.Te
     sparse decoding rides with each step, see `decode_blocks`)."""
     attn_norm, mlp_norm = norms
     if not isinstance(attention[0], torch.Tensor):
-        return _q8_block_weights(norms, attention, mlp, scale)
+        return _quant_block_weights(norms, attention, mlp, scale)
     weights = (attn_norm.weight, *attention, mlp_norm.weight, *mlp.weights())
     dtype = weights[0].dtype
     if dtype not in DTYPES or not all(w.dtype == dtype and w.device.type == "cpu" and w.is_contiguous()
@@ -402,21 +429,21 @@ def block_weights(norms: Sequence[torch.nn.Module], attention: Sequence[torch.Te
                          *mlp.args()), float(scale), dtype)
 
 
-def _q8_block_weights(norms: Sequence[torch.nn.Module], attention: Sequence, mlp: MLP,
-                      scale: float) -> BlockWeights | None:
-    """block_weights for Q8_0 weights (egmla.quant.Q8Weight, read by duck type: this module sits
-    below egmla.quant): every matrix Q8_0 on the CPU, float32 norms, a dense MLP."""
+def _quant_block_weights(norms: Sequence[torch.nn.Module], attention: Sequence, mlp: MLP,
+                         scale: float) -> BlockWeights | None:
+    """block_weights for block-quantized weights (egmla.quant.QuantWeight, read by duck type:
+    this module sits below egmla.quant): every matrix quantized, on the CPU, float32 norms, a
+    dense MLP."""
     attn_norm, mlp_norm = norms
     mats = (*attention, *mlp.weights())
-    if (not all(hasattr(w, "qs") and w.device.type == "cpu" and w.is_contiguous() for w in mats)
+    if (not all(hasattr(w, "tensors") and w.device.type == "cpu" and w.is_contiguous() for w in mats)
             or mlp.sparse is not None or not load()
             or any(n.weight.dtype != torch.float32 for n in norms)):
         return None
-    pair = lambda w: [w.qs, w.d]  # noqa: E731
-    return BlockWeights((attn_norm.weight, attn_norm.eps, *map(pair, attention), mlp_norm.weight,
-                         mlp_norm.eps, ACTIVATIONS[mlp.activation],
-                         [] if mlp.gate is None else pair(mlp.gate), pair(mlp.up), pair(mlp.down)),
-                        float(scale), torch.float32, op="decode_block_q8")
+    return BlockWeights((attn_norm.weight, attn_norm.eps, *(w.tensors() for w in attention),
+                         mlp_norm.weight, mlp_norm.eps, ACTIVATIONS[mlp.activation],
+                         [] if mlp.gate is None else mlp.gate.tensors(), mlp.up.tensors(),
+                         mlp.down.tensors()), float(scale), torch.float32, op="decode_block_quant")
 
 
 def decode_blocks(x: torch.Tensor, blocks: Sequence[tuple[BlockWeights, Sparse | None]],

@@ -10,8 +10,9 @@
 //
 //   torch.ops.egmla.gemv(x, w) -> y                 x (M, K), w (N, K), y (M, N)
 //   torch.ops.egmla.gemv_many(x, [w1, w2]) -> [y1, y2]   several weights sharing x, one pass
-//   torch.ops.egmla.gemv_q8_0(x, qs, d) -> y         x @ w.T for a Q8_0 weight (see below)
+//   torch.ops.egmla.gemv_quant(x, [qs, d(, m)]) -> y   x @ w.T for a Q8_0, Q4_0 or Q4_1 weight (below)
 //   torch.ops.egmla.paged_attention(q, k_pool, v_pool, slots, lengths, scale)   decode attention
+//   torch.ops.egmla.paged_latent_attention(q, c_pool, r_pool, slots, lengths, scale)   MLA's, absorbed
 //   torch.ops.egmla.decode_block(x, ...)   a whole Llama block for a decode step (see below)
 //   torch.ops.egmla.sparse_mlp(x, ...)     an MLP over only the neurons that fire (see below)
 //
@@ -259,6 +260,28 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_and_ps(y, _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_GE_OQ));
 }
 
+// Each of H rows of scores (n values, `width` apart) replaced by exp(score - its max), with
+// that max and the sum of the exponentials written to max[h] and sum[h].
+inline void softmax_rows(float* scores, int64_t H, int64_t n, int64_t width, float* max, float* sum) {
+  for (int64_t h = 0; h < H; ++h) {
+    float* e = scores + h * width;
+    float top = -INFINITY;
+    int64_t s = 0;
+    for (; s < n; ++s) top = std::max(top, e[s]);
+    __m256 sum8 = _mm256_setzero_ps();
+    const __m256 top8 = _mm256_set1_ps(top);
+    for (s = 0; s + 8 <= n; s += 8) {
+      const __m256 x = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(e + s), top8));
+      _mm256_storeu_ps(e + s, x);
+      sum8 = _mm256_add_ps(sum8, x);
+    }
+    float total = hsum(sum8);
+    for (; s < n; ++s) total += (e[s] = std::exp(e[s] - top));
+    max[h] = top;
+    sum[h] = total;
+  }
+}
+
 // Every query head of one row over keys [s0, s1) of the row (n = s1 - s0 <= the scores'
 // width): with e_hs = exp(q_h . k_s * scale - m_h), m_h the head's largest score, writes
 // out_h = sum_s e_hs v_s (unnormalized), max[h] = m_h and sum[h] = sum_s e_hs, for the split
@@ -291,26 +314,120 @@ void attend_chunk(const float* q, const P* k_pool, const P* v_pool, const int64_
   for (; s < n; ++s)
     for (int64_t h = 0; h < H; ++h)
       scores[h * width + s] = dot(q + h * D, k_pool + (slots[s] * G + h / R) * D, D) * scale;
-  for (int64_t h = 0; h < H; ++h) {
-    float* e = scores + h * width;
-    float top = -INFINITY;
-    for (s = 0; s < n; ++s) top = std::max(top, e[s]);
-    __m256 sum8 = _mm256_setzero_ps();
-    const __m256 top8 = _mm256_set1_ps(top);
-    for (s = 0; s + 8 <= n; s += 8) {
-      const __m256 x = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(e + s), top8));
-      _mm256_storeu_ps(e + s, x);
-      sum8 = _mm256_add_ps(sum8, x);
-    }
-    float total = hsum(sum8);
-    for (; s < n; ++s) total += (e[s] = std::exp(e[s] - top));
-    max[h] = top;
-    sum[h] = total;
-  }
+  softmax_rows(scores, H, n, width, max, sum);
   std::fill(out, out + H * Dv, 0.f);
   for (s = 0; s < n; ++s) {
     const P* v = v_pool + slots[s] * G * Dv;
     for (int64_t h = 0; h < H; ++h) axpy(out + h * Dv, scores[h * width + s], v + (h / R) * Dv, Dv);
+  }
+}
+
+// MLA's absorbed decode over keys [s0, s1) of one row, as attend_chunk for MHA: every query
+// head h against the shared latent c_s and the RoPE key of its group (rope head h / (H / Hr)),
+//   score_hs = (q_h[:C] . c_s + q_h[C:] . k_rope_s) * scale,   out_h = sum_s e_hs c_s,
+// an MQA whose one key/value row (c_s) serves every head. Both products are register-blocked
+// so that the FMAs, not the loads, bound them: scores two keys x four heads at a time (6 loads
+// per 8 FMAs, the eight sums reduced together), values four heads x 16 latent columns at a
+// time over the chunk's keys, accumulated in registers (6 loads per 8 FMAs, no stores).
+template <typename P>
+void attend_latent_chunk(const float* q, const P* c_pool, const P* r_pool, const int64_t* slots,
+                         int64_t s0, int64_t s1, int64_t H, int64_t Hr, int64_t C, int64_t r,
+                         float scale, float* scores, int64_t width, float* out, float* max, float* sum) {
+  const int64_t n = s1 - s0, R = H / Hr, D = C + r, C8 = C - C % 8, H4 = H - H % 4;
+  // four heads of a block read one RoPE key when their group holds all four (Hr == 1 always)
+  const bool rope_blocked = R % 4 == 0;
+  const int64_t r8 = rope_blocked ? r - r % 8 : 0;
+  slots += s0;
+  // one (head, key) score's part the blocks leave: C8.. of c, r8.. of the RoPE key (all of it
+  // where the heads of a block read different RoPE keys)
+  const auto tail = [&](int64_t h, int64_t s) {
+    const float* qh = q + h * D;
+    const P* c = c_pool + slots[s] * C;
+    const P* kr = r_pool + (slots[s] * Hr + h / R) * r;
+    float t = 0.f;
+    for (int64_t d = C8; d < C; ++d) t += qh[d] * static_cast<float>(c[d]);
+    for (int64_t d = r8; d < r; ++d) t += qh[C + d] * static_cast<float>(kr[d]);
+    return t;
+  };
+  // acc[i] += q_{h+i}[at..] . k0, acc[4 + i] += q_{h+i}[at..] . k1 over `len` (a multiple of 8)
+  const auto block = [&](__m256* acc, int64_t h, int64_t at, const P* k0, const P* k1, int64_t len) {
+    for (int64_t d = 0; d < len; d += 8) {
+      const __m256 a = load8(k0 + d), b = load8(k1 + d);
+      for (int i = 0; i < 4; ++i) {
+        const __m256 qv = _mm256_loadu_ps(q + (h + i) * D + at + d);
+        acc[i] = _mm256_fmadd_ps(qv, a, acc[i]);
+        acc[4 + i] = _mm256_fmadd_ps(qv, b, acc[4 + i]);
+      }
+    }
+  };
+  // rows a few keys ahead asked for while these are computed: a block's slots are contiguous
+  // but blocks are scattered, and the hardware prefetcher restarts at each
+  const auto prefetch = [&](int64_t k) {
+    if (k >= n) return;
+    const char* c = reinterpret_cast<const char*>(c_pool + slots[k] * C);
+    const char* kr = reinterpret_cast<const char*>(r_pool + slots[k] * Hr * r);
+    for (int64_t b = 0; b < static_cast<int64_t>(C * sizeof(P)); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < static_cast<int64_t>(Hr * r * sizeof(P)); b += 64) _mm_prefetch(kr + b, _MM_HINT_T0);
+  };
+  constexpr int64_t kAhead = 4;
+  for (int64_t k = 0; k < std::min(kAhead, n); ++k) prefetch(k);
+  int64_t s = 0;
+  for (; s + 2 <= n; s += 2) {
+    prefetch(s + kAhead);
+    prefetch(s + kAhead + 1);
+    const P* c0 = c_pool + slots[s] * C;
+    const P* c1 = c_pool + slots[s + 1] * C;
+    for (int64_t h = 0; h < H4; h += 4) {
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      block(acc, h, 0, c0, c1, C8);
+      if (rope_blocked)
+        block(acc, h, C, r_pool + (slots[s] * Hr + h / R) * r, r_pool + (slots[s + 1] * Hr + h / R) * r, r8);
+      float sums[8];
+      _mm256_storeu_ps(sums, hsum8(acc));
+      for (int i = 0; i < 4; ++i) {
+        scores[(h + i) * width + s] = (sums[i] + tail(h + i, s)) * scale;
+        scores[(h + i) * width + s + 1] = (sums[4 + i] + tail(h + i, s + 1)) * scale;
+      }
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {  // the heads and keys the blocks left
+    for (int64_t k = h < H4 ? s : 0; k < n; ++k) {
+      const float* qh = q + h * D;
+      scores[h * width + k] = (dot(qh, c_pool + slots[k] * C, C8) +
+                               dot(qh + C, r_pool + (slots[k] * Hr + h / R) * r, r8) + tail(h, k)) * scale;
+    }
+  }
+  softmax_rows(scores, H, n, width, max, sum);
+  const int64_t C16 = C - C % 16;
+  for (int64_t h = 0; h < H4; h += 4) {
+    const float* e = scores + h * width;
+    for (int64_t d = 0; d < C16; d += 16) {
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t k = 0; k < n; ++k) {
+        const P* c = c_pool + slots[k] * C + d;
+        const __m256 v0 = load8(c), v1 = load8(c + 8);
+        for (int i = 0; i < 4; ++i) {
+          const __m256 p = _mm256_broadcast_ss(e + i * width + k);
+          acc[2 * i] = _mm256_fmadd_ps(p, v0, acc[2 * i]);
+          acc[2 * i + 1] = _mm256_fmadd_ps(p, v1, acc[2 * i + 1]);
+        }
+      }
+      for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(out + (h + i) * C + d, acc[2 * i]);
+        _mm256_storeu_ps(out + (h + i) * C + d + 8, acc[2 * i + 1]);
+      }
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {  // the columns and heads the blocks left
+    const int64_t d0 = h < H4 ? C16 : 0;
+    std::fill(out + h * C + d0, out + (h + 1) * C, 0.f);
+    for (int64_t k = 0; k < n; ++k) {
+      const P* c = c_pool + slots[k] * C;
+      const float p = scores[h * width + k];
+      for (int64_t d = d0; d < C; ++d) out[h * C + d] += p * static_cast<float>(c[d]);
+    }
   }
 }
 
@@ -411,10 +528,11 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w) { return gemv_many(x, 
 //   out = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c,   M = max_c m_c,
 // so one long sequence still reads its cache on every thread. A chunk covers every head of
 // its row, so each thread reads whole (G, D) slot rows.
-template <typename P>
-void attend_rows(const float* qp, const P* kp, const P* vp, const int64_t* sp, const int64_t* lp,
-                 int64_t B, int64_t H, int64_t G, int64_t D, int64_t Dv, int64_t S, float scale,
-                 float* op) {
+// chunk(b, s0, s1, scores, width, out, max, sum): attend_chunk's work for row b's keys [s0, s1);
+// key_floats: the floats a key's rows hold (K and V), which sizes the work per thread.
+template <typename Chunk>
+void attend_rows(Chunk&& chunk, const int64_t* lp, int64_t B, int64_t H, int64_t Dv, int64_t S,
+                 int64_t key_floats, float* op) {
   // Chunks of at most 128 keys (their K and V rows stay in L2 while every head reads them), and
   // at least as many chunks in all as there are threads.
   const int64_t threads = at::get_num_threads();
@@ -422,7 +540,7 @@ void attend_rows(const float* qp, const P* kp, const P* vp, const int64_t* sp, c
   const int64_t C = (S + chunks - 1) / chunks;
   std::vector<float> part_out(B * chunks * H * Dv), part_max(B * chunks * H), part_sum(B * chunks * H);
   // A short context is a few microseconds of work: waking a second thread costs more.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, C * (D + Dv) * H));
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, C * key_floats * H));
   at::parallel_for(0, B * chunks, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(H * C);
     for (int64_t i = i0; i < i1; ++i) {
@@ -432,8 +550,7 @@ void attend_rows(const float* qp, const P* kp, const P* vp, const int64_t* sp, c
         std::fill(&part_sum[i * H], &part_sum[i * H] + H, 0.f);
         continue;
       }
-      attend_chunk(qp + b * H * D, kp, vp, sp + b * S, s0, s1, H, G, D, Dv, scale, scores.data(), C,
-                   part_out.data() + i * H * Dv, &part_max[i * H], &part_sum[i * H]);
+      chunk(b, s0, s1, scores.data(), C, part_out.data() + i * H * Dv, &part_max[i * H], &part_sum[i * H]);
     }
   });
   for (int64_t b = 0; b < B; ++b) {
@@ -452,6 +569,18 @@ void attend_rows(const float* qp, const P* kp, const P* vp, const int64_t* sp, c
       for (int64_t d = 0; d < Dv; ++d) out[d] /= total;
     }
   }
+}
+
+// MHA/GQA decode attention over the paged pools: attend_chunk's rows split over the threads.
+template <typename P>
+void attend_paged(const float* qp, const P* kp, const P* vp, const int64_t* sp, const int64_t* lp,
+                  int64_t B, int64_t H, int64_t G, int64_t D, int64_t Dv, int64_t S, float scale,
+                  float* op) {
+  attend_rows(
+      [&](int64_t b, int64_t s0, int64_t s1, float* scores, int64_t width, float* o, float* mx, float* sm) {
+        attend_chunk(qp + b * H * D, kp, vp, sp + b * S, s0, s1, H, G, D, Dv, scale, scores, width, o, mx, sm);
+      },
+      lp, B, H, Dv, S, D + Dv, op);
 }
 
 // The slot tables a decode step reads: every row's length in [1, S], every slot in the pool.
@@ -492,11 +621,56 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), G = k_pool.size(1), Dv = v_pool.size(2);
   const auto run = [&](auto* pool_type) {
     using P = std::remove_pointer_t<decltype(pool_type)>;
-    attend_rows(q.data_ptr<float>(), k_pool.data_ptr<P>(), v_pool.data_ptr<P>(),
-                slots.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), B, H, G, D, Dv, slots.size(1),
-                static_cast<float>(scale), out.data_ptr<float>());
+    attend_paged(q.data_ptr<float>(), k_pool.data_ptr<P>(), v_pool.data_ptr<P>(),
+                 slots.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), B, H, G, D, Dv, slots.size(1),
+                 static_cast<float>(scale), out.data_ptr<float>());
   };
   if (k_pool.scalar_type() == at::kFloat)
+    run(static_cast<float*>(nullptr));
+  else
+    run(static_cast<c10::BFloat16*>(nullptr));
+  return out;
+}
+
+// MLA's absorbed decode attention straight from the paged cache (see attend_latent_chunk):
+//   q (B, H, C + r) float32: each head's absorbed query W_UK^T q_nope, then its rotated q_rope;
+//   c_pool (slots, C) and r_pool (slots, r) or (slots, Hr, r), float32 or bfloat16, one dtype;
+//   slots (B, S) int64, the first lengths[b] of row b valid; lengths (B,) int64 >= 1.
+//   -> (B, H, C) float32: each head's attended latent (W_UV is applied by the caller).
+at::Tensor paged_latent_attention(const at::Tensor& q, const at::Tensor& c_pool,
+                                  const at::Tensor& r_pool, const at::Tensor& slots,
+                                  const at::Tensor& lengths, double scale) {
+  const char* op = "paged_latent_attention";
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, op, ": q (B, H, C + r) float32, got ",
+              q.sizes(), " ", q.scalar_type());
+  TORCH_CHECK(c_pool.dim() == 2 && (r_pool.dim() == 2 || r_pool.dim() == 3), op,
+              ": pools c (slots, C) and k_rope (slots, r) or (slots, Hr, r), got ", c_pool.sizes(),
+              " and ", r_pool.sizes());
+  TORCH_CHECK(c_pool.scalar_type() == r_pool.scalar_type() &&
+                  (c_pool.scalar_type() == at::kFloat || c_pool.scalar_type() == at::kBFloat16),
+              op, ": pools float32 or bfloat16, of one dtype");
+  const int64_t B = q.size(0), H = q.size(1), C = c_pool.size(1);
+  const int64_t Hr = r_pool.dim() == 3 ? r_pool.size(1) : 1, r = r_pool.size(-1);
+  TORCH_CHECK(q.size(2) == C + r && r_pool.size(0) == c_pool.size(0) && H % Hr == 0, op,
+              ": shapes do not agree: q ", q.sizes(), ", c ", c_pool.sizes(), ", k_rope ", r_pool.sizes());
+  for (const at::Tensor* t : {&q, &c_pool, &r_pool})
+    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), op, ": contiguous CPU tensors");
+  check_slots(slots, lengths, B, c_pool.size(0), op);
+  at::Tensor out = at::empty({B, H, C}, q.options());
+  const auto run = [&](auto* pool_type) {
+    using P = std::remove_pointer_t<decltype(pool_type)>;
+    const float* qp = q.data_ptr<float>();
+    const P *cp = c_pool.data_ptr<P>(), *rp = r_pool.data_ptr<P>();
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    const int64_t S = slots.size(1);
+    attend_rows(
+        [&](int64_t b, int64_t s0, int64_t s1, float* scores, int64_t width, float* o, float* mx, float* sm) {
+          attend_latent_chunk(qp + b * H * (C + r), cp, rp, sp + b * S, s0, s1, H, Hr, C, r,
+                              static_cast<float>(scale), scores, width, o, mx, sm);
+        },
+        lengths.data_ptr<int64_t>(), B, H, C, S, C + Hr * r, out.data_ptr<float>());
+  };
+  if (c_pool.scalar_type() == at::kFloat)
     run(static_cast<float*>(nullptr));
   else
     run(static_cast<c10::BFloat16*>(nullptr));
@@ -713,22 +887,26 @@ std::tuple<at::Tensor, int64_t> sparse_mlp(const at::Tensor& x, int64_t activati
 // way per block (dx = max|x| / 127, q = round(x / dx)), as llama.cpp quantizes activations for
 // its Q8_0 products; each block's dot product is then exact in int32 and is scaled by dw * dx
 // in float32:
-//   torch.ops.egmla.gemv_q8_0(x, qs, d) -> y        x (M, K) float32 or bfloat16, y like x
+//   torch.ops.egmla.gemv_quant(x, [qs, d]) -> y     x (M, K) float32 or bfloat16, y like x
 // With AVX-512 VNNI (and VL) a block is one vpdpbusd; otherwise AVX2's maddubs + madd. The
 // unsigned x signed form takes |w| and x * sign(w): |w| <= 127 and |x| <= 127, so the pairs'
 // int16 sums (AVX2) cannot saturate.
 
 constexpr int64_t kQBlock = 32;
 
-void quantize_q8_rows(const float* x, int8_t* q, float* d, int64_t M, int64_t K) {
+void quantize_q8_rows(const float* x, int8_t* q, float* d, int32_t* sums, int64_t M, int64_t K) {
   for (int64_t i = 0; i < M * K / kQBlock; ++i) {
     const float* xb = x + i * kQBlock;
     float amax = 0.f;
     for (int64_t j = 0; j < kQBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
     const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
     d[i] = scale;
-    for (int64_t j = 0; j < kQBlock; ++j)
+    int32_t sum = 0;
+    for (int64_t j = 0; j < kQBlock; ++j) {
       q[i * kQBlock + j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+      sum += q[i * kQBlock + j];
+    }
+    sums[i] = sum;
   }
 }
 
@@ -777,6 +955,63 @@ EGMLA_Q8_ROWS(q8_rows_vnni, block_dot_vnni)
 #pragma GCC pop_options
 #undef EGMLA_Q8_ROWS
 
+// ---- Q4_0 and Q4_1 weights ------------------------------------------------------------------
+// A block of 32 4-bit values q in [0, 15] in 16 bytes, as ggml lays it out: value j in byte j's
+// low nibble, value j + 16 in its high nibble; one float16 scale d per block, and for Q4_1 a
+// float16 minimum m: w = d q + m (Q4_0: w = d (q - 8), so m = -8 d). Against x's block (dx, xq,
+// and the sum of xq, kept from x's quantization):
+//   sum_j w_j x_j = d dx sum_j q_j xq_j + m dx sum_j xq_j,
+// the first an unsigned-by-signed byte dot product (no sign trick: q >= 0), exact in int32.
+//   weights as tensors: qs (N, K / 2) uint8, d (N, K / 32) float16 [, m (N, K / 32) float16]
+#define EGMLA_Q4_ROWS(NAME, BLOCK_UDOT)                                                          \
+  template <int B, bool MIN, typename Y>                                                         \
+  void NAME(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* wq,          \
+            const c10::Half* wd, const c10::Half* wm, Y* y, int64_t K, int64_t N, int64_t begin, \
+            int64_t end) {                                                                       \
+    const int64_t nb = K / kQBlock;                                                              \
+    const __m128i nibble = _mm_set1_epi8(0x0F);                                                  \
+    for (int64_t r = begin; r < end; ++r) {                                                      \
+      const uint8_t* qr = wq + r * (K / 2);                                                      \
+      const c10::Half* dr = wd + r * nb;                                                         \
+      __m256 acc[B];                                                                             \
+      float offset[B];                                                                           \
+      for (int b = 0; b < B; ++b) acc[b] = _mm256_setzero_ps(), offset[b] = 0.f;                 \
+      for (int64_t j = 0; j < nb; ++j) {                                                         \
+        const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + j * 16));        \
+        const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), nibble),         \
+                                           _mm_and_si128(p, nibble));                            \
+        const float dw = _cvtsh_ss(dr[j].x);                                                     \
+        const float mw = MIN ? _cvtsh_ss(wm[r * nb + j].x) : -8.f * dw;                          \
+        for (int b = 0; b < B; ++b) {                                                            \
+          const __m256i xv =                                                                     \
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * K + j * kQBlock));    \
+          const float dx = xd[b * nb + j];                                                       \
+          acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(BLOCK_UDOT(w, xv)), _mm256_set1_ps(dw * dx), \
+                                   acc[b]);                                                      \
+          offset[b] += mw * dx * static_cast<float>(xsum[b * nb + j]);                           \
+        }                                                                                        \
+      }                                                                                          \
+      for (int b = 0; b < B; ++b) y[b * N + r] = static_cast<Y>(hsum(acc[b]) + offset[b]);        \
+    }                                                                                            \
+  }
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+inline __m256i block_udot_avx2(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+EGMLA_Q4_ROWS(q4_rows_avx2, block_udot_avx2)
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+inline __m256i block_udot_vnni(__m256i w, __m256i x) {
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+}
+EGMLA_Q4_ROWS(q4_rows_vnni, block_udot_vnni)
+#pragma GCC pop_options
+#undef EGMLA_Q4_ROWS
+
 template <typename Y>
 void q8_rows(bool vnni, int B, const int8_t* xq, const float* xd, const int8_t* wq,
              const c10::Half* wd, Y* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
@@ -792,25 +1027,47 @@ void q8_rows(bool vnni, int B, const int8_t* xq, const float* xd, const int8_t* 
 #undef EGMLA_Q8_CASES
 }
 
+template <bool MIN, typename Y>
+void q4_rows(bool vnni, int B, const int8_t* xq, const float* xd, const int32_t* xsum,
+             const uint8_t* wq, const c10::Half* wd, const c10::Half* wm, Y* y, int64_t K,
+             int64_t N, int64_t begin, int64_t end) {
+#define EGMLA_Q4_CASES(NAME)                                                            \
+  switch (B) {                                                                          \
+    case 1: return NAME<1, MIN>(xq, xd, xsum, wq, wd, wm, y, K, N, begin, end);         \
+    case 2: return NAME<2, MIN>(xq, xd, xsum, wq, wd, wm, y, K, N, begin, end);         \
+    case 3: return NAME<3, MIN>(xq, xd, xsum, wq, wd, wm, y, K, N, begin, end);         \
+    default: return NAME<4, MIN>(xq, xd, xsum, wq, wd, wm, y, K, N, begin, end);        \
+  }
+  if (vnni) EGMLA_Q4_CASES(q4_rows_vnni)
+  EGMLA_Q4_CASES(q4_rows_avx2)
+#undef EGMLA_Q4_CASES
+}
+
 // Whether the VNNI path runs: the AVX-512 paths run (cpu_has_avx512) and the CPU has VNNI.
 bool cpu_has_vnni() {
   static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
   return has;
 }
 
-struct Q8Mat {  // a Q8_0 weight (N, K): qs (N, K) int8, d (N, K / 32) float16
-  const int8_t* q;
-  const c10::Half* d;
+enum QFormat { kQ8_0, kQ4_0, kQ4_1 };
+
+struct QMat {  // a block-quantized weight (N, K): its values, scales and (Q4_1) minima
+  QFormat format;
+  const void* q;  // Q8_0: (N, K) int8; Q4: (N, K / 2) uint8
+  const c10::Half* d;  // (N, K / 32)
+  const c10::Half* m;  // (N, K / 32), Q4_1 only
 };
 
-// y_i = x @ w_i.T (float32, M rows) for several Q8_0 weights sharing x: x quantized once, then
-// every weight's output rows in one parallel region (as gemv_impl does for float weights).
-void gemv_q8_many(const float* x, const std::vector<Q8Mat>& ws, const std::vector<float*>& ys,
-                  const std::vector<int64_t>& ns, int64_t M, int64_t K) {
+// y_i = x @ w_i.T (float32, M rows) for several block-quantized weights sharing x: x quantized
+// once, then every weight's output rows in one parallel region (as gemv_impl does for float
+// weights), each weight in its own format.
+void gemv_quant_many(const float* x, const std::vector<QMat>& ws, const std::vector<float*>& ys,
+                     const std::vector<int64_t>& ns, int64_t M, int64_t K) {
   const int64_t nb = K / kQBlock;
   std::vector<int8_t> xq(M * K);
   std::vector<float> xd(M * nb);
-  quantize_q8_rows(x, xq.data(), xd.data(), M, K);
+  std::vector<int32_t> xsum(M * nb);
+  quantize_q8_rows(x, xq.data(), xd.data(), xsum.data(), M, K);
   std::vector<int64_t> first{0};  // row where each weight starts, over all of them
   for (int64_t n : ns) first.push_back(first.back() + n);
   const bool vnni = cpu_has_vnni();
@@ -818,10 +1075,22 @@ void gemv_q8_many(const float* x, const std::vector<Q8Mat>& ws, const std::vecto
     for (size_t i = 0; i < ws.size(); ++i) {
       const int64_t lo = std::max(r0, first[i]), hi = std::min(r1, first[i + 1]);
       if (lo >= hi) continue;
-      for (int64_t m = 0; m < M; m += kMaxBatch)
-        q8_rows(vnni, static_cast<int>(std::min(kMaxBatch, M - m)), xq.data() + m * K,
-                xd.data() + m * nb, ws[i].q, ws[i].d, ys[i] + m * ns[i], K, ns[i], lo - first[i],
-                hi - first[i]);
+      const QMat& w = ws[i];
+      for (int64_t m = 0; m < M; m += kMaxBatch) {
+        const int B = static_cast<int>(std::min(kMaxBatch, M - m));
+        const int8_t* xqm = xq.data() + m * K;
+        const float* xdm = xd.data() + m * nb;
+        float* y = ys[i] + m * ns[i];
+        if (w.format == kQ8_0)
+          q8_rows(vnni, B, xqm, xdm, static_cast<const int8_t*>(w.q), w.d, y, K, ns[i],
+                  lo - first[i], hi - first[i]);
+        else if (w.format == kQ4_0)
+          q4_rows<false>(vnni, B, xqm, xdm, xsum.data() + m * nb, static_cast<const uint8_t*>(w.q),
+                         w.d, w.m, y, K, ns[i], lo - first[i], hi - first[i]);
+        else
+          q4_rows<true>(vnni, B, xqm, xdm, xsum.data() + m * nb, static_cast<const uint8_t*>(w.q),
+                        w.d, w.m, y, K, ns[i], lo - first[i], hi - first[i]);
+      }
     }
   });
 }
@@ -902,7 +1171,7 @@ int64_t decode_block_impl(float* x, bool to_bf16, const BlockShape& n, const N* 
   rope_rows(k.data(), cos, sin, B, n.G, n.Dh);
   write_rows(k_pool, new_slots, k.data(), B, GD);
   write_rows(v_pool, new_slots, v.data(), B, GD);
-  attend_rows(q.data(), k_pool, v_pool, slots, lengths, B, n.H, n.G, n.Dh, n.Dh, n.S, scale, att.data());
+  attend_paged(q.data(), k_pool, v_pool, slots, lengths, B, n.H, n.G, n.Dh, n.Dh, n.S, scale, att.data());
   wo(att.data(), out.data());
   add_residual(x, out.data(), B * D, to_bf16);
   rms_norm_rows(x, mlp_norm, normed.data(), B, D, mlp_eps);
@@ -1011,70 +1280,75 @@ std::tuple<at::Tensor, int64_t> decode_block(
 }
 
 
-at::Tensor gemv_q8_0(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
+// A block-quantized weight's tensors checked against its (rows, cols) and made a QMat: [qs, d]
+// with qs int8 (rows, cols) is Q8_0; [qs, d] with qs uint8 (rows, cols / 2), Q4_0; [qs, d, m]
+// with qs uint8, Q4_1; d and m float16 (rows, cols / 32).
+QMat quant_mat(const char* op, const char* name, at::TensorList w, int64_t rows, int64_t cols) {
+  TORCH_CHECK(w.size() == 2 || w.size() == 3, op, ": ", name, " must be [qs, d] or [qs, d, m], got ",
+              w.size(), " tensors");
+  TORCH_CHECK(cols % kQBlock == 0, op, ": ", name, "'s input width ", cols, " is not a multiple of ",
+              kQBlock);
+  const at::Tensor& qs = w[0];
+  const bool q8 = qs.scalar_type() == at::kChar;
+  TORCH_CHECK((q8 && w.size() == 2) || qs.scalar_type() == at::kByte, op, ": ", name,
+              "'s qs must be int8 (Q8_0: [qs, d]) or uint8 (Q4_0: [qs, d]; Q4_1: [qs, d, m]), got ",
+              qs.scalar_type(), " with ", w.size(), " tensors");
+  const int64_t width = q8 ? cols : cols / 2;
+  TORCH_CHECK(qs.dim() == 2 && qs.size(0) == rows && qs.size(1) == width && qs.is_contiguous() &&
+                  qs.device().is_cpu(),
+              op, ": ", name, "'s qs must be a contiguous CPU (", rows, ", ", width, "), got ", qs.sizes());
+  for (size_t i = 1; i < w.size(); ++i)
+    TORCH_CHECK(w[i].dim() == 2 && w[i].size(0) == rows && w[i].size(1) == cols / kQBlock &&
+                    w[i].scalar_type() == at::kHalf && w[i].is_contiguous() && w[i].device().is_cpu(),
+                op, ": ", name, "'s ", i == 1 ? "d" : "m", " must be contiguous float16 (", rows, ", ",
+                cols / kQBlock, "), got ", w[i].sizes(), " ", w[i].scalar_type());
+  return {q8 ? kQ8_0 : (w.size() == 2 ? kQ4_0 : kQ4_1), qs.data_ptr(), w[1].data_ptr<c10::Half>(),
+          w.size() == 3 ? w[2].data_ptr<c10::Half>() : nullptr};
+}
+
+// x @ w.T for a block-quantized weight w (quant_mat's forms), x (M, K) float32 or bfloat16.
+at::Tensor gemv_quant(const at::Tensor& x, at::TensorList w) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
-              "gemv_q8_0: x must be a contiguous (M, K) CPU tensor, got ", x.sizes());
+              "gemv_quant: x must be a contiguous (M, K) CPU tensor, got ", x.sizes());
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "gemv_q8_0: x float32 or bfloat16, got ",
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "gemv_quant: x float32 or bfloat16, got ",
               dtype);
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % kQBlock == 0, "gemv_q8_0: K=", K, " is not a multiple of ", kQBlock);
-  TORCH_CHECK(qs.dim() == 2 && qs.size(1) == K && qs.scalar_type() == at::kChar && qs.is_contiguous(),
-              "gemv_q8_0: qs must be contiguous int8 (N, ", K, "), got ", qs.sizes(), " ",
-              qs.scalar_type());
-  const int64_t N = qs.size(0), nb = K / kQBlock;
-  TORCH_CHECK(d.dim() == 2 && d.size(0) == N && d.size(1) == nb && d.scalar_type() == at::kHalf &&
-                  d.is_contiguous(),
-              "gemv_q8_0: d must be contiguous float16 (", N, ", ", nb, "), got ", d.sizes(), " ",
-              d.scalar_type());
+  TORCH_CHECK(!w.empty() && w[0].dim() == 2, "gemv_quant: the weight must be [qs, d] or [qs, d, m]");
+  const int64_t M = x.size(0), K = x.size(1), N = w[0].size(0);
+  TORCH_CHECK(K % kQBlock == 0, "gemv_quant: K=", K, " is not a multiple of ", kQBlock);
+  const QMat mat = quant_mat("gemv_quant", "the weight", w, N, K);
   at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, xf.options());
-  gemv_q8_many(xf.data_ptr<float>(), {Q8Mat{qs.data_ptr<int8_t>(), d.data_ptr<c10::Half>()}},
-               {y.data_ptr<float>()}, {N}, M, K);
+  gemv_quant_many(xf.data_ptr<float>(), {mat}, {y.data_ptr<float>()}, {N}, M, K);
   return y.to(dtype);
 }
 
-// decode_block with Q8_0 weights (float32 activations, float32 norms): each weight is a pair
-// [qs (N, K) int8, d (N, K / 32) float16]; the MLP dense (w_gate empty for relu2).
-Q8Mat q8_mat(const char* op, const char* name, at::TensorList w, int64_t rows, int64_t cols) {
-  TORCH_CHECK(w.size() == 2, op, ": ", name, " must be [qs, d], got ", w.size(), " tensors");
-  const at::Tensor &qs = w[0], &d = w[1];
-  TORCH_CHECK(cols % kQBlock == 0, op, ": ", name, "'s input width ", cols, " is not a multiple of ",
-              kQBlock);
-  TORCH_CHECK(qs.dim() == 2 && qs.size(0) == rows && qs.size(1) == cols && qs.scalar_type() == at::kChar &&
-                  qs.is_contiguous() && qs.device().is_cpu(),
-              op, ": ", name, "'s qs must be contiguous int8 (", rows, ", ", cols, "), got ", qs.sizes());
-  TORCH_CHECK(d.dim() == 2 && d.size(0) == rows && d.size(1) == cols / kQBlock &&
-                  d.scalar_type() == at::kHalf && d.is_contiguous() && d.device().is_cpu(),
-              op, ": ", name, "'s d must be contiguous float16 (", rows, ", ", cols / kQBlock,
-              "), got ", d.sizes());
-  return {qs.data_ptr<int8_t>(), d.data_ptr<c10::Half>()};
-}
-
-std::tuple<at::Tensor, int64_t> decode_block_q8(
+// decode_block with block-quantized weights (float32 activations, float32 norms): each weight
+// in one of quant_mat's forms, formats mixed as they come; the MLP dense (w_gate empty for relu2).
+std::tuple<at::Tensor, int64_t> decode_block_quant(
     const at::Tensor& x, const at::Tensor& attn_norm, double attn_eps, at::TensorList wq,
     at::TensorList wk, at::TensorList wv, at::TensorList wo, const at::Tensor& mlp_norm,
     double mlp_eps, int64_t activation, at::TensorList w_gate, at::TensorList w_up,
     at::TensorList w_down, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_pool,
     at::Tensor& v_pool, const at::Tensor& new_slots, const at::Tensor& slots,
     const at::Tensor& lengths, double scale) {
-  const char* op = "decode_block_q8";
+  const char* op = "decode_block_quant";
   TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x float32, got ", x.scalar_type());
-  TORCH_CHECK(wq.size() == 2 && wq[0].dim() == 2, op, ": wq must be [qs, d]");
+  TORCH_CHECK(!wq.empty() && wq[0].dim() == 2, op, ": wq must be [qs, d] or [qs, d, m]");
   const BlockShape n = check_block_step(op, x, wq[0].size(0), cos, sin, k_pool, v_pool, new_slots,
                                         slots, lengths);
   const int64_t B = n.B, D = n.D, HD = n.H * n.Dh, GD = n.G * n.Dh;
-  const Q8Mat q = q8_mat(op, "wq", wq, HD, D), k = q8_mat(op, "wk", wk, GD, D),
-              v = q8_mat(op, "wv", wv, GD, D), o = q8_mat(op, "wo", wo, D, HD);
+  const QMat q = quant_mat(op, "wq", wq, HD, D), k = quant_mat(op, "wk", wk, GD, D),
+              v = quant_mat(op, "wv", wv, GD, D), o = quant_mat(op, "wo", wo, D, HD);
   TORCH_CHECK(activation >= kSwiGLU && activation <= kReLU2, op, ": activation ", activation,
               " is not 0..3");
   TORCH_CHECK(w_gate.empty() == (activation == kReLU2), op, ": ",
               activation == kReLU2 ? "relu2 has no gate" : "a gated MLP needs w_gate");
-  TORCH_CHECK(w_up.size() == 2 && w_up[0].dim() == 2, op, ": w_up must be [qs, d]");
+  TORCH_CHECK(!w_up.empty() && w_up[0].dim() == 2, op, ": w_up must be [qs, d] or [qs, d, m]");
   const int64_t F = w_up[0].size(0);
-  const Q8Mat up = q8_mat(op, "w_up", w_up, F, D), down = q8_mat(op, "w_down", w_down, D, F);
-  const std::optional<Q8Mat> gate =
-      w_gate.empty() ? std::nullopt : std::optional<Q8Mat>(q8_mat(op, "w_gate", w_gate, F, D));
+  const QMat up = quant_mat(op, "w_up", w_up, F, D), down = quant_mat(op, "w_down", w_down, D, F);
+  const std::optional<QMat> gate =
+      w_gate.empty() ? std::nullopt : std::optional<QMat>(quant_mat(op, "w_gate", w_gate, F, D));
   for (const at::Tensor* w : {&attn_norm, &mlp_norm})
     TORCH_CHECK(w->dim() == 1 && w->size(0) == D && w->scalar_type() == at::kFloat && w->is_contiguous(),
                 op, ": norm weights (D,) float32, got ", w->sizes());
@@ -1083,11 +1357,11 @@ std::tuple<at::Tensor, int64_t> decode_block_q8(
   const auto mlp = [&](const float* in, float* y) {
     std::vector<float> g(gate ? B * F : 0), u(B * F);
     if (gate)
-      gemv_q8_many(in, {*gate, up}, {g.data(), u.data()}, {F, F}, B, D);
+      gemv_quant_many(in, {*gate, up}, {g.data(), u.data()}, {F, F}, B, D);
     else
-      gemv_q8_many(in, {up}, {u.data()}, {F}, B, D);
+      gemv_quant_many(in, {up}, {u.data()}, {F}, B, D);
     for (int64_t i = 0; i < B * F; ++i) u[i] = activate(activation, gate ? g[i] : 0.f, u[i]);
-    gemv_q8_many(u.data(), {down}, {y}, {D}, B, F);
+    gemv_quant_many(u.data(), {down}, {y}, {D}, B, F);
     return F;
   };
   const auto run = [&](auto* pool_type) {
@@ -1095,9 +1369,9 @@ std::tuple<at::Tensor, int64_t> decode_block_q8(
     return decode_block_impl(
         h.data_ptr<float>(), false, n, attn_norm.data_ptr<float>(), static_cast<float>(attn_eps),
         [&](const float* in, float* yq, float* yk, float* yv) {
-          gemv_q8_many(in, {q, k, v}, {yq, yk, yv}, {HD, GD, GD}, B, D);
+          gemv_quant_many(in, {q, k, v}, {yq, yk, yv}, {HD, GD, GD}, B, D);
         },
-        [&](const float* in, float* y) { gemv_q8_many(in, {o}, {y}, {D}, B, HD); },
+        [&](const float* in, float* y) { gemv_quant_many(in, {o}, {y}, {D}, B, HD); },
         mlp_norm.data_ptr<float>(), static_cast<float>(mlp_eps), mlp, cos.data_ptr<float>(),
         sin.data_ptr<float>(), k_pool.data_ptr<P>(), v_pool.data_ptr<P>(),
         new_slots.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(),
@@ -1114,7 +1388,9 @@ std::tuple<at::Tensor, int64_t> decode_block_q8(
 TORCH_LIBRARY(egmla, m) {
   m.def("gemv(Tensor x, Tensor w) -> Tensor");
   m.def("gemv_many(Tensor x, Tensor[] ws) -> Tensor[]");
-  m.def("gemv_q8_0(Tensor x, Tensor qs, Tensor d) -> Tensor");
+  m.def("gemv_quant(Tensor x, Tensor[] w) -> Tensor");
+  m.def("paged_latent_attention(Tensor q, Tensor c_pool, Tensor r_pool, Tensor slots, Tensor lengths, "
+        "float scale) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor lengths, "
         "float scale) -> Tensor");
   m.def("decode_block(Tensor x, Tensor attn_norm, float attn_eps, Tensor wq, Tensor wk, Tensor wv, "
@@ -1123,7 +1399,7 @@ TORCH_LIBRARY(egmla, m) {
         "Tensor new_slots, Tensor slots, Tensor lengths, float scale, Tensor? down_t=None, "
         "float threshold=0., int hot=0, Tensor? p_w1=None, Tensor? p_w2=None, "
         "Tensor? p_bias=None) -> (Tensor, int)");
-  m.def("decode_block_q8(Tensor x, Tensor attn_norm, float attn_eps, Tensor[] wq, Tensor[] wk, "
+  m.def("decode_block_quant(Tensor x, Tensor attn_norm, float attn_eps, Tensor[] wq, Tensor[] wk, "
         "Tensor[] wv, Tensor[] wo, Tensor mlp_norm, float mlp_eps, int activation, Tensor[] w_gate, "
         "Tensor[] w_up, Tensor[] w_down, Tensor cos, Tensor sin, Tensor(a!) k_pool, "
         "Tensor(b!) v_pool, Tensor new_slots, Tensor slots, Tensor lengths, float scale) -> (Tensor, int)");
@@ -1135,9 +1411,10 @@ TORCH_LIBRARY(egmla, m) {
 TORCH_LIBRARY_IMPL(egmla, CPU, m) {
   m.impl("gemv", gemv);
   m.impl("gemv_many", gemv_many);
-  m.impl("gemv_q8_0", gemv_q8_0);
+  m.impl("gemv_quant", gemv_quant);
   m.impl("paged_attention", paged_attention);
+  m.impl("paged_latent_attention", paged_latent_attention);
   m.impl("decode_block", decode_block);
-  m.impl("decode_block_q8", decode_block_q8);
+  m.impl("decode_block_quant", decode_block_quant);
   m.impl("sparse_mlp", sparse_mlp);
 }

@@ -10,8 +10,10 @@ read 9-25% faster from it; end to end see benchmarks/decode_speed.py's `-smallpa
     moved = place_weights(model)   # bytes moved; 0 where it does nothing (see its doc)
 
 Each Parameter stays the same object (only its `.data` changes) and each buffer keeps its
-name, so optimizers, tied weights and state dicts see no difference; the mapping lives as long
-as any tensor in it. EGMLA_HUGEPAGES=0 turns it off (the A/B switch)."""
+name, so optimizers, tied weights and state dicts see no difference; each tensor is a storage
+of its own size inside the mapping, which lives as long as any of them. `huge_zeros` allocates
+new tensors the same way (the paged KV cache's pools). EGMLA_HUGEPAGES=0 turns both off (the
+A/B switch)."""
 
 from __future__ import annotations
 
@@ -49,6 +51,34 @@ def _movable(t: torch.Tensor) -> bool:
             and t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.numel() > 0)
 
 
+def _area(layout: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
+    """Tensors of these shapes and dtypes, zero-filled, one after another (each on a cache
+    line) in one anonymous mapping advised for transparent huge pages, the first on a page.
+    Each is a storage of its own size (torch.frombuffer), and each keeps the mapping alive."""
+    offsets, total = [], 0
+    for shape, dtype in layout:
+        offsets.append(total)
+        total += -(-shape.numel() * dtype.itemsize // ALIGN) * ALIGN
+    area = mmap.mmap(-1, -(-max(total, 1) // PAGE) * PAGE + PAGE,
+                     flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        area.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # refused: the tensors still live here, on small pages
+        pass
+    start = -torch.frombuffer(area, dtype=torch.uint8, count=1).data_ptr() % PAGE
+    return [torch.frombuffer(area, dtype=dtype, count=shape.numel(), offset=start + at).view(shape)
+            for (shape, dtype), at in zip(layout, offsets)]
+
+
+def huge_zeros(layout: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor] | None:
+    """New zero tensors of these shapes and dtypes on huge pages, in one mapping (a paged KV
+    cache's pools: a decode step reads its keys block by block), or None where `hugepages()`
+    says why not (the caller then allocates as usual)."""
+    if hugepages() is not None:
+        return None
+    return _area([(torch.Size(shape), dtype) for shape, dtype in layout])
+
+
 def place_weights(model: torch.nn.Module) -> int:
     """Move `model`'s parameters and buffers (each once; see `_movable` for which) into one
     huge-page-advised anonymous mapping, in `model.modules()` order, and return the bytes
@@ -67,31 +97,18 @@ def place_weights(model: torch.nn.Module) -> int:
                 tensors.append((table, name, t))
     if not tensors or getattr(model, "_egmla_placed", None) == _where(tensors):
         return 0
-    offsets, total = [], 0
-    for _, _, t in tensors:
-        offsets.append(total)
-        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-    size = -(-total // PAGE) * PAGE
-    area = mmap.mmap(-1, size + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        area.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # refused: the weights still move, onto small pages
-        pass
-    raw = torch.frombuffer(area, dtype=torch.uint8)  # keeps `area` alive while any view lives
-    start = -raw.data_ptr() % PAGE
+    placed = _area([(t.shape, t.dtype) for _, _, t in tensors])
     with torch.no_grad():
-        for (table, name, t), at in zip(tensors, offsets):
-            n = t.numel() * t.element_size()
-            placed = raw[start + at:start + at + n].view(t.dtype).view(t.shape)
-            placed.copy_(t)
+        for (table, name, t), new in zip(tensors, placed):
+            new.copy_(t)
             if isinstance(t, torch.nn.Parameter):
-                t.data = placed
+                t.data = new
             else:
-                table[name] = placed
+                table[name] = new
     model._egmla_placed = _where(tensors)
     if hasattr(model, "weights_replaced"):
         model.weights_replaced()
-    return total
+    return sum(t.numel() * t.element_size() for t in placed)
 
 
 def _where(tensors: list[tuple[dict, str, torch.Tensor]]) -> tuple[int, ...]:

@@ -112,3 +112,20 @@ def test_the_engine_places_its_model_and_decodes_the_same_tokens():
         assert run.returncode == 0, run.stderr[-3000:]
         outs.append(run.stdout.strip().splitlines()[-1])  # "[not ]placed <tokens>"
     assert outs[0] == "placed " + outs[1].removeprefix("not placed ")
+
+
+@pytest.mark.skipif(not AVAILABLE, reason=f"no transparent huge pages here: {kernels.hugepages()}")
+def test_a_paged_caches_pools_are_zeros_on_huge_pages_each_its_own_size():
+    """What the cache allocates is still what it measures (`nbytes`, per storage)."""
+    from serve.paged_cache import PagedKVCache
+
+    model = tiny()
+    cache = PagedKVCache(model.cache_spec(), num_blocks=9, block_size=4, dtype=torch.bfloat16)
+    pools = cache.tensors()
+    assert all(not t.any() for t in pools)
+    assert all("hg" in mapping_flags(t.data_ptr()) for t in pools)
+    assert cache.nbytes() == sum(t.numel() * t.element_size() for t in pools)
+    assert len({t.data_ptr() for t in pools}) == len(pools)  # no two share memory
+    with torch.no_grad():
+        pools[0].fill_(1.0)
+    assert not pools[1].any()

@@ -97,16 +97,18 @@ def history_sum_greedy(prompt: list[int], n: int, vocab_size: int = 97) -> list[
     return tokens[len(prompt):]
 
 
-def run_ragged(model, sequences: list[torch.Tensor], block_size: int, seed: int, attention=None):
+def run_ragged(model, sequences: list[torch.Tensor], block_size: int, seed: int, attention=None,
+               dtype: torch.dtype = torch.float64):
     """Feed each sequence in random chunks, all rows in one ragged step at a time, through
-    randomly scattered blocks, attending through `attention` (a serve.attention backend; None:
-    the default). Returns, per sequence, the logits of every position."""
+    randomly scattered blocks of a `dtype` cache, attending through `attention` (a
+    serve.attention backend; None: the default). Returns, per sequence, the logits of every
+    position."""
     from serve.paged_cache import PagedKVCache
 
     rng = random.Random(seed)
     spec = model.cache_spec()
     need = sum(-(-len(s) // block_size) for s in sequences)
-    cache = PagedKVCache(spec, num_blocks=need + 3, block_size=block_size, dtype=torch.float64,
+    cache = PagedKVCache(spec, num_blocks=need + 3, block_size=block_size, dtype=dtype,
                          attention=attention)
     ids = list(range(need + 3))
     rng.shuffle(ids)

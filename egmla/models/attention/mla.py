@@ -140,6 +140,14 @@ class MLA(AttentionLayer):
 
         fields = self.cached_fields(x, token_ids, cos, sin,
                                     with_auxiliary=cache is not None or self.impl == "absorbed")
+        in_place = getattr(cache, "fused_latent_attention", None)  # egmla.cache.AttendsInPlace
+        if in_place is not None and self._absorbed_is_mqa() and self._use_absorbed(T, 1, cached=True):
+            # a paged decode step reads its pools in place
+            q_abs = torch.cat((self._absorb_query(q_nope), q_rope), dim=-1)  # (B, T, H, C + r)
+            o_latent = in_place(q_abs, fields, scale=self.scale)
+            if o_latent is not None:
+                o = self._values(o_latent.to(q_abs.dtype))
+                return self.wo(o.reshape(B, T, self.n_heads * self.d_v))
         key_positions, key_ids = None, token_ids
         if cache is not None:
             fields = cache.update(**fields)  # every cached token's fields, (B, S, .)
@@ -170,18 +178,9 @@ class MLA(AttentionLayer):
         return attend(q, k, v, self.scale, positions, key_positions)  # (B, T, H, d_v)
 
     def _absorbed(self, q_nope, q_rope, fields, key_ids, positions, key_positions) -> torch.Tensor:
-        # G KV heads of R = H / G query heads each; Hr RoPE keys; C = d_c
-        c, k_rope = fields["c"], fields["k_rope"]
-        B, T, H, _ = q_nope.shape
-        G, R, Hr = self.n_kv, self.n_heads // self.n_kv, self.rope_heads
-        w = self.wkv_b.weight.view(G, self.d_nope + self.d_v, self.d_c)
-        w_uk, w_uv = w.split([self.d_nope, self.d_v], dim=1)  # (G, n, C), (G, d_v, C)
-        if R == 1:
-            q_latent = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)  # (B, T, H, C)
-        else:
-            q_latent = torch.einsum("btgrn,gnc->btgrc", q_nope.view(B, T, G, R, -1), w_uk)
-            q_latent = q_latent.reshape(B, T, H, self.d_c)  # (B, T, H, C)
-        q = torch.cat((q_latent, q_rope), dim=-1)  # (B, T, H, C + r)
+        c, k_rope = fields["c"], fields["k_rope"]  # (B, S, C), (B, S, [Hr,] r)
+        Hr = self.rope_heads
+        q = torch.cat((self._absorb_query(q_nope), q_rope), dim=-1)  # (B, T, H, C + r)
         if Hr == 1:
             k = torch.cat((c, k_rope), dim=-1)[:, :, None]  # (B, S, 1, C + r)
             value = c[:, :, None]  # (B, S, 1, C)
@@ -189,7 +188,36 @@ class MLA(AttentionLayer):
             value = c[:, :, None].expand(-1, -1, Hr, -1)  # (B, S, Hr, C)
             k = torch.cat((value, k_rope), dim=-1)  # (B, S, Hr, C + r)
         o_latent = attend(q, k, value, self.scale, positions, key_positions)  # (B, T, H, C)
+        return self._values(o_latent)
+
+    def _absorbed_is_mqa(self) -> bool:
+        """Whether this layer's absorbed attention is MLA's MQA over the cached [c, k_rope] with
+        value c, which a cache may compute in place (`fused_latent_attention`): not where a
+        subclass computes its own (EG-MLA `kv`'s gated form, the value-embedding control)."""
+        return type(self)._absorbed is MLA._absorbed
+
+    def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK (G, n, C) and W_UV (G, d_v, C), views of wkv_b."""
+        w = self.wkv_b.weight.view(self.n_kv, self.d_nope + self.d_v, self.d_c)
+        return w.split([self.d_nope, self.d_v], dim=1)
+
+    def _absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope (B, T, H, n) -> W_UK^T q_nope (B, T, H, C), each head through its KV head's
+        W_UK (G KV heads of R = H / G query heads each)."""
+        B, T, H, _ = q_nope.shape
+        G, R = self.n_kv, self.n_heads // self.n_kv
+        w_uk = self._up_projections()[0]
         if R == 1:
-            return torch.einsum("bthc,hvc->bthv", o_latent, w_uv)  # (B, T, H, d_v)
+            return torch.einsum("bthn,hnc->bthc", q_nope, w_uk)
+        q_latent = torch.einsum("btgrn,gnc->btgrc", q_nope.view(B, T, G, R, -1), w_uk)
+        return q_latent.reshape(B, T, H, self.d_c)
+
+    def _values(self, o_latent: torch.Tensor) -> torch.Tensor:
+        """Each head's attended latent (B, T, H, C) -> its value W_UV o (B, T, H, d_v)."""
+        B, T, H, _ = o_latent.shape
+        G, R = self.n_kv, self.n_heads // self.n_kv
+        w_uv = self._up_projections()[1]
+        if R == 1:
+            return torch.einsum("bthc,hvc->bthv", o_latent, w_uv)
         o = torch.einsum("btgrc,gvc->btgrv", o_latent.view(B, T, G, R, -1), w_uv)
-        return o.reshape(B, T, H, self.d_v)  # (B, T, H, d_v)
+        return o.reshape(B, T, H, self.d_v)

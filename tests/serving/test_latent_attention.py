@@ -1,0 +1,138 @@
+"""MLA's absorbed decode attention in a native kernel straight from the paged pools
+(egmla.kernels.paged_latent_attention, the `native` backend's `attend_latent`): equal to a
+float64 softmax over ragged rows, and in the engine equal to the PyTorch path it replaces, for
+MLA and EG-MLA `latent` in the forms a converted model uses, float32 and bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from egmla import kernels
+from serve import SamplingParams, attention
+from serve.engine import EngineConfig, LLMEngine
+from serve.paged_cache import _PagedLayer
+from support.engine import mixed_prompts, run_ragged
+from support.models import VARIANTS, build
+
+SUPPORTED = kernels.unsupported() is None
+pytestmark = pytest.mark.skipif(not SUPPORTED, reason="the kernels need x86-64 with AVX2 and FMA")
+
+
+def reference(q, c_pool, r_pool, slots, lengths, scale):
+    """softmax((q_c . c + q_r . k_rope) * scale) . c in float64 over each row's first
+    lengths[b] slots; query head h reads RoPE key h // (H / Hr)."""
+    B, H, _ = q.shape
+    C = c_pool.shape[-1]
+    rope = r_pool if r_pool.dim() == 3 else r_pool[:, None]
+    R = H // rope.shape[1]
+    out = torch.empty(B, H, C, dtype=torch.float64)
+    for b in range(B):
+        keys = slots[b, : lengths[b]]
+        c = c_pool[keys].double()
+        for h in range(H):
+            scores = c @ q[b, h, :C].double() + rope[keys, h // R].double() @ q[b, h, C:].double()
+            out[b, h] = torch.softmax(scores * scale, 0) @ c
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("lengths, H, Hr, C, r", [
+    ([300], 16, 1, 64, 16),  # MLA: one RoPE key; several chunks of one row over two threads
+    ([5, 700, 129, 1], 6, 2, 40, 8),  # ragged; RoPE keys per group (a converted model); C % 8
+    ([3, 2], 5, 1, 12, 4),  # H not a multiple of four heads, C and r below a vector's tail
+])
+def test_the_kernel_equals_a_float64_softmax(lengths, H, Hr, C, r, pool_dtype, threads):
+    torch.manual_seed(len(lengths) + H)
+    B, slots_n = len(lengths), 2048
+    c_pool = (torch.randn(slots_n, C)).to(pool_dtype)
+    r_pool = (torch.randn(slots_n, Hr, r) * 2).to(pool_dtype)
+    if Hr == 1:
+        r_pool = r_pool[:, 0].contiguous()  # MLA's (slots, r) layout
+    S = max(lengths)
+    slots = torch.stack([torch.randperm(slots_n)[:S] for _ in range(B)])  # scattered slots
+    q = torch.randn(B, H, C + r) * 0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernels.paged_latent_attention(q, c_pool, r_pool, slots, torch.tensor(lengths), 0.3)
+    finally:
+        torch.set_num_threads(before)
+    exact = reference(q, c_pool, r_pool, slots, torch.tensor(lengths), 0.3)
+    assert out.shape == (B, H, C) and out.dtype == torch.float32
+    assert (out.double() - exact).abs().max().item() < 2e-5
+
+
+def test_inconsistent_inputs_are_refused_with_a_message():
+    c, r = torch.randn(16, 32), torch.randn(16, 8)
+    slots, lengths = torch.arange(4)[None], torch.tensor([4])
+    with pytest.raises(RuntimeError, match="shapes do not agree"):
+        kernels.paged_latent_attention(torch.randn(1, 4, 33), c, r, slots, lengths, 1.0)
+    with pytest.raises(RuntimeError, match="pools float32 or bfloat16, of one dtype"):
+        kernels.paged_latent_attention(torch.randn(1, 4, 40), c, r.bfloat16(), slots, lengths, 1.0)
+
+
+# the absorbed latent forms: MLA (the paper's, grouped and converted, no d_nope), EG-MLA latent
+LATENT = ["mla-absorbed", "mla-converted-absorbed", "mla-nope0-absorbed",
+          "mla-more-rope-heads-absorbed", "egmla-latent-absorbed", "egmla-latent-converted"]
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Calls of the kernel through the native backend, and a guard: a latent decode step under
+    it may not gather its history."""
+    calls, real, update = [], kernels.paged_latent_attention, _PagedLayer.update
+
+    def kernel(*args):
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    def guarded(self, **new):
+        step = self._step
+        native = isinstance(step.cache.attention, attention.Native)
+        assert not (native and step.decode_only and set(new) == {"c", "k_rope"}), \
+            "a latent decode step gathered its history under the native backend"
+        return update(self, **new)
+
+    monkeypatch.setattr(attention.kernels, "paged_latent_attention", kernel)
+    monkeypatch.setattr(_PagedLayer, "update", guarded)
+    return calls
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 0.06)],
+                         ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name", LATENT)
+def test_ragged_paged_decode_equals_the_full_forward(name, dtype, tolerance, counted):
+    """Ragged chunked steps through scattered blocks; the decode steps run the kernel. Against
+    the same model's full forward in its dtype (bf16: both round, differently)."""
+    cfg = VARIANTS[name]
+    model = build(cfg, dtype)
+    g = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (5, 13, 9, 17, 1)]
+    got = run_ragged(model, sequences, block_size=4, seed=0, attention=attention.Native(),
+                     dtype=dtype)
+    assert counted, "no decode step ran the latent kernel"
+    for s, logits in zip(sequences, got):
+        with torch.no_grad():
+            expected = model(s[None])[0]
+        scale = expected.abs().max().item()
+        assert (logits.float() - expected.float()).abs().max().item() <= tolerance * scale, name
+
+
+@pytest.mark.parametrize("name", ["mla-converted-absorbed", "egmla-latent-absorbed"])
+def test_the_engine_decodes_the_same_tokens_as_the_pytorch_path(name, counted):
+    """Continuous batching with prefix caching (rows sharing a prompt's blocks), float32: the
+    native backend's greedy tokens equal the gather path's (`sdpa`)."""
+    model = build(VARIANTS[name], torch.float32)
+    prompts = mixed_prompts(model.config.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    outs = {}
+    for backend in ("native", "sdpa"):
+        engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=128,
+                                               attention_backend=backend,
+                                               enable_prefix_caching=True))
+        outs[backend] = engine.generate(prompts, params)
+        if backend == "native":
+            assert engine.stats.cached_prompt_tokens > 0 and counted
+    assert outs["native"] == outs["sdpa"]
