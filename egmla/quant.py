@@ -24,8 +24,9 @@ float16 and, for q4_1, `m` (N, K / 32) float16: what the kernel (`egmla.kernels.
 streams, as many bytes as the file holds.
 
 A model is quantized for inference with `quantize_model(model, method)`: every linear layer of
-its blocks and its LM head becomes a `QuantizedLinear` (the token embedding stays as it is: a
-lookup reads one row). `load_gguf_weights(model, path)` instead gives those layers the GGUF
+its blocks and its LM head becomes a `QuantizedLinear` (the head of a 4-bit method in Q8_0, as
+llama.cpp keeps its output tensor at a higher precision; the token embedding stays as it is:
+a lookup reads one row). `load_gguf_weights(model, path)` instead gives those layers the GGUF
 file's own blocks, where the model was converted from that file, checking that they decode to
 the model's weights exactly. A product with a quantized weight quantizes the activations per
 block to 8 bits, as llama.cpp does, on every path: the kernel for a decode step's few rows,
@@ -168,6 +169,10 @@ def quantize_q4_1(weight: torch.Tensor) -> QuantWeight:
 
 
 QUANTIZERS = {"q8_0": quantize_q8_0, "q4_0": quantize_q4_0, "q4_1": quantize_q4_1}
+# The LM head's format under a 4-bit method: 8 bits, as llama.cpp keeps its output tensor at a
+# higher precision than the blocks' (the shipped SmolLM2 GGUF: Q4_1 blocks, a Q8_0 head). A
+# tied head is also the embedding, whose every row a prediction reads.
+HEAD_METHOD = {"q4_0": "q8_0", "q4_1": "q8_0"}
 
 
 class QuantizedLinear(nn.Module):
@@ -195,8 +200,9 @@ class QuantizedLinear(nn.Module):
 
 def quantize_model(model: nn.Module, method: str) -> nn.Module:
     """Replace, in place, every bias-free nn.Linear of `model` whose input width is a multiple of
-    32 (its blocks' projections and MLPs, its LM head) by a QuantizedLinear of `method`; the
-    token embedding stays float. Returns `model`; for inference only (no gradients)."""
+    32 (its blocks' projections and MLPs, its LM head) by a QuantizedLinear of `method` (the LM
+    head of a 4-bit method in Q8_0: HEAD_METHOD); the token embedding stays float. Returns
+    `model`; for inference only (no gradients)."""
     if method not in METHODS:
         raise ValueError(f"quantization={method!r}: expected one of {', '.join(METHODS)}")
     linears = [(name, m) for name, m in model.named_modules()
@@ -204,7 +210,8 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
     if not linears:
         raise ValueError(f"quantization={method!r}: the model has no linear layer it can quantize")
     for name, module in linears:
-        _replace(model, name, QuantizedLinear(QUANTIZERS[method](module.weight)))
+        quantize = QUANTIZERS[HEAD_METHOD.get(method, method) if name == "lm_head" else method]
+        _replace(model, name, QuantizedLinear(quantize(module.weight)))
     if hasattr(model, "weights_replaced"):  # kernels' kept weights are read again
         model.weights_replaced()
     return model

@@ -29,8 +29,10 @@ def test_every_linear_of_the_blocks_and_the_head_is_quantized_and_the_embedding_
     cfg, model = quantized_tiny(method)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears == []
-    quantized = [n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
-    assert len(quantized) == cfg.n_layers * 7 + 1 and "lm_head" in quantized
+    quantized = {n: m.format for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert len(quantized) == cfg.n_layers * 7 + 1
+    assert quantized.pop("lm_head") == "q8_0"  # a 4-bit method's head keeps 8 bits
+    assert set(quantized.values()) == {method}
     assert model.tok_emb.weight.dtype == torch.float32
 
 
