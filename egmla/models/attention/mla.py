@@ -202,22 +202,18 @@ class MLA(AttentionLayer):
         return w.split([self.d_nope, self.d_v], dim=1)
 
     def _absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
-        """q_nope (B, T, H, n) -> W_UK^T q_nope (B, T, H, C), each head through its KV head's
-        W_UK (G KV heads of R = H / G query heads each)."""
-        B, T, H, _ = q_nope.shape
-        G, R = self.n_kv, self.n_heads // self.n_kv
-        w_uk = self._up_projections()[0]
-        if R == 1:
-            return torch.einsum("bthn,hnc->bthc", q_nope, w_uk)
-        q_latent = torch.einsum("btgrn,gnc->btgrc", q_nope.view(B, T, G, R, -1), w_uk)
-        return q_latent.reshape(B, T, H, self.d_c)
+        """q_nope (B, T, H, n) -> W_UK^T q_nope (B, T, H, C)."""
+        return self._per_kv_head(q_nope, self._up_projections()[0])
 
     def _values(self, o_latent: torch.Tensor) -> torch.Tensor:
         """Each head's attended latent (B, T, H, C) -> its value W_UV o (B, T, H, d_v)."""
-        B, T, H, _ = o_latent.shape
-        G, R = self.n_kv, self.n_heads // self.n_kv
-        w_uv = self._up_projections()[1]
-        if R == 1:
-            return torch.einsum("bthc,hvc->bthv", o_latent, w_uv)
-        o = torch.einsum("btgrc,gvc->btgrv", o_latent.view(B, T, G, R, -1), w_uv)
-        return o.reshape(B, T, H, self.d_v)
+        return self._per_kv_head(o_latent, self._up_projections()[1].transpose(1, 2))
+
+    @staticmethod
+    def _per_kv_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x (B, T, H, X) @ w (G, X, Y) -> (B, T, H, Y), query head h through its KV head's
+        matrix w[h // (H / G)]."""
+        B, T, H, X = x.shape
+        G = w.shape[0]
+        y = torch.einsum("btgrx,gxy->btgry", x.view(B, T, G, H // G, X), w)
+        return y.reshape(B, T, H, w.shape[-1])
