@@ -20,6 +20,8 @@ or from Python: `lm_eval.simple_evaluate(model=EgmlaLM("SmolLM2-135M-Instruct"),
 (lm-eval's `--device`) is where the model runs: the weights move there before the engine's KV
 cache is allocated, and a device this machine lacks (`cuda` without a GPU) is refused.
 `get_model_info` adds `model_device`, where the weights really are, to lm-eval's results config.
+`quantization` (q8_0, q4_0, q4_1, gguf: serve.LLM's) scores the model with block-quantized
+weights, on the CPU: `--model_args pretrained=SmolLM2-135M-Instruct,quantization=gguf`.
 
 Tokenization follows lm-eval's `hf` model: the tokenizer's default special tokens unless
 `add_bos_token` says otherwise, and BOS (else EOS) as the prefix of an empty context, so
@@ -42,6 +44,7 @@ from tqdm import tqdm
 from egmla.devices import parse_device
 from egmla.dtypes import WEIGHT_DTYPES, parse_dtype
 from egmla.imports import load_pretrained
+from egmla.quant import QUANTIZATIONS
 from serve import LLM, SamplingParams
 from serve.engine import DEFAULT_KV_CACHE_MEMORY
 
@@ -58,6 +61,7 @@ class EgmlaLM(TemplateLM):
         add_bos_token: bool | None = None,
         kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
         device: str | None = None,  # lm-eval's --device; None: where the weights load (the CPU)
+        quantization: str | None = None,  # serve.LLM's: q8_0, q4_0, q4_1, gguf (CPU)
         **unknown: Any,
     ) -> None:
         super().__init__()
@@ -78,10 +82,21 @@ class EgmlaLM(TemplateLM):
             if dtype not in (*WEIGHT_DTYPES, "auto", None):
                 raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(WEIGHT_DTYPES)}, auto")
             weights = None if dtype in ("auto", None) else parse_dtype(dtype)
-            model, tokenizer = load_pretrained(str(pretrained), dtype=weights)
-            if wanted is not None:
-                model.to(wanted)  # before the engine allocates its KV cache beside the weights
-            self.llm = LLM(model, tokenizer, kv_cache_memory=int(kv_cache_memory))
+            if quantization not in (None, "", "none"):
+                if quantization not in QUANTIZATIONS:  # before minutes of loading
+                    raise ValueError(f"quantization={quantization!r}: expected one of "
+                                     f"{', '.join(QUANTIZATIONS)}")
+                if wanted is not None and wanted.type != "cpu":
+                    raise ValueError(f"quantization={quantization!r}: quantized weights run on "
+                                     f"the CPU, not device={device!r}")
+                # the engine loads it (a GGUF's own blocks need the model's name)
+                self.llm = LLM(str(pretrained), dtype=weights, quantization=quantization,
+                               kv_cache_memory=int(kv_cache_memory))
+            else:
+                model, tokenizer = load_pretrained(str(pretrained), dtype=weights)
+                if wanted is not None:
+                    model.to(wanted)  # before the engine allocates its KV cache beside the weights
+                self.llm = LLM(model, tokenizer, kv_cache_memory=int(kv_cache_memory))
         if self.llm.tokenizer is None:
             raise ValueError(f"{pretrained}: has no tokenizer; lm-eval tasks need one")
         self.model, self.tokenizer = self.llm.model, self.llm.tokenizer

@@ -273,3 +273,27 @@ def test_device_is_the_one_used_and_recorded(tiny_export, capitals_tasks, device
 def test_an_llm_built_elsewhere_is_not_moved_silently(smollm2_llm):
     with pytest.raises(ValueError, match="this LLM was built on cpu"):
         EgmlaLM(smollm2_llm, device="cuda")
+
+
+def test_quantization_scores_the_quantized_model(tiny_export, capitals_tasks):
+    """`quantization` reaches the engine: the model scored is the quantized one, and its
+    log-likelihoods are those of its own forward (the adapter's path, with that model)."""
+    from egmla.quant import QuantizedLinear
+
+    lm = EgmlaLM(str(tiny_export), quantization="q8_0")
+    assert any(isinstance(m, QuantizedLinear) for m in lm.model.modules())
+    results = lm.loglikelihood(instances("loglikelihood", PAIRS), disable_tqdm=True)
+    for (context, continuation), (logprob, _) in zip(PAIRS, results):
+        ctx, cont = encode_pair(lm.tokenizer, context, continuation, lm.prefix_token_id)
+        # (rel: a float rounding may move an activation across a quantization step, egmla.quant)
+        assert logprob == pytest.approx(direct_logprob(lm.model, ctx + cont, len(cont))[0],
+                                        rel=2e-4)
+    out = evaluate(f"pretrained={tiny_export},quantization=q4_0", task_manager=capitals_tasks)
+    assert 0 <= out["results"]["capitals"]["acc,none"] <= 1
+
+
+@pytest.mark.parametrize("value, named", [("q3", "quantization='q3': expected one of q8_0"),
+                                          ("gguf", "is not a GGUF model")])
+def test_a_quantization_it_cannot_run_is_named(tiny_export, value, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        EgmlaLM(str(tiny_export), quantization=value)
