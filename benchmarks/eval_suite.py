@@ -13,10 +13,14 @@
     and in bfloat16 (weights and KV cache), whole: each metric in both and the difference, and
     for per-document metrics (accuracy) the paired difference's mean with a 95% interval over
     documents and how many documents changed.
+(d) quantization (`--quantization q8_0 gguf ...`): the same comparison for block-quantized
+    weights (`quantization=` of the adapter, serve.LLM's), against the same float32 run.
 
     python benchmarks/eval_suite.py                    # all parts (~55 min on 2 CPU cores)
     python benchmarks/eval_suite.py --quick            # smoke test: a few documents per task
     python benchmarks/eval_suite.py --skip-accuracy --skip-timing   # only (c), ~25 min
+    python benchmarks/eval_suite.py --skip-accuracy --skip-timing --skip-precision \
+        --quantization q8_0 gguf                     # only (d)
 
 Writes benchmarks/results/eval_suite.{json,md} (eval_suite_quick.* with --quick) with the
 command, git SHA, versions and machine. Single runs on a shared CPU: compare the two models
@@ -38,6 +42,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # measure the checkout this script is in
+from egmla.quant import QUANTIZATIONS  # noqa: E402  (after the path: this checkout's)
 from eval.local_tasks import group_tasks  # noqa: E402  (after the path: this checkout's eval)
 from eval.stats import interval  # noqa: E402
 
@@ -120,28 +125,34 @@ def paired(a: dict[int, float], b: dict[int, float]) -> dict[str, Any] | None:
             "documents_differing": sum(x != 0 for x in diffs)}
 
 
-def precision(model_class, manager, tasks: list[str], quick: bool) -> list[dict]:
-    """The tasks in float32 and bfloat16, whole (3 documents with --quick), compared."""
+def compare(model_class, manager, tasks: list[str], quick: bool,
+            variants: dict[str, dict[str, str]]) -> dict[str, list[dict]]:
+    """The tasks in float32 and in each variant (EgmlaLM keyword arguments by name), whole (3
+    documents with --quick): per variant, a row per task comparing it with float32."""
     runs: dict[str, dict[str, dict]] = {}
     seconds: dict[str, dict[str, float]] = {}
-    for dtype in ("float32", "bfloat16"):
-        model = model_class("SmolLM2-135M-Instruct", dtype=dtype, batch_size=8)
-        runs[dtype], seconds[dtype] = {}, {}
+    for name, kwargs in {"float32": {"dtype": "float32"}, **variants}.items():
+        model = model_class("SmolLM2-135M-Instruct", batch_size=8, **kwargs)
+        runs[name], seconds[name] = {}, {}
         for task in tasks:
-            runs[dtype][task], seconds[dtype][task] = evaluate(model, task, manager, 3 if quick else None)
-            print(f"{task} {dtype}: {headline(task, runs[dtype][task]['results'])} "
-                  f"({seconds[dtype][task]:.0f} s)", flush=True)
-    rows = []
-    for task in tasks:
-        a, b = runs["float32"][task], runs["bfloat16"][task]
-        metrics_a, metrics_b = headline(task, a["results"]), headline(task, b["results"])
-        rows.append({
-            "task": task, "documents": a["results"][task]["sample_len"],
-            "float32": metrics_a, "bfloat16": metrics_b,
-            "seconds": {dtype: round(seconds[dtype][task], 1) for dtype in seconds},
-            "paired": {m: paired(per_document(a["samples"][task], m),
-                                 per_document(b["samples"][task], m)) for m in metrics_a}})
-    return rows
+            runs[name][task], seconds[name][task] = evaluate(model, task, manager, 3 if quick else None)
+            print(f"{task} {name}: {headline(task, runs[name][task]['results'])} "
+                  f"({seconds[name][task]:.0f} s)", flush=True)
+        del model
+    out = {}
+    for name in variants:
+        out[name] = []
+        for task in tasks:
+            a, b = runs["float32"][task], runs[name][task]
+            metrics_a, metrics_b = headline(task, a["results"]), headline(task, b["results"])
+            out[name].append({
+                "task": task, "documents": a["results"][task]["sample_len"],
+                "float32": metrics_a, name: metrics_b,
+                "seconds": {"float32": round(seconds["float32"][task], 1),
+                            name: round(seconds[name][task], 1)},
+                "paired": {m: paired(per_document(a["samples"][task], m),
+                                     per_document(b["samples"][task], m)) for m in metrics_a}})
+    return out
 
 
 def _made_by(part: dict[str, Any], dtype: str = "float32") -> list[str]:
@@ -150,6 +161,27 @@ def _made_by(part: dict[str, Any], dtype: str = "float32") -> list[str]:
             f"cores); git {p['git']['sha']}{' (dirty)' if p['git']['dirty'] else ''}; "
             f"lm-eval {p['versions'].get('lm-eval')}; torch {p['versions'].get('torch')}; "
             f"{dtype}. Command: `{' '.join(part['command'])}`", ""]
+
+
+def _comparison(rows: list[dict], name: str, short: str) -> list[str]:
+    """A comparison's table: each task's metrics in float32 and in `name`, their difference,
+    the paired interval over documents and the documents changed."""
+    lines = [(f"Paired: the mean over documents of ({short} - fp32) with its 95% Student-t "
+              "interval, and the documents whose score changed."), "",
+             (f"| task | documents | metric | float32 | {name} | {short} - fp32 | paired 95% CI "
+              f"| documents changed | seconds fp32 / {short} |"),
+             "|---|---:|---|---:|---:|---:|---|---:|---:|"]
+    for r in rows:
+        for i, (metric, a) in enumerate(r["float32"].items()):
+            b, p = r[name][metric], r["paired"].get(metric)
+            ci = ("-" if not p or p["ci95"][0] is None
+                  else f"[{p['ci95'][0]:+.4f}, {p['ci95'][1]:+.4f}]")
+            changed = f"{p['documents_differing']}" if p else "-"
+            secs = f"{r['seconds']['float32']} / {r['seconds'][name]}" if i == 0 else ""
+            lines.append(f"| {r['task'] if i == 0 else ''} | {r['documents'] if i == 0 else ''} "
+                         f"| {metric} | {a:.4f} | {b:.4f} | {b - a:+.4f} | {ci} | {changed} "
+                         f"| {secs} |")
+    return lines
 
 
 def render(report: dict[str, Any]) -> str:
@@ -178,25 +210,18 @@ def render(report: dict[str, Any]) -> str:
     if report.get("precision"):
         lines += ["## bfloat16 against float32 (`--model egmla`, weights and KV cache in the dtype)",
                   "", *_made_by(report["precision"], "float32 and bfloat16"),
-                  ("Paired: the mean over documents of (bf16 - fp32) with its 95% Student-t interval,"
-                   " and the documents whose score changed."), "",
-                  ("| task | documents | metric | float32 | bfloat16 | bf16 - fp32 | paired 95% CI "
-                   "| documents changed | seconds fp32 / bf16 |"),
-                  "|---|---:|---|---:|---:|---:|---|---:|---:|"]
-        for r in report["precision"]["rows"]:
-            for i, (name, a) in enumerate(r["float32"].items()):
-                b, p = r["bfloat16"][name], r["paired"].get(name)
-                ci = ("-" if not p or p["ci95"][0] is None
-                      else f"[{p['ci95'][0]:+.4f}, {p['ci95'][1]:+.4f}]")
-                changed = f"{p['documents_differing']}" if p else "-"
-                secs = f"{r['seconds']['float32']} / {r['seconds']['bfloat16']}" if i == 0 else ""
-                lines.append(f"| {r['task'] if i == 0 else ''} | {r['documents'] if i == 0 else ''} "
-                             f"| {name} | {a:.4f} | {b:.4f} | {b - a:+.4f} | {ci} | {changed} "
-                             f"| {secs} |")
+                  *_comparison(report["precision"]["rows"], "bfloat16", "bf16")]
         native = report["precision"].get("native_bf16")
         if native is not None:
             lines += ["", f"The CPU {'has' if native else 'lacks'} native bf16 arithmetic "
                       "(AVX512-BF16 or AMX; `python -m egmla.kernels status`)."]
+    if report.get("quantization"):
+        part = report["quantization"]
+        lines += ["", "## Quantized weights against float32 (`--model egmla`, "
+                  "`quantization=...` in `--model_args`)", "",
+                  *_made_by(part, "float32 activations")]
+        for method, rows in part["rows"].items():
+            lines += [f"### {method}", "", *_comparison(rows, method, method), ""]
     return "\n".join(lines) + "\n"
 
 
@@ -212,6 +237,9 @@ def main() -> int:
                         help="run only the accuracy part; keep the recorded wall-time part")
     parser.add_argument("--skip-precision", action="store_true",
                         help="skip the bfloat16-against-float32 part; keep what is recorded")
+    parser.add_argument("--quantization", nargs="+", choices=QUANTIZATIONS, default=[],
+                        help="(d): the loglikelihood tasks with these quantized weights against "
+                             "float32 (default: none, keep what is recorded)")
     parser.add_argument("--quick", action="store_true", help="a few documents per task")
     args = parser.parse_args()
 
@@ -235,6 +263,7 @@ def main() -> int:
     report.setdefault("accuracy", None)
     report.setdefault("timing", None)
     report.setdefault("precision", None)
+    report.setdefault("quantization", None)
     made_by = {"command": ["python", "benchmarks/eval_suite.py", *sys.argv[1:]],
                "provenance": provenance()}
     if not args.skip_accuracy:
@@ -249,8 +278,13 @@ def main() -> int:
     if not args.skip_precision:
         from egmla import kernels
 
-        report["precision"] = {**made_by, "native_bf16": kernels.native_bf16(),
-                               "rows": precision(EgmlaLM, manager, PRECISION_TASKS, args.quick)}
+        rows = compare(EgmlaLM, manager, PRECISION_TASKS, args.quick,
+                       {"bfloat16": {"dtype": "bfloat16"}})["bfloat16"]
+        report["precision"] = {**made_by, "native_bf16": kernels.native_bf16(), "rows": rows}
+    if args.quantization:
+        variants = {m: {"dtype": "float32", "quantization": m} for m in args.quantization}
+        report["quantization"] = {**made_by, "rows": compare(EgmlaLM, manager, PRECISION_TASKS,
+                                                             args.quick, variants)}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / f"{name}.md").write_text(render(report))
