@@ -70,6 +70,11 @@ LIBRARY = "libegmla_kernels.so"
 # 1.15x at 32 and 0.91x at 48; bf16, against widening to fp32, 5.5x at 1, 1.55x at 64 and 1.10x
 # at 128.
 MAX_ROWS = {torch.float32: 16, torch.bfloat16: 64}
+# Rows up to which a block-quantized product takes the kernel: it stays faster than
+# dequantizing the weight for PyTorch's matmul well past a decode batch (over SmolLM2's MLP
+# shapes, interleaved: 0.21x the time at 16 rows, 0.49x at 128 and 0.73x at 256 for Q8_0;
+# 0.15x, 0.59x and 0.84x for Q4_1), so short prefills take it too.
+QUANT_MAX_ROWS = 256
 DTYPES = (torch.float32, torch.bfloat16)
 Q8_BLOCK = 32  # values per block of a Q8_0 weight (egmla.quant) and of its activations
 FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w")
@@ -216,11 +221,15 @@ def native_bf16() -> bool:
     return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
-def _rows_for_kernel(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> int:
-    """x's rows when the kernel may take x @ w.T for every w, else 0."""
+def _rows_for_kernel(x: torch.Tensor, weights: Sequence[torch.Tensor], quantized: bool = False
+                     ) -> int:
+    """x's rows when the kernel may take x @ w.T for every w (`quantized`: for block-quantized
+    weights, up to QUANT_MAX_ROWS rows), else 0."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    if x.dtype not in DTYPES or not 0 < rows <= MAX_ROWS[x.dtype] or x.device.type != "cpu":
+    if x.dtype not in DTYPES or x.device.type != "cpu":
+        return 0
+    if not 0 < rows <= (QUANT_MAX_ROWS if quantized else MAX_ROWS[x.dtype]):
         return 0
     grad = torch.is_grad_enabled()
     if grad and x.requires_grad:
@@ -292,9 +301,9 @@ def quant_matmul(x: torch.Tensor, weight) -> torch.Tensor:
 
 
 def quant_linear(x: torch.Tensor, weight) -> torch.Tensor:
-    """x @ w.T for a block-quantized weight: the kernel for a decode step's few rows on the
+    """x @ w.T for a block-quantized weight: the kernel for up to QUANT_MAX_ROWS rows on the
     CPU, else the same arithmetic in PyTorch (`quant_matmul`)."""
-    return gemv_quant(x, weight) if _rows_for_kernel(x, ()) else quant_matmul(x, weight)
+    return gemv_quant(x, weight) if _rows_for_kernel(x, (), quantized=True) else quant_matmul(x, weight)
 
 
 def gemv_quant(x: torch.Tensor, weight) -> torch.Tensor:
@@ -454,13 +463,15 @@ def decode_blocks(x: torch.Tensor, blocks: Sequence[tuple[BlockWeights, Sparse |
     MLP neurons each computed (all of them, when dense), or None (nothing written) where the
     kernel cannot take the step; the caller then runs its modules.
 
-    x (B, 1, D) with B <= MAX_ROWS[x.dtype]; blocks: each block's weights (`block_weights`) and
-    its MLP's sparse decoding for this step (None: dense); cos[i], sin[i] (B, Dh) float32 at
+    x (B, 1, D) with B <= MAX_ROWS[x.dtype] (QUANT_MAX_ROWS for quantized blocks); blocks:
+    each block's weights (`block_weights`) and its MLP's sparse decoding for this step (None:
+    dense); cos[i], sin[i] (B, Dh) float32 at
     the rows' positions for block i; pools[i]: block i's (k_pool, v_pool) (slots, G, Dh) from
     the paged cache, into which each row's new K and V go at new_slots (B,) before it attends
     over its first lengths[b] slots of slots (B, S)."""
     B, T, D = x.shape
-    if (T != 1 or not blocks or not _rows_for_kernel(x, ())
+    quantized = all(w.op == "decode_block_quant" for w, _ in blocks)
+    if (T != 1 or not blocks or not _rows_for_kernel(x, (), quantized)
             or any(w.dtype != x.dtype for w, _ in blocks)):
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for w, _ in blocks for t in w.tensors()):

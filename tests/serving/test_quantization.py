@@ -38,14 +38,18 @@ def test_every_linear_of_the_blocks_and_the_head_is_quantized_and_the_embedding_
 
 @pytest.mark.parametrize("method", METHODS)
 def test_prefill_then_decode_equals_the_full_forward(method):
-    """Decode rows run the kernel, a long forward runs quant_matmul: one arithmetic, so the two
-    agree to float rounding, except where rounding moves an activation across a quantization
-    boundary (a jump of one step, amax / 127, in that activation): rare, and small."""
+    """Decode rows run the kernel, a forward over more than QUANT_MAX_ROWS rows runs
+    quant_matmul: one arithmetic, so the two agree to float rounding, except where rounding
+    moves an activation across a quantization boundary (a jump of one step, amax / 127, in
+    that activation): rare, and small."""
+    from egmla.kernels import QUANT_MAX_ROWS
+
     cfg, model = quantized_tiny(method)
-    ids = random_ids(cfg, 2, 40)
+    ids = random_ids(cfg, 4, 80)
+    assert ids.numel() > QUANT_MAX_ROWS
     with torch.no_grad():
-        full = model(ids)  # 80 rows: PyTorch
-    stepped = decode(model, ids, prompt=8)  # 16 rows, then 2 per step: the kernel
+        full = model(ids)  # 320 rows: PyTorch
+    stepped = decode(model, ids, prompt=8)  # 32 rows, then 4 per step: the kernel
     diff, scale = (stepped - full).abs(), full.abs().max()
     assert diff.median() <= 1e-6 * scale  # float rounding almost everywhere
     assert diff.max() <= 5e-3 * scale  # and at most a step's worth where a rounding flipped
