@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from egmla import kernels
-from support import ROOT, ops_called
+from support import ROOT, ops_called, torch_threads
 
 SUPPORTED = kernels.unsupported() is None
 
@@ -209,12 +209,8 @@ def test_paged_attention_equals_a_float64_softmax_over_long_and_ragged_rows(leng
     S = max(lengths)
     slots = torch.stack([torch.randperm(slots_n)[:S] for _ in range(B)])  # scattered slots
     q = torch.randn(B, H, D)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         out = kernels.paged_attention(q, k_pool, v_pool, slots, torch.tensor(lengths), 0.4)
-    finally:
-        torch.set_num_threads(before)
     ref = reference_attention(q, k_pool, v_pool, slots, lengths, 0.4)
     assert (out.double() - ref).abs().max() < 2e-5
 

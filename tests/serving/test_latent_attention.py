@@ -12,6 +12,7 @@ from egmla import kernels
 from serve import SamplingParams, attention
 from serve.engine import EngineConfig, LLMEngine
 from serve.paged_cache import _PagedLayer
+from support import torch_threads
 from support.engine import mixed_prompts, run_ragged
 from support.models import VARIANTS, build
 
@@ -53,12 +54,8 @@ def test_the_kernel_equals_a_float64_softmax(lengths, H, Hr, C, r, pool_dtype, t
     S = max(lengths)
     slots = torch.stack([torch.randperm(slots_n)[:S] for _ in range(B)])  # scattered slots
     q = torch.randn(B, H, C + r) * 0.5
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         out = kernels.paged_latent_attention(q, c_pool, r_pool, slots, torch.tensor(lengths), 0.3)
-    finally:
-        torch.set_num_threads(before)
     exact = reference(q, c_pool, r_pool, slots, torch.tensor(lengths), 0.3)
     assert out.shape == (B, H, C) and out.dtype == torch.float32
     assert (out.double() - exact).abs().max().item() < 2e-5

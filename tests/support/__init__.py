@@ -14,9 +14,23 @@ would be found as a namespace package `eval` wherever the real one is not on the
 Test file names are unique across directories for the same reason (no __init__.py here).
 """
 
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
+
+
+@contextmanager
+def torch_threads(n: int):
+    """PyTorch's intra-op threads set to n inside the block, restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def ops_called(fn) -> dict[str, int]:
