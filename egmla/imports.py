@@ -262,11 +262,15 @@ KNOWN_MODELS: dict[str, PackagedGGUF] = {
 }
 
 
+def _known_name(name_or_path: str | os.PathLike) -> str | None:
+    """The KNOWN_MODELS name `name_or_path` spells (any case), or None."""
+    return {name.lower(): name for name in KNOWN_MODELS}.get(str(name_or_path).lower())
+
+
 def gguf_source(name_or_path: str | os.PathLike) -> Path | None:
     """The GGUF file a model name in KNOWN_MODELS (any case) converts from, or None for any
     other model (an export, a transformers directory, a hub id)."""
-    known = {name.lower(): name for name in KNOWN_MODELS}
-    name = known.get(str(name_or_path).lower())
+    name = _known_name(name_or_path)
     return None if name is None or Path(name_or_path).is_dir() else KNOWN_MODELS[name].path()
 
 
@@ -305,10 +309,9 @@ def _load_pretrained(name_or_path: str | os.PathLike, dtype: torch.dtype | None
             raise CheckpointError(f"{path}: neither an egmla export nor a transformers model "
                                   "(no config.json)")
         return _from_transformers(str(path), dtype)
-    known = {name.lower(): name for name in KNOWN_MODELS}
     name = str(name_or_path)
-    if name.lower() in known:
-        return _load_known(known[name.lower()], dtype)
+    if (known := _known_name(name)) is not None:
+        return _load_known(known, dtype)
     if "/" not in name or path.is_absolute() or name.startswith("."):
         raise CheckpointError(
             f"{name!r}: not a directory and not a known model; known names: "

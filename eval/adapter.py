@@ -44,7 +44,6 @@ from tqdm import tqdm
 from egmla.devices import parse_device
 from egmla.dtypes import WEIGHT_DTYPES, parse_dtype
 from egmla.imports import load_pretrained
-from egmla.quant import QUANTIZATIONS
 from serve import LLM, SamplingParams
 from serve.engine import DEFAULT_KV_CACHE_MEMORY
 
@@ -82,10 +81,7 @@ class EgmlaLM(TemplateLM):
             if dtype not in (*WEIGHT_DTYPES, "auto", None):
                 raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(WEIGHT_DTYPES)}, auto")
             weights = None if dtype in ("auto", None) else parse_dtype(dtype)
-            if quantization not in (None, "", "none"):
-                if quantization not in QUANTIZATIONS:  # before minutes of loading
-                    raise ValueError(f"quantization={quantization!r}: expected one of "
-                                     f"{', '.join(QUANTIZATIONS)}")
+            if quantization not in (None, "", "none"):  # (LLM checks the value before loading)
                 if wanted is not None and wanted.type != "cpu":
                     raise ValueError(f"quantization={quantization!r}: quantized weights run on "
                                      f"the CPU, not device={device!r}")

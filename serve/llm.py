@@ -132,9 +132,10 @@ class LLM:
 
         `quantization` (vLLM's argument): "q8_0", "q4_0" or "q4_1" quantizes every linear layer
         of the blocks and the LM head at load into llama.cpp's blocks of that format (a 4-bit
-        method's head in Q8_0, as llama.cpp keeps its output tensor finer; egmla.quant); "gguf" (vLLM's name) keeps a GGUF model's quantized tensors as the file
-        stores them (for a model in egmla.imports.KNOWN_MODELS: the shipped SmolLM2 is Q4_1,
-        its head Q8_0), checked to decode to the converted model's weights exactly. Activations
+        method's head in Q8_0, as llama.cpp keeps its output tensor finer; egmla.quant);
+        "gguf" (vLLM's name) keeps a GGUF model's quantized tensors as the file stores them
+        (for a model in egmla.imports.KNOWN_MODELS: the shipped SmolLM2 is Q4_1, its head
+        Q8_0), checked to decode to the converted model's weights exactly. Activations
         are quantized per block in each product as llama.cpp does. None, the default, keeps
         the float weights. A decode step's blocks run in the fused quantized block kernel on
         the CPU."""

@@ -214,8 +214,8 @@ bool cpu_has_avx512() {
 // slower on this machine's (AMD) at one row of x; for bf16 they were as fast or faster.
 template <int B, typename W, typename Y>
 void rows_range(const float* x, const W* w, Y* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
-  if (std::is_same_v<W, c10::BFloat16> && cpu_has_avx512())
-    return rows_range_avx512<B>(x, w, y, K, N, begin, end);
+  if constexpr (std::is_same_v<W, c10::BFloat16>)
+    if (cpu_has_avx512()) return rows_range_avx512<B>(x, w, y, K, N, begin, end);
   rows_range_avx2<B>(x, w, y, K, N, begin, end);
 }
 
