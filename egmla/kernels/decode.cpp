@@ -94,8 +94,9 @@ inline float dot_long(const float* q, const P* k, int64_t D) {
 // ---- weight rows against a few rows of x: the products of every decode-time linear ---------
 // Each output row reads one weight row as one sequential stream. Reading four rows in lockstep
 // (four streams at a row's stride) measured slower on this machine, as the rows are short (a
-// 576-wide fp32 row is 36 cache lines): for SmolLM2's fp32 shapes, in alternating processes,
-// about 25 -> 33 GB/s at one row of x and 16 -> 25 GB/s at four, a plain sum reading 56 GB/s.
+// 576-wide fp32 row is 36 cache lines): for SmolLM2's fp32 shapes, in alternating processes
+// while this was written (not kept), about 25 -> 33 GB/s at one row of x and 16 -> 25 GB/s at
+// four, a plain sum reading 56 GB/s; decode_speed's records measure the whole step.
 //
 // bf16 weights are not widened one by one: a 32-bit lane of a bf16 row holds two weights,
 // w[2j] in its low half and w[2j+1] in its high half. Shifted left by 16 bits the lane is
@@ -210,8 +211,8 @@ bool cpu_has_avx512() {
 }
 
 // Output rows [begin, end) for rows [0, B) of x (bf16 weights: xs = split_even_odd(x)). fp32
-// weights take the AVX2 rows on every CPU: interleaved in one process, AVX-512's were 5-15%
-// slower on this machine's (AMD) at one row of x; for bf16 they were as fast or faster.
+// weights take the AVX2 rows on every CPU: in an interleaved A/B while this was written (not
+// kept), AVX-512's were no faster for fp32 on this machine (AMD) and as fast or faster for bf16.
 template <int B, typename W, typename Y>
 void rows_range(const float* x, const W* w, Y* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
   if constexpr (std::is_same_v<W, c10::BFloat16>)
