@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", choices=QUANTIZATIONS,
                    help="block-quantized weights (vLLM's flag): q8_0, q4_0 or q4_1 quantizes "
                         "them at load into llama.cpp's blocks of 32 (8 or 4 bits, a float16 "
-                        "scale); gguf keeps a GGUF model's quantized tensors as stored (default: "
+                        "scale; a 4-bit method's LM head in q8_0); gguf keeps a GGUF model's quantized tensors as stored (default: "
                         "none, the float weights)")
     p.add_argument("--api-key",
                    help="requests to /v1 must send 'Authorization: Bearer KEY' (else 401)")
