@@ -15,6 +15,7 @@ and leaves the run directory as it was.
 
 from __future__ import annotations
 
+import os
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -33,6 +34,7 @@ def main(cfg: DictConfig) -> float | None:
 
     raw = OmegaConf.to_container(cfg, resolve=True)
     _name_sweep_job(raw)
+    _use_the_jobs_cpus()
     try:
         TrainConfig.from_dict(raw)  # a bad key or value fails here, before Lightning is imported
         from egmla.training.report import print_summary
@@ -56,6 +58,18 @@ def _save_hydra_record(cfg: DictConfig, run_dir: Path) -> None:
     OmegaConf.save(cfg, folder / "config.yaml")
     OmegaConf.save(HydraConfig.instance().cfg, folder / "hydra.yaml")  # {hydra: ...}
     OmegaConf.save(hc.overrides.task, folder / "overrides.yaml")
+
+
+def _use_the_jobs_cpus() -> None:
+    """A job started by submitit uses at most the launcher's `cpus_per_task` threads. SLURM
+    confines a job to its CPUs; submitit's local executor runs a sweep's jobs side by side on
+    this machine without doing so, and each would otherwise start one thread per core, so that
+    two jobs oversubscribe the cores (threads that wait at every operation's barrier)."""
+    cpus = (HydraConfig.get().launcher or {}).get("cpus_per_task")
+    if os.environ.get("SUBMITIT_EXECUTOR") and isinstance(cpus, int) and cpus > 0:
+        import torch
+
+        torch.set_num_threads(min(cpus, torch.get_num_threads()))
 
 
 SWEEP_SYNTAX = (",", "range(", "choice(", "interval(", "glob(")

@@ -62,6 +62,7 @@ def hardware() -> dict[str, Any]:
     if "torch" in sys.modules:
         import torch
 
+        info["torch_threads"] = torch.get_num_threads()  # what a speed figure ran on
         if torch.cuda.is_available():
             info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return info

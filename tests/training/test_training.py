@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -253,13 +254,22 @@ def test_two_processes_match_one_process_at_twice_the_batch(tmp_path):
 @pytest.mark.slow
 def test_submitit_local_sweep_writes_two_runs(tmp_path):
     sweep = tmp_path / "sweep"
-    result = run_train(["-m", "cluster=submitit_local", *TINY, "trainer.max_steps=2",
-                        "trainer.val_every_n_steps=2", "seed=0,1", f"hydra.sweep.dir={sweep}"])
+    try:
+        result = run_train(["-m", "cluster=submitit_local", *TINY, "trainer.max_steps=2",
+                            "trainer.val_every_n_steps=2", "seed=0,1", f"hydra.sweep.dir={sweep}"])
+    except subprocess.TimeoutExpired:  # what each job had written by then
+        logs = sorted((sweep / ".submitit").glob("*/*_log.*"))
+        pytest.fail("the sweep did not finish; its jobs' logs:\n" + "\n".join(
+            f"--- {log.name}\n{log.read_text(errors='replace')[-2000:]}" for log in logs))
     assert result.returncode == 0, result.stderr[-3000:]
     summaries = sorted(sweep.glob("*/summary.json"))
     assert len(summaries) == 2
     seeds = {json.loads((s.parent / "config.json").read_text())["seed"] for s in summaries}
     assert seeds == {0, 1}
+    # side by side on this machine, each job keeps to its cpus_per_task (1): no oversubscription
+    for summary in summaries:
+        (start,) = json.loads((summary.parent / "run_info.json").read_text())["starts"]
+        assert start["hardware"]["torch_threads"] == 1
 
 
 @pytest.mark.slow
