@@ -15,8 +15,9 @@ cache), at batch 1 over 1,024 / 4,096 / 8,192 keys and batch 16 over 1,024 / 4,0
   absorbed decode, an MQA over [c, k_rope] with value c; `native` is
   egmla.kernels.paged_latent_attention, `pytorch` the gather + SDPA of MLA._absorbed;
 - `egmla-kv` (paper-egmla-kv256, d_e 256, LayerNorm): its absorbed form (cached norm
-  statistics, gate rows looked up per key) in PyTorch, EGMLA._absorbed over gathered fields;
-  no native kernel yet.
+  statistics, gate rows looked up per key); `native` is egmla.kernels.paged_gated_attention
+  (the per-key work, read in place) between the per-query work in PyTorch
+  (EGMLA._absorbed_query and _absorbed_output), `pytorch` EGMLA._absorbed over gathered fields.
 
 The roofline of a cell: the bytes a step must read (every key's cached fields once, and for
 `egmla-kv` its keys' gate-table rows and token ids) over the machine's read bandwidth, or the
@@ -59,7 +60,8 @@ from egmla.presets import preset  # noqa: E402
 from egmla.provenance import provenance  # noqa: E402
 
 VARIANTS = {"mha": "paper-mha", "mla": "paper-mla", "egmla-latent": "paper-egmla-latent64",
-            "egmla-kv": "paper-egmla-kv256"}
+            "egmla-kv": "paper-egmla-kv256", "egmla-kv64": "paper-egmla-kv64"}
+GATED = ("egmla-kv", "egmla-kv64")
 FILL_S = 0.05  # each measurement: calls until this long
 BLOCK = 16  # tokens per cache block (serve's default), the blocks in scattered order
 COLD_BYTES = 96 << 20  # a cell's cache copies total at least this (3x the L3 of this machine)
@@ -112,8 +114,9 @@ class Cell:
             self.k_rope = pool((slots_n, r), g)
             self.q = torch.randn(B, m.n_heads, C + r, generator=g) * 0.1
             self.scale = m.scale
-        if variant == "egmla-kv":
+        if variant in GATED:
             self.ids = torch.randint(0, cfg.vocab_size, (slots_n,), generator=g)
+            self.ids32 = self.ids.int()  # the paged cache's token-id pool
             self.stats = torch.rand(slots_n, 2, generator=g) + 0.5  # mu, inv_sigma
             self.q_nope = torch.randn(B, 1, m.n_heads, m.d_nope, generator=g)
             self.q_rope = torch.randn(B, 1, m.n_heads, r, generator=g)
@@ -136,8 +139,9 @@ class Cell:
             return {"native": lambda: kernels.paged_attention(self.q, self.k, self.v, self.slots,
                                                               self.lengths, self.scale),
                     "pytorch": self.pytorch_mha}
-        if self.variant == "egmla-kv":
-            return {"pytorch": self.pytorch_kv}
+        if self.variant in GATED:
+            return {"native": self.native_kv, "pytorch": self.pytorch_kv,
+                    "pytorch-rebuild": self.pytorch_kv_rebuild}
         return {"native": lambda: kernels.paged_latent_attention(
                     self.q, self.c, self.k_rope, self.slots, self.lengths, self.scale),
                 "pytorch": self.pytorch_latent}
@@ -152,11 +156,24 @@ class Cell:
         return attend(self.q[:, None], k, c[:, :, None], self.scale, self.positions,
                       self.key_positions)
 
+    def native_kv(self):
+        m = self.module
+        m_q, q_mu, outputs = m._absorbed_query(self.q_nope)
+        a, msum = kernels.paged_gated_attention(
+            m_q[:, 0], q_mu[:, 0], self.q_rope[:, 0], self.c, self.k_rope, self.stats, self.ids32,
+            m.gate_table.weight, m.gate_residual, self.slots, self.lengths, m.scale)
+        return m._absorbed_output(a[:, None], msum[:, None], outputs)
+
     def pytorch_kv(self):
         c, k_rope, stats, ids = self.gather(self.c, self.k_rope, self.stats, self.ids)
         fields = {"c": c, "k_rope": k_rope, "norm_stats": stats}
         return self.module._absorbed(self.q_nope, self.q_rope, fields, ids, self.positions,
                                      self.key_positions)
+
+    def pytorch_kv_rebuild(self):
+        c, k_rope, ids = self.gather(self.c, self.k_rope, self.ids)
+        return self.module._naive(self.q_nope, self.q_rope, {"c": c, "k_rope": k_rope}, ids,
+                                  self.positions, self.key_positions)
 
 
 def timed(fn) -> float:

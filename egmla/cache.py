@@ -124,7 +124,8 @@ class AttendsInPlace(Protocol):
     """What a layer's cache view MAY also offer (a paged decode step does, serve/paged_cache.py;
     the contiguous cache does not): attention computed by the cache where it can do better than
     `update` and SDPA, reading its pools in place. A layer that can use it looks for the
-    method (`getattr(cache, "fused_attention", None)`, `"fused_latent_attention"`: an
+    method (`getattr(cache, "fused_attention", None)`, `"fused_latent_attention"`,
+    `"fused_gated_attention"`: an
     isinstance check on a Protocol costs
     microseconds per layer and step)."""
 
@@ -145,6 +146,21 @@ class AttendsInPlace(Protocol):
         and return softmax((q[..., :C] . c + q[..., C:] . k_rope) * scale) . c over every key
         each query may see, q (B, T, H, C + r) -> (B, T, H, C), query head h reading RoPE key
         h // (H / Hr). None, with nothing written, where it cannot."""
+        ...
+
+    def fused_gated_attention(self, m: torch.Tensor, q_mu: torch.Tensor, q_rope: torch.Tensor,
+                              new: Mapping[str, torch.Tensor], table: torch.Tensor,
+                              residual: bool, scale: float
+                              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """EG-MLA `kv`'s absorbed attention computed by the cache (docs/attention.md, "The
+        absorbed kv computation"): write `new` (exactly the layer's fields: `c`, `k_rope` and
+        `norm_stats` where cached) and return (A, m), A_i = sum_j a_ij inv_j c_j e_j^T and
+        m_i = sum_j a_ij inv_j mu_j, where a_ij = softmax_j((inv_j (c_j^T M_i e_j - mu_j
+        q_mu_i) + q_rope_i . k_rope_j) * scale) over every key each query may see, e_j =
+        table[token id of key j] (then a constant 1 when `residual`) and (mu_j, inv_j) the
+        key's norm statistics (0 and 1 where none are cached): m (B, T, H, C, E'), q_mu
+        (B, T, H), q_rope (B, T, H, r) -> (B, T, H, C, E'), (B, T, H). None, with nothing
+        written, where it cannot."""
         ...
 
 

@@ -21,9 +21,10 @@ may see (its own row's history, causally), straight from or through the paged po
 else `flex`. MLA and EG-MLA layers attend over their own latent fields (absorbed or naive, see
 egmla.models.attention). Under `native`, a decode step of an MLA or EG-MLA `latent` layer
 (absorbed: an MQA over [c, k_rope] with value c) reads the pools in place
-(`attend_latent`, egmla.kernels.paged_latent_attention); every other latent step, and every
-latent step under the other backends, gathers the history and runs PyTorch (EG-MLA `kv`'s
-absorbed scores need its cached norm statistics and gate rows, which no kernel takes yet).
+(`attend_latent`, egmla.kernels.paged_latent_attention), and so does an absorbed decode step of
+an EG-MLA `kv` layer (`attend_gated`, egmla.kernels.paged_gated_attention: the cached latents,
+norm statistics and token ids, the gate rows looked up per key); every other latent step, and
+every latent step under the other backends, gathers the history and runs PyTorch.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from egmla import kernels
+from egmla.models.attention.common import TOKEN_IDS_FIELD
 
 log = logging.getLogger("serve")
 
@@ -71,6 +73,15 @@ class PagedAttention:
         new fields written: (B, T, H, C); or None (nothing written) where it does not apply."""
         return None
 
+    def attend_gated(self, step, pools: dict[str, torch.Tensor], m: torch.Tensor,
+                     q_mu: torch.Tensor, q_rope: torch.Tensor, new: dict[str, torch.Tensor],
+                     table: torch.Tensor, residual: bool, scale: float
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """EG-MLA `kv`'s absorbed attention (egmla.kernels.paged_gated_attention's function;
+        egmla.cache.AttendsInPlace.fused_gated_attention), with the layer's new fields
+        written: (A (B, T, H, C, E'), m (B, T, H)); or None (nothing written)."""
+        return None
+
 
 class Native(PagedAttention):
     name, fuses_blocks = "native", True
@@ -91,6 +102,19 @@ class Native(PagedAttention):
         out = kernels.paged_latent_attention(q[:, 0], pools["c"], pools["k_rope"], step.slots,
                                              step.lengths, scale)
         return out[:, None]  # (B, 1, H, C)
+
+    def attend_gated(self, step, pools, m, q_mu, q_rope, new, table, residual, scale):
+        stats = pools.get("norm_stats")
+        ids = step.cache.sequence.get(TOKEN_IDS_FIELD)
+        if (not step.decode_only or set(pools) - {"c", "k_rope", "norm_stats"} or ids is None
+                or not kernels.paged_gated_attention_runs(pools["c"], pools["k_rope"], table,
+                                                          stats, m)):
+            return None
+        step.write_fields(pools, new)
+        a, msum = kernels.paged_gated_attention(m[:, 0], q_mu[:, 0], q_rope[:, 0], pools["c"],
+                                                pools["k_rope"], stats, ids, table, residual,
+                                                step.slots, step.lengths, scale)
+        return a[:, None], msum[:, None]  # (B, 1, H, C, E'), (B, 1, H)
 
 
 class Flex(PagedAttention):

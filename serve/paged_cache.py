@@ -257,6 +257,18 @@ class _PagedLayer:
         return self._step.cache.attention.attend_latent(self._step, self._pools, q, dict(new),
                                                         scale)
 
+    def fused_gated_attention(self, m: torch.Tensor, q_mu: torch.Tensor, q_rope: torch.Tensor,
+                              new: Mapping[str, torch.Tensor], table: torch.Tensor,
+                              residual: bool, scale: float
+                              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """EG-MLA `kv`'s absorbed attention through the cache's backend (serve.attention), read
+        from the pools and the token ids in place (egmla.cache.AttendsInPlace). None, with
+        nothing written, where it does not apply."""
+        if set(new) != set(self._pools):
+            return None
+        return self._step.cache.attention.attend_gated(self._step, self._pools, m, q_mu, q_rope,
+                                                       dict(new), table, residual, scale)
+
     def fused_attention(self, q: torch.Tensor, new: Mapping[str, torch.Tensor], key: str,
                         value: str, scale: float) -> torch.Tensor | None:
         """Attention through the cache's backend (serve.attention), read from the pools in

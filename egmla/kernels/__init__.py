@@ -185,6 +185,8 @@ def _load() -> dict[str, object]:
                 lambda q, k, v, slots, lengths, scale: q.new_empty(*q.shape[:2], v.shape[-1]))
             torch.library.register_fake("egmla::paged_latent_attention")(
                 lambda q, c, r, slots, lengths, scale: q.new_empty(*q.shape[:2], c.shape[-1]))
+            torch.library.register_fake("egmla::paged_gated_attention")(
+                lambda m, q_mu, *rest: (torch.empty_like(m), torch.empty_like(q_mu)))
             # (the count of MLP neurons computed is data-dependent: an unbacked size)
             torch.library.register_fake("egmla::decode_block")(
                 lambda x, *rest: (torch.empty_like(x), torch.library.get_ctx().new_dynamic_size()))
@@ -363,6 +365,40 @@ def paged_latent_attention(q: torch.Tensor, c_pool: torch.Tensor, r_pool: torch.
     out = torch.ops.egmla.paged_latent_attention(q.float().contiguous(), c_pool, r_pool, slots,
                                                  lengths, float(scale))
     return out.to(q.dtype)
+
+
+def paged_gated_attention_runs(c_pool: torch.Tensor, r_pool: torch.Tensor, table: torch.Tensor,
+                               stats_pool: torch.Tensor | None, m: torch.Tensor) -> bool:
+    """Whether `paged_gated_attention` can take these tensors here."""
+    return (c_pool.device.type == "cpu" and c_pool.dtype in DTYPES and r_pool.dtype == c_pool.dtype
+            and c_pool.dim() == 2 and r_pool.dim() in (2, 3) and table.dtype in DTYPES
+            and (stats_pool is None or stats_pool.dtype == torch.float32)
+            and not (torch.is_grad_enabled() and m.requires_grad) and load())
+
+
+def paged_gated_attention(m: torch.Tensor, q_mu: torch.Tensor, q_rope: torch.Tensor,
+                          c_pool: torch.Tensor, r_pool: torch.Tensor, stats_pool: torch.Tensor | None,
+                          id_pool: torch.Tensor, table: torch.Tensor, residual: bool,
+                          slots: torch.Tensor, lengths: torch.Tensor, scale: float
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """EG-MLA `kv`'s absorbed decode attention read in place from a paged cache's pools (where
+    `paged_gated_attention_runs`; docs/attention.md, "The absorbed kv computation"). With e_j
+    the key's gate-table row (table[id_j], then a constant 1 when `residual`) and mu_j, inv_j its
+    cached norm statistics (stats_pool: [inv_sigma] or [mu, inv_sigma]; None: 0 and 1):
+
+        s_ij = (inv_j (c_j^T M_i e_j - mu_j q_mu_i) + q_rope_i . k_rope_j) * scale
+        A_i = sum_j a_ij inv_j c_j e_j^T,   m_i = sum_j a_ij inv_j mu_j,   a = softmax_j(s)
+
+    m (B, H, C, E') each head's M_i, q_mu (B, H), q_rope (B, H, r); c_pool (slots, C), r_pool
+    (slots, r) or (slots, Hr, r), float32 or bfloat16; id_pool (slots,) int32; table (vocab, E)
+    float32 or bfloat16; slots (B, S) int64, of which row b's first lengths[b] are its keys.
+    -> A (B, H, C, E') and m (B, H) in m's dtype; products and softmax in float32."""
+    if not load():
+        raise RuntimeError(f"egmla kernels unavailable: {_state['reason']}")
+    a, msum = torch.ops.egmla.paged_gated_attention(
+        m.float().contiguous(), q_mu.float().contiguous(), q_rope.float().contiguous(), c_pool,
+        r_pool, stats_pool, id_pool, table.contiguous(), bool(residual), slots, lengths, float(scale))
+    return a.to(m.dtype), msum.to(m.dtype)
 
 
 ACTIVATIONS = {"swiglu": 0, "reglu": 1, "drelu": 2, "relu2": 3}  # decode.cpp's codes

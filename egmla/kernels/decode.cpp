@@ -13,6 +13,7 @@
 //   torch.ops.egmla.gemv_quant(x, [qs, d(, m)]) -> y   x @ w.T for a Q8_0, Q4_0 or Q4_1 weight (below)
 //   torch.ops.egmla.paged_attention(q, k_pool, v_pool, slots, lengths, scale)   decode attention
 //   torch.ops.egmla.paged_latent_attention(q, c_pool, r_pool, slots, lengths, scale)   MLA's, absorbed
+//   torch.ops.egmla.paged_gated_attention(m, q_mu, q_rope, c_pool, ...)   EG-MLA kv's, absorbed
 //   torch.ops.egmla.decode_block(x, ...)   a whole Llama block for a decode step (see below)
 //   torch.ops.egmla.sparse_mlp(x, ...)     an MLP over only the neurons that fire (see below)
 //
@@ -432,6 +433,171 @@ void attend_latent_chunk(const float* q, const P* c_pool, const P* r_pool, const
   }
 }
 
+
+// ---- EG-MLA `kv`'s absorbed decode (see paged_gated_attention for the equations) ------------
+// A (row, head)'s keys are taken kGatedTile at a time: their latents gathered into a float tile
+// and their gate-table rows into another, padded with zeros to Ep (a multiple of 16) columns,
+// so that both per-key products are small dense matrix products, register-blocked with 6 loads
+// per 8 FMAs: c^T M for 4 keys x 16 columns at a time (then dotted with the keys' e), and
+// A += (w c) e^T for 4 latent rows x 16 columns at a time over the tile's keys. M and the gate
+// rows are packed in panels of 16 columns (panel q holds columns 16q..16q+15 of every row, each
+// row's 16 contiguous), so that every inner loop reads its operands in order.
+constexpr int64_t kGatedTile = 64;
+
+// out[j] = c_j^T M e_j for 4 keys: c their latents (4 x C, row stride C), e their gate rows
+// (panels of kGatedTile x 16, key j's at e + 16 j), m M's panels (C x 16 each).
+inline void bilinear4(const float* c, const float* e, const float* m, int64_t C, int64_t Ep, float* out) {
+  __m256 sv[4];
+  for (int j = 0; j < 4; ++j) sv[j] = _mm256_setzero_ps();
+  for (int64_t col = 0; col < Ep; col += 16, m += C * 16, e += kGatedTile * 16) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    const float* mk = m;
+    for (int64_t k = 0; k < C; ++k, mk += 16) {
+      const __m256 m0 = _mm256_loadu_ps(mk), m1 = _mm256_loadu_ps(mk + 8);
+      for (int j = 0; j < 4; ++j) {
+        const __m256 b = _mm256_broadcast_ss(c + j * C + k);
+        acc[2 * j] = _mm256_fmadd_ps(b, m0, acc[2 * j]);
+        acc[2 * j + 1] = _mm256_fmadd_ps(b, m1, acc[2 * j + 1]);
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      sv[j] = _mm256_fmadd_ps(acc[2 * j], _mm256_loadu_ps(e + j * 16), sv[j]);
+      sv[j] = _mm256_fmadd_ps(acc[2 * j + 1], _mm256_loadu_ps(e + j * 16 + 8), sv[j]);
+    }
+  }
+  for (int j = 0; j < 4; ++j) out[j] = hsum(sv[j]);
+}
+
+// c^T M e for one key (a tile's last keys), the layouts of bilinear4.
+inline float bilinear1(const float* c, const float* e, const float* m, int64_t C, int64_t Ep) {
+  __m256 sv = _mm256_setzero_ps();
+  for (int64_t col = 0; col < Ep; col += 16, m += C * 16, e += kGatedTile * 16) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    for (int64_t k = 0; k < C; ++k) {
+      const __m256 b = _mm256_broadcast_ss(c + k);
+      a0 = _mm256_fmadd_ps(b, _mm256_loadu_ps(m + k * 16), a0);
+      a1 = _mm256_fmadd_ps(b, _mm256_loadu_ps(m + k * 16 + 8), a1);
+    }
+    sv = _mm256_fmadd_ps(a0, _mm256_loadu_ps(e), sv);
+    sv = _mm256_fmadd_ps(a1, _mm256_loadu_ps(e + 8), sv);
+  }
+  return hsum(sv);
+}
+
+// A (C x Ep, row stride Ep) += wc^T e over a tile's n keys: wc the tile's weighted latents
+// transposed (C x kGatedTile: row k holds w_j c_j[k] of every key j), e its gate rows in panels.
+inline void outer_accumulate(float* A, const float* wc, const float* e, int64_t n, int64_t C, int64_t Ep) {
+  const int64_t C4 = C - C % 4;
+  for (int64_t col = 0; col < Ep; col += 16) {
+    const float* panel = e + col / 16 * kGatedTile * 16;
+    for (int64_t k = 0; k < C4; k += 4) {
+      __m256 acc[8];
+      for (int i = 0; i < 4; ++i) {
+        acc[2 * i] = _mm256_loadu_ps(A + (k + i) * Ep + col);
+        acc[2 * i + 1] = _mm256_loadu_ps(A + (k + i) * Ep + col + 8);
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 e0 = _mm256_loadu_ps(panel + j * 16), e1 = _mm256_loadu_ps(panel + j * 16 + 8);
+        for (int i = 0; i < 4; ++i) {
+          const __m256 b = _mm256_broadcast_ss(wc + (k + i) * kGatedTile + j);
+          acc[2 * i] = _mm256_fmadd_ps(b, e0, acc[2 * i]);
+          acc[2 * i + 1] = _mm256_fmadd_ps(b, e1, acc[2 * i + 1]);
+        }
+      }
+      for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(A + (k + i) * Ep + col, acc[2 * i]);
+        _mm256_storeu_ps(A + (k + i) * Ep + col + 8, acc[2 * i + 1]);
+      }
+    }
+    for (int64_t k = C4; k < C; ++k) {  // the rows the blocks left
+      __m256 a0 = _mm256_loadu_ps(A + k * Ep + col), a1 = _mm256_loadu_ps(A + k * Ep + col + 8);
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 b = _mm256_set1_ps(wc[k * kGatedTile + j]);
+        a0 = _mm256_fmadd_ps(b, _mm256_loadu_ps(panel + j * 16), a0);
+        a1 = _mm256_fmadd_ps(b, _mm256_loadu_ps(panel + j * 16 + 8), a1);
+      }
+      _mm256_storeu_ps(A + k * Ep + col, a0);
+      _mm256_storeu_ps(A + k * Ep + col + 8, a1);
+    }
+  }
+}
+
+// One row's keys as EG-MLA kv's absorbed decode reads them from the pools.
+template <typename P, typename T>
+struct GatedKeys {
+  const P* c_pool;       // (slots, C)
+  const P* r_pool;       // (slots, Hr, r)
+  const float* stats;    // (slots, W): W = 0 none, 1 [inv_sigma], 2 [mu, inv_sigma]
+  const int32_t* ids;    // (slots,): each slot's token id
+  const T* table;        // (vocab, E): the gate table
+  const int64_t* slots;  // the row's keys in order
+  int64_t n, C, Hr, r, W, E, Ep;
+  bool residual;         // e extended by a constant 1 (g = 1 + W_UE e)
+
+  float mu(int64_t s) const { return W == 2 ? stats[slots[s] * W] : 0.f; }
+  float inv_sigma(int64_t s) const { return W ? stats[slots[s] * W + W - 1] : 1.f; }
+
+  // keys [s0, s0 + len): their gate rows into e, in panels of 16 columns (column k of key j at
+  // e[(k / 16) kGatedTile 16 + 16 j + k % 16]), zero-padded to Ep
+  void gather_rows(int64_t s0, int64_t len, float* e) const {
+    for (int64_t j = 0; j < len; ++j) {
+      const T* row = table + static_cast<int64_t>(ids[slots[s0 + j]]) * E;
+      const auto at = [&](int64_t k) -> float& { return e[k / 16 * kGatedTile * 16 + j * 16 + k % 16]; };
+      for (int64_t k = 0; k < E; ++k) at(k) = static_cast<float>(row[k]);
+      for (int64_t k = E; k < Ep; ++k) at(k) = 0.f;
+      if (residual) at(E) = 1.f;
+    }
+  }
+};
+
+// One (row, head): the scores of its n keys (written to scores), their softmax, then A (C x E',
+// written to a_out) and m (to *m_out). m: the head's M in panels; qmu: the mu coefficient;
+// qr: its rotated query's RoPE part, rope its RoPE key's index. Scratch: tiles c (kGatedTile x
+// C), e (kGatedTile x Ep, in panels), wc (C x kGatedTile) and A (C x Ep).
+template <typename P, typename T>
+void gated_head(const GatedKeys<P, T>& keys, const float* m, float qmu, const float* qr, int64_t rope,
+                float scale, float* scores, float* ct, float* et, float* wc, float* acc, float* a_out,
+                float* m_out) {
+  const int64_t n = keys.n, C = keys.C, Ep = keys.Ep, r = keys.r;
+  const int64_t* slots = keys.slots;
+  for (int64_t s0 = 0; s0 < n; s0 += kGatedTile) {
+    const int64_t len = std::min(kGatedTile, n - s0);
+    for (int64_t j = 0; j < len; ++j) {
+      const P* c = keys.c_pool + slots[s0 + j] * C;
+      for (int64_t k = 0; k < C; ++k) ct[j * C + k] = static_cast<float>(c[k]);
+    }
+    keys.gather_rows(s0, len, et);
+    int64_t j = 0;
+    for (; j + 4 <= len; j += 4) bilinear4(ct + j * C, et + j * 16, m, C, Ep, scores + s0 + j);
+    for (; j < len; ++j) scores[s0 + j] = bilinear1(ct + j * C, et + j * 16, m, C, Ep);
+    for (j = 0; j < len; ++j) {
+      const int64_t s = s0 + j;
+      const float rot = dot(qr, keys.r_pool + (slots[s] * keys.Hr + rope) * r, r);
+      scores[s] = (keys.inv_sigma(s) * (scores[s] - keys.mu(s) * qmu) + rot) * scale;
+    }
+  }
+  float top, total;
+  softmax_rows(scores, 1, n, n, &top, &total);
+  std::fill(acc, acc + C * Ep, 0.f);
+  float msum = 0.f;
+  for (int64_t s0 = 0; s0 < n; s0 += kGatedTile) {
+    const int64_t len = std::min(kGatedTile, n - s0);
+    for (int64_t j = 0; j < len; ++j) {
+      const int64_t s = s0 + j;
+      const float w = scores[s] / total * keys.inv_sigma(s);
+      msum += w * keys.mu(s);
+      const P* c = keys.c_pool + slots[s] * C;
+      for (int64_t k = 0; k < C; ++k) wc[k * kGatedTile + j] = w * static_cast<float>(c[k]);
+    }
+    keys.gather_rows(s0, len, et);
+    outer_accumulate(acc, wc, et, len, C, Ep);
+  }
+  const int64_t E1 = keys.E + keys.residual;
+  for (int64_t k = 0; k < C; ++k) std::copy(acc + k * Ep, acc + k * Ep + E1, a_out + k * E1);
+  *m_out = msum;
+}
+
 #pragma GCC pop_options
 
 template <typename W, typename Y>
@@ -676,6 +842,99 @@ at::Tensor paged_latent_attention(const at::Tensor& q, const at::Tensor& c_pool,
   else
     run(static_cast<c10::BFloat16*>(nullptr));
   return out;
+}
+
+// EG-MLA `kv`'s absorbed decode attention straight from the paged cache (docs/attention.md,
+// "The absorbed kv computation"). Per query head i and key j, e_j the key's gate-table row
+// (table[id_j], with a constant 1 after it when `residual`, g = 1 + W_UE e), mu_j and inv_j its
+// cached norm statistics (0 and 1 where the norm caches none):
+//   s_ij = (inv_j (c_j^T M_i e_j - mu_j qmu_i) + q^R_i . k^R_j) * scale,   a_ij = softmax_j s_ij
+//   A_i = sum_j a_ij inv_j c_j e_j^T   (C x E'),   m_i = sum_j a_ij inv_j mu_j
+//   m (B, H, C, E') float32: each head's M_i; q_mu (B, H) float32; q_rope (B, H, r) float32;
+//   c_pool (slots, C) and r_pool (slots, r) or (slots, Hr, r), float32 or bfloat16, one dtype;
+//   stats_pool (slots, 1 or 2) float32 or None; id_pool (slots,) int32; table (vocab, E)
+//   float32 or bfloat16; E' = E + residual; slots, lengths as paged_attention's.
+//   -> A (B, H, C, E') and m (B, H), float32. The caller applies W_UV, W_UE and the norm's gain.
+// Each (row, head) is one unit of work over the threads: its per-key work is 2 C E' MACs.
+std::tuple<at::Tensor, at::Tensor> paged_gated_attention(
+    const at::Tensor& m, const at::Tensor& q_mu, const at::Tensor& q_rope, const at::Tensor& c_pool,
+    const at::Tensor& r_pool, const std::optional<at::Tensor>& stats_pool, const at::Tensor& id_pool,
+    const at::Tensor& table, bool residual, const at::Tensor& slots, const at::Tensor& lengths,
+    double scale) {
+  const char* op = "paged_gated_attention";
+  TORCH_CHECK(m.dim() == 4 && q_mu.dim() == 2 && q_rope.dim() == 3, op,
+              ": m (B, H, C, E'), q_mu (B, H), q_rope (B, H, r), got ", m.sizes(), ", ", q_mu.sizes(),
+              ", ", q_rope.sizes());
+  for (const at::Tensor* t : {&m, &q_mu, &q_rope})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, op, ": m, q_mu and q_rope must be float32");
+  TORCH_CHECK(c_pool.dim() == 2 && (r_pool.dim() == 2 || r_pool.dim() == 3) &&
+                  c_pool.scalar_type() == r_pool.scalar_type() &&
+                  (c_pool.scalar_type() == at::kFloat || c_pool.scalar_type() == at::kBFloat16),
+              op, ": pools c (slots, C) and k_rope (slots, [Hr,] r), float32 or bfloat16, of one dtype");
+  TORCH_CHECK(table.dim() == 2 && (table.scalar_type() == at::kFloat || table.scalar_type() == at::kBFloat16),
+              op, ": table (vocab, E) float32 or bfloat16");
+  TORCH_CHECK(id_pool.dim() == 1 && id_pool.scalar_type() == at::kInt, op, ": id_pool (slots,) int32");
+  const int64_t B = m.size(0), H = m.size(1), C = m.size(2), E = table.size(1), E1 = E + residual;
+  const int64_t pool = c_pool.size(0), Hr = r_pool.dim() == 3 ? r_pool.size(1) : 1, r = r_pool.size(-1);
+  const int64_t W = stats_pool.has_value() ? stats_pool->size(1) : 0;
+  TORCH_CHECK(m.size(3) == E1 && c_pool.size(1) == C && q_mu.size(0) == B && q_mu.size(1) == H &&
+                  q_rope.size(0) == B && q_rope.size(1) == H && q_rope.size(2) == r && H % Hr == 0 &&
+                  r_pool.size(0) == pool && id_pool.size(0) == pool,
+              op, ": shapes do not agree: m ", m.sizes(), ", q_rope ", q_rope.sizes(), ", c ", c_pool.sizes(),
+              ", k_rope ", r_pool.sizes(), ", ids ", id_pool.sizes(), ", table ", table.sizes(),
+              ", residual ", residual);
+  if (stats_pool.has_value())
+    TORCH_CHECK(stats_pool->dim() == 2 && stats_pool->size(0) == pool && (W == 1 || W == 2) &&
+                    stats_pool->scalar_type() == at::kFloat && stats_pool->is_contiguous() &&
+                    stats_pool->device().is_cpu(),
+                op, ": stats_pool (slots, 1 or 2) float32, got ", stats_pool->sizes());
+  for (const at::Tensor* t : {&m, &q_mu, &q_rope, &c_pool, &r_pool, &id_pool, &table})
+    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), op, ": contiguous CPU tensors");
+  check_slots(slots, lengths, B, pool, op);
+  const int64_t S = slots.size(1);
+  const int64_t *sp = slots.data_ptr<int64_t>(), *lp = lengths.data_ptr<int64_t>();
+  const int32_t* ids = id_pool.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b)  // every key's token id names a row of the table
+    for (int64_t s = 0; s < lp[b]; ++s) {
+      const int32_t id = ids[sp[b * S + s]];
+      TORCH_CHECK(id >= 0 && id < table.size(0), op, ": row ", b, " key ", s, " has token id ", id,
+                  ", outside the table's ", table.size(0), " rows");
+    }
+  const int64_t Ep = (E1 + 15) / 16 * 16;
+  at::Tensor a_out = at::empty({B, H, C, E1}, m.options()), m_out = at::empty({B, H}, m.options());
+  const auto run = [&](auto* pool_type, auto* table_type) {
+    using P = std::remove_pointer_t<decltype(pool_type)>;
+    using T = std::remove_pointer_t<decltype(table_type)>;
+    const float* stats = stats_pool.has_value() ? stats_pool->data_ptr<float>() : nullptr;
+    at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> mp(C * Ep), ct(kGatedTile * C), et(kGatedTile * Ep), wc(C * kGatedTile),
+          acc(C * Ep), scores(S);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i / H, h = i % H;
+        const float* mi = m.data_ptr<float>() + i * C * E1;
+        for (int64_t k = 0; k < C; ++k)  // M_i in panels of 16 columns, zero-padded to Ep
+          for (int64_t col = 0; col < Ep; ++col)
+            mp[col / 16 * C * 16 + k * 16 + col % 16] = col < E1 ? mi[k * E1 + col] : 0.f;
+        const GatedKeys<P, T> keys{c_pool.data_ptr<P>(), r_pool.data_ptr<P>(), stats, ids,
+                                   table.data_ptr<T>(),
+                                   sp + b * S, lp[b], C, Hr, r, W, E, Ep, residual};
+        gated_head(keys, mp.data(), q_mu.data_ptr<float>()[i], q_rope.data_ptr<float>() + i * r,
+                   h / (H / Hr), static_cast<float>(scale), scores.data(), ct.data(), et.data(), wc.data(),
+                   acc.data(), a_out.data_ptr<float>() + i * C * E1, m_out.data_ptr<float>() + i);
+      }
+    });
+  };
+  const bool bf16_pool = c_pool.scalar_type() == at::kBFloat16;
+  const bool bf16_table = table.scalar_type() == at::kBFloat16;
+  if (bf16_pool && bf16_table)
+    run(static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr));
+  else if (bf16_pool)
+    run(static_cast<c10::BFloat16*>(nullptr), static_cast<float*>(nullptr));
+  else if (bf16_table)
+    run(static_cast<float*>(nullptr), static_cast<c10::BFloat16*>(nullptr));
+  else
+    run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+  return {a_out, m_out};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1392,6 +1651,9 @@ TORCH_LIBRARY(egmla, m) {
   m.def("gemv_quant(Tensor x, Tensor[] w) -> Tensor");
   m.def("paged_latent_attention(Tensor q, Tensor c_pool, Tensor r_pool, Tensor slots, Tensor lengths, "
         "float scale) -> Tensor");
+  m.def("paged_gated_attention(Tensor m, Tensor q_mu, Tensor q_rope, Tensor c_pool, Tensor r_pool, "
+        "Tensor? stats_pool, Tensor id_pool, Tensor table, bool residual, Tensor slots, Tensor lengths, "
+        "float scale) -> (Tensor, Tensor)");
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor lengths, "
         "float scale) -> Tensor");
   m.def("decode_block(Tensor x, Tensor attn_norm, float attn_eps, Tensor wq, Tensor wk, Tensor wv, "
@@ -1415,6 +1677,7 @@ TORCH_LIBRARY_IMPL(egmla, CPU, m) {
   m.impl("gemv_quant", gemv_quant);
   m.impl("paged_attention", paged_attention);
   m.impl("paged_latent_attention", paged_latent_attention);
+  m.impl("paged_gated_attention", paged_gated_attention);
   m.impl("decode_block", decode_block);
   m.impl("decode_block_quant", decode_block_quant);
   m.impl("sparse_mlp", sparse_mlp);

@@ -231,29 +231,18 @@ class EGMLA(EGMLABase):
         return macs["absorbed"] < macs["rebuild"]
 
     def _absorbed(self, q_nope, q_rope, fields, key_ids, positions, key_positions):
-        # B batch, T queries, S keys, H heads, n = d_nope, v = d_v, r = d_rope, C = d_c, E = d_e
-        # (+1 with gate_residual: g = 1 + W_UE e = [W_UE, 1] [e; 1], the same bilinear form)
+        # B batch, T queries, S keys, H heads, C = d_c, E = d_e (+1 with gate_residual: g =
+        # 1 + W_UE e = [W_UE, 1] [e; 1], the same bilinear form)
         c, k_rope = fields["c"], fields["k_rope"]  # (B, S, C), (B, S, [Hr,] r)
-        G, n, v, C = self.n_kv, self.d_nope, self.d_v, self.d_c
-        w_uk, w_uv = self.wkv_b.weight.view(G, n + v, C).split([n, v], dim=1)  # (G, n|v, C)
         e = self.gate_rows(key_ids, c)  # (B, S, E): the keys' gate rows
-        w_e = self.w_gate.weight  # (G * (n + v), E)
         if self.gate_residual:
             e = torch.cat((e, e.new_ones(e.shape[:-1] + (1,))), dim=-1)
-            w_e = torch.cat((w_e, w_e.new_ones(w_e.shape[0], 1)), dim=-1)
-        we_k, we_v = w_e.view(G, n + v, -1).split([n, v], dim=1)  # (G, n|v, E)
-        gamma_k, gamma_v, beta_v = self._norm_affine(q_nope)
-        # per query head: each of the G KV heads' weights serves H / G query heads
-        w_uk, w_uv, we_k, we_v, gamma_k, gamma_v = (
-            self._per_query_head(t) for t in (w_uk, w_uv, we_k, we_v, gamma_k, gamma_v))
-        beta_v = None if beta_v is None else self._per_query_head(beta_v)
+        m_q, q_mu, outputs = self._absorbed_query(q_nope)
         mu, inv_sigma = self._stats(fields, c.dtype)  # (B, S) each, or None
 
-        qg = q_nope * gamma_k  # (B, T, H, n)
-        m_q = w_uk.transpose(1, 2) @ (qg.unsqueeze(-1) * we_k)  # (B, T, H, C, E): M_i per query
         scores = _bilinear(m_q, c, e)  # (B, T, H, S): c_j^T M_i e_j
         if mu is not None:
-            scores = scores - qg.sum(-1, keepdim=True) * mu[:, None, None, :]
+            scores = scores - q_mu.unsqueeze(-1) * mu[:, None, None, :]
         if inv_sigma is not None:
             scores = scores * inv_sigma[:, None, None, :]
         if k_rope.dim() == 3:  # one RoPE key shared by every head
@@ -268,9 +257,55 @@ class EGMLA(EGMLABase):
 
         weights = attn if inv_sigma is None else attn * inv_sigma[:, None, None, :]
         acc = _weighted_outer(weights, c, e)  # (B, T, H, C, E): A_i
-        o = ((w_uv @ acc) * we_v).sum(-1)  # (B, T, H, v): diag(W_UV,i A_i W_UE,V,i^T)
-        if mu is not None:
-            o = o - (weights * mu[:, None, None, :]).sum(-1, keepdim=True)  # m_i
+        m = None if mu is None else (weights * mu[:, None, None, :]).sum(-1)  # (B, T, H): m_i
+        return self._absorbed_output(acc, m, outputs)
+
+    def _absorbed_in_place(self, cache, q_nope, q_rope, fields):
+        """The absorbed computation with its per-key part (the scores, softmax, A_i and m_i)
+        done by the cache in place (`fused_gated_attention`: a paged decode step reads the
+        latents, statistics and token ids from its pools), where the step's longest row makes
+        it the cheaper computation (`impl: auto`) and the gate's rows are the table's."""
+        in_place = getattr(cache, "fused_gated_attention", None)
+        if in_place is None or not self.gate_reads_ids or self.impl == "naive":
+            return None
+        if not self._use_absorbed(q_nope.shape[1], cache.key_positions.shape[1], cached=True):
+            return None
+        m_q, q_mu, outputs = self._absorbed_query(q_nope)
+        got = in_place(m_q, q_mu, q_rope, fields, self.gate_table.weight, self.gate_residual,
+                       self.scale)
+        if got is None:
+            return None
+        acc, m = got
+        has_mu = self.stats_width and self.gate_norm_kind != "rmsnorm"
+        return self._absorbed_output(acc.to(m_q.dtype), m.to(m_q.dtype) if has_mu else None,
+                                     outputs)
+
+    def _absorbed_query(self, q_nope: torch.Tensor):
+        """The per-query side of the absorbed computation: each head's M_i (B, T, H, C, E'),
+        its mu coefficient sum(q_i * gamma_K,i) (B, T, H), and what `_absorbed_output` needs."""
+        G, n, v, C = self.n_kv, self.d_nope, self.d_v, self.d_c
+        w_uk, w_uv = self.wkv_b.weight.view(G, n + v, C).split([n, v], dim=1)  # (G, n|v, C)
+        w_e = self.w_gate.weight  # (G * (n + v), E)
+        if self.gate_residual:
+            w_e = torch.cat((w_e, w_e.new_ones(w_e.shape[0], 1)), dim=-1)
+        we_k, we_v = w_e.view(G, n + v, -1).split([n, v], dim=1)  # (G, n|v, E)
+        gamma_k, gamma_v, beta_v = self._norm_affine(q_nope)
+        # per query head: each of the G KV heads' weights serves H / G query heads
+        w_uk, w_uv, we_k, we_v, gamma_k, gamma_v = (
+            self._per_query_head(t) for t in (w_uk, w_uv, we_k, we_v, gamma_k, gamma_v))
+        beta_v = None if beta_v is None else self._per_query_head(beta_v)
+        qg = q_nope * gamma_k  # (B, T, H, n)
+        m_q = w_uk.transpose(1, 2) @ (qg.unsqueeze(-1) * we_k)  # (B, T, H, C, E): M_i per query
+        return m_q, qg.sum(-1), (w_uv, we_v, gamma_v, beta_v)
+
+    @staticmethod
+    def _absorbed_output(acc: torch.Tensor, m: torch.Tensor | None, outputs) -> torch.Tensor:
+        """Each head's output (B, T, H, d_v) from A_i (B, T, H, C, E') and m_i (B, T, H; None
+        without LayerNorm's mean): gamma_V * (diag(W_UV,i A_i W_UE,V,i^T) - m_i) + beta_V."""
+        w_uv, we_v, gamma_v, beta_v = outputs
+        o = ((w_uv @ acc) * we_v).sum(-1)  # (B, T, H, v)
+        if m is not None:
+            o = o - m.unsqueeze(-1)
         o = o * gamma_v
         return o if beta_v is None else o + beta_v
 

@@ -140,13 +140,9 @@ class MLA(AttentionLayer):
 
         fields = self.cached_fields(x, token_ids, cos, sin,
                                     with_auxiliary=cache is not None or self.impl == "absorbed")
-        in_place = getattr(cache, "fused_latent_attention", None)  # egmla.cache.AttendsInPlace
-        if in_place is not None and self._absorbed_is_mqa() and self._use_absorbed(T, 1, cached=True):
-            # a paged decode step reads its pools in place
-            q_abs = torch.cat((self._absorb_query(q_nope), q_rope), dim=-1)  # (B, T, H, C + r)
-            o_latent = in_place(q_abs, fields, scale=self.scale)
-            if o_latent is not None:
-                o = self._values(o_latent.to(q_abs.dtype))
+        if cache is not None:
+            o = self._absorbed_in_place(cache, q_nope, q_rope, fields)
+            if o is not None:  # a paged decode step read its pools in place
                 return self.wo(o.reshape(B, T, self.n_heads * self.d_v))
         key_positions, key_ids = None, token_ids
         if cache is not None:
@@ -189,6 +185,19 @@ class MLA(AttentionLayer):
             k = torch.cat((value, k_rope), dim=-1)  # (B, S, Hr, C + r)
         o_latent = attend(q, k, value, self.scale, positions, key_positions)  # (B, T, H, C)
         return self._values(o_latent)
+
+    def _absorbed_in_place(self, cache, q_nope, q_rope, fields) -> torch.Tensor | None:
+        """The absorbed attention (B, T, H, d_v) computed by the cache in place, with `fields`
+        written (egmla.cache.AttendsInPlace), or None (nothing written) where it cannot: MLA's
+        MQA over [c, k_rope] with value c, `fused_latent_attention`, for a decode step
+        (`impl: auto` runs it absorbed)."""
+        in_place = getattr(cache, "fused_latent_attention", None)
+        if (in_place is None or not self._absorbed_is_mqa()
+                or not self._use_absorbed(q_nope.shape[1], 1, cached=True)):
+            return None
+        q_abs = torch.cat((self._absorb_query(q_nope), q_rope), dim=-1)  # (B, T, H, C + r)
+        o_latent = in_place(q_abs, fields, scale=self.scale)
+        return None if o_latent is None else self._values(o_latent.to(q_abs.dtype))
 
     def _absorbed_is_mqa(self) -> bool:
         """Whether this layer's absorbed attention is MLA's MQA over the cached [c, k_rope] with
