@@ -41,8 +41,8 @@ from serve.__main__ import positive_int  # noqa: E402  (after the path: this che
 
 # SmolLM2-135M: hidden 576, 3 KV heads of 64, SwiGLU 1536, 30 layers.
 HIDDEN, KV, FFN, LAYERS = 576, 192, 1536, 30
-ROWS = {"float32": [1, 2, 4, 8, 12, 16, 24, 32, 48],
-        "bfloat16": [1, 4, 16, 32, 48, 64, 96, 128]}
+ROWS = {"float32": [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96],
+        "bfloat16": [1, 4, 8, 12, 16, 32, 48, 64, 96, 128]}
 QUICK_ROWS = {"float32": [1, 16], "bfloat16": [1, 64]}
 PATHS = ("kernel", "pytorch")
 

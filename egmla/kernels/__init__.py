@@ -9,8 +9,9 @@ no compiler (or a CPU without AVX2 and FMA) runs the same code, only slower.
 `MAX_ROWS[dtype]` rows (one token, or a batch of decodes), no gradient is wanted, and x and the
 weight are float32 or bfloat16 on the CPU, it calls `torch.ops.egmla.gemv` (decode.cpp), which
 streams the weight once on all of PyTorch's threads; PyTorch's own kernel for one row runs on
-one thread at about half the machine's read bandwidth, and up to 16 rows (fp32) ours stays
-faster (benchmarks/kernel_rows.py measures both by row count). The result equals F.linear's up to the
+one thread at about half the machine's read bandwidth, and up to 64 rows (fp32; bf16: 8 where
+PyTorch multiplies bf16 natively, else 64) ours stays faster (benchmarks/kernel_rows.py
+measures both by row count). The result equals F.linear's up to the
 order of a float sum. On a CPU without native bf16 arithmetic (no AVX512-BF16 or AMX),
 PyTorch's bf16 matmul is 4-6x slower than fp32's, so bf16 products of more rows (a prefill)
 widen the weight to fp32 for the product and round the result once: the same arithmetic
@@ -64,12 +65,6 @@ from egmla.paths import cache_dir
 
 SOURCE = Path(__file__).with_name("decode.cpp")
 LIBRARY = "libegmla_kernels.so"
-# Rows of x up to which the kernel takes the product, with a margin below where it stops being
-# faster than PyTorch's matmul: over SmolLM2's decode linears on a 2-core AVX2 EPYC
-# (benchmarks/kernel_rows.py, results/kernel_rows.md) fp32 is 1.8x at 1 row, 1.18x at 16,
-# 1.15x at 32 and 0.91x at 48; bf16, against widening to fp32, 5.5x at 1, 1.55x at 64 and 1.10x
-# at 128.
-MAX_ROWS = {torch.float32: 16, torch.bfloat16: 64}
 # Rows up to which a block-quantized product takes the kernel: it stays faster than
 # dequantizing the weight for PyTorch's matmul well past a decode batch (over SmolLM2's MLP
 # shapes, interleaved: 0.21x the time at 16 rows, 0.49x at 128 and 0.73x at 256 for Q8_0;
@@ -221,6 +216,15 @@ def native_bf16() -> bool:
     except OSError:
         return False
     return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
+# Rows of x up to which the kernel takes the product, at or below where it stops being faster
+# than PyTorch's matmul over SmolLM2's decode linears (benchmarks/kernel_rows.py,
+# results/kernel_rows.md; 2-core AVX-512 EPYC with AVX512-BF16, 2026-12-05): fp32 3.9x at 1 row,
+# 1.87x at 16, 1.25x at 64, 1.13x at 96; bf16, against PyTorch's native bf16 matmul, 3.2x at 1,
+# 1.21x at 8, 0.98x at 12. Where the CPU has no native bf16 PyTorch widens bf16 to fp32, and the
+# kernel measured 1.55x at 64 rows and 1.10x at 128 (an AVX2 EPYC, the record before it).
+MAX_ROWS = {torch.float32: 64, torch.bfloat16: 8 if native_bf16() else 64}
 
 
 def _rows_for_kernel(x: torch.Tensor, weights: Sequence[torch.Tensor], quantized: bool = False
