@@ -22,12 +22,16 @@ def test_the_latent_decode_benchmark_writes_consistent_rows(tmp_path):
     report = json.loads((tmp_path / "latent_decode_quick.json").read_text())
     assert report["meta"]["git"]["sha"] and report["machine"]["before"]["read_gb_s"] > 0
     rows = {(r["variant"], r["path"]): r for r in report["rows"]}
-    assert set(rows) == {("mla", "native"), ("mla", "pytorch"), ("egmla-kv", "pytorch")}
+    assert set(rows) == {("mla", "native"), ("mla", "pytorch"), ("egmla-kv", "native"),
+                         ("egmla-kv", "pytorch"), ("egmla-kv", "pytorch-rebuild")}
     for r in rows.values():
         assert r["context"] == 1024 and r["batch"] == 1 and len(r["runs_s"]) == 2
         assert r["median_s"] == pytest.approx(statistics.median(r["runs_s"]))
         assert r["time_over_roofline"] == pytest.approx(r["median_s"] / r["roofline_s"])
-    native, pytorch = rows["mla", "native"], rows["mla", "pytorch"]
-    paired = [n / p for n, p in zip(native["runs_s"], pytorch["runs_s"])]
-    assert native["native_over_pytorch"] == pytest.approx(statistics.median(paired))
+    for variant in ("mla", "egmla-kv"):
+        native, pytorch = rows[variant, "native"], rows[variant, "pytorch"]
+        paired = [n / p for n, p in zip(native["runs_s"], pytorch["runs_s"])]
+        assert native["native_over_pytorch"] == pytest.approx(statistics.median(paired))
+    # the rebuild and the absorbed form have one roofline: the cheaper computation's
+    assert rows["egmla-kv", "pytorch-rebuild"]["roofline_s"] == rows["egmla-kv", "native"]["roofline_s"]
     assert "| mla | 1 | 1024 | native |" in (tmp_path / "latent_decode_quick.md").read_text()
