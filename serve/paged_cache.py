@@ -137,6 +137,12 @@ class PagedStep:
                          else self.new_slots.flatten().index_select(0, self._rows))
 
     @functools.cached_property
+    def fresh(self) -> bool:
+        """Whether no row has history: every row's new tokens are its first (a prefill of new
+        prompts without cached prefixes), so each row's keys are exactly its new tokens."""
+        return not any(self._context_lens)
+
+    @functools.cached_property
     def _rows(self) -> torch.Tensor:
         """The real new tokens' indices in the flattened (B * T) new tokens (the rest is padding)."""
         return (self.new_slots >= 0).flatten().nonzero().squeeze(1)

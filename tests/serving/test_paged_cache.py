@@ -59,7 +59,8 @@ def test_too_many_tokens_for_the_blocks_is_an_error():
 def test_decode_attention_read_in_place_equals_gather_and_sdpa(dtype):
     """A decode step's fused attention (egmla.kernels.paged_attention, where the CPU runs it)
     writes what `update` writes and returns what SDPA over the gathered history returns, GQA
-    heads included; a prefill step declines and writes nothing."""
+    heads included; so does a prefill of new prompts (causal over their own tokens, ragged rows
+    padded); a prefill over history declines and writes nothing."""
     from egmla import kernels
     from egmla.cache import CacheSpec, FieldSpec
     from egmla.models.attention.common import attend
@@ -90,12 +91,27 @@ def test_decode_attention_read_in_place_equals_gather_and_sdpa(dtype):
     assert torch.allclose(fused.float(), plain, atol=1e-5)
     for name in ("k", "v"):
         assert torch.equal(caches[0].layers[0][name], caches[1].layers[0][name])  # same writes
-    prefill = caches[0].step([[3]], [0], [2])
+    prefill = caches[0].step([[3, 4]], [2], [2])  # two new tokens after two cached
     before = caches[0].layers[0]["k"].clone()
     two = {"k": torch.randn(1, 2, G, D), "v": torch.randn(1, 2, G, D)}
     assert prefill.layer(0).fused_attention(q[:1].expand(1, 2, H, D), two, key="k", value="v",
                                             scale=1.0) is None
     assert torch.equal(caches[0].layers[0]["k"], before)
+    # new prompts of 5 and 3 tokens, the second padded to 5
+    fresh_steps = [c.step([[3, 4], [6]], [0, 0], [5, 3]) for c in caches]
+    q5 = torch.randn(2, 5, H, D)
+    five = {"k": torch.randn(2, 5, G, D), "v": torch.randn(2, 5, G, D)}
+    with torch.no_grad():
+        fused = fresh_steps[0].layer(0).fused_attention(q5, five, key="k", value="v", scale=0.3)
+        view = fresh_steps[1].layer(0)
+        history = view.update(**five)
+        positions = torch.tensor([[0, 1, 2, 3, 4], [0, 1, 2, 0, 0]])
+        plain = attend(q5, history["k"].float(), history["v"].float(), 0.3, positions,
+                       view.key_positions)
+    assert torch.allclose(fused[0].float(), plain[0], atol=1e-5)
+    assert torch.allclose(fused[1, :3].float(), plain[1, :3], atol=1e-5)  # its real queries
+    for name in ("k", "v"):
+        assert torch.equal(caches[0].layers[0][name], caches[1].layers[0][name])
 
 
 def block_by_modules(block, x, positions, view, threshold: float = 0.0):
