@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from egmla import kernels
-from serve import SamplingParams, attention
-from serve.engine import EngineConfig, LLMEngine
+from serve import attention
 from serve.paged_cache import _PagedLayer
 from support import torch_threads
-from support.engine import mixed_prompts, run_ragged
+from support.engine import assert_ragged_native_equals_full_forward, greedy_by_backend
 from support.models import VARIANTS, build
 
 SUPPORTED = kernels.unsupported() is None
@@ -103,33 +102,14 @@ def counted(monkeypatch):
 def test_ragged_paged_decode_equals_the_full_forward(name, dtype, tolerance, counted):
     """Ragged chunked steps through scattered blocks; the decode steps run the kernel. Against
     the same model's full forward in its dtype (bf16: both round, differently)."""
-    cfg = VARIANTS[name]
-    model = build(cfg, dtype)
-    g = torch.Generator().manual_seed(3)
-    sequences = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (5, 13, 9, 17, 1)]
-    got = run_ragged(model, sequences, block_size=4, seed=0, attention=attention.Native(),
-                     dtype=dtype)
+    assert_ragged_native_equals_full_forward(build(VARIANTS[name], dtype), dtype, tolerance)
     assert counted, "no decode step ran the latent kernel"
-    for s, logits in zip(sequences, got):
-        with torch.no_grad():
-            expected = model(s[None])[0]
-        scale = expected.abs().max().item()
-        assert (logits.float() - expected.float()).abs().max().item() <= tolerance * scale, name
 
 
 @pytest.mark.parametrize("name", ["mla-converted-absorbed", "egmla-latent-absorbed"])
 def test_the_engine_decodes_the_same_tokens_as_the_pytorch_path(name, counted):
     """Continuous batching with prefix caching (rows sharing a prompt's blocks), float32: the
     native backend's greedy tokens equal the gather path's (`sdpa`)."""
-    model = build(VARIANTS[name], torch.float32)
-    prompts = mixed_prompts(model.config.vocab_size)
-    params = SamplingParams(temperature=0, max_tokens=8)
-    outs = {}
-    for backend in ("native", "sdpa"):
-        engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=128,
-                                               attention_backend=backend,
-                                               enable_prefix_caching=True))
-        outs[backend] = engine.generate(prompts, params)
-        if backend == "native":
-            assert engine.stats.cached_prompt_tokens > 0 and counted
+    outs, cached = greedy_by_backend(build(VARIANTS[name], torch.float32))
+    assert cached["native"] > 0 and counted
     assert outs["native"] == outs["sdpa"]

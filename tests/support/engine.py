@@ -183,3 +183,41 @@ class FailingRequest:
             self.fired.append(len(self.engine.last_plan.rows))
             raise RuntimeError("injected fault in sampling")
         return self._original(seq, logits, greedy)
+
+
+def assert_ragged_native_equals_full_forward(model, dtype: torch.dtype, tolerance: float,
+                                             seed: int = 3) -> None:
+    """Five sequences (lengths 5, 13, 9, 17, 1) in ragged chunked steps through scattered blocks
+    under the native backend: every position's logits equal the model's own full forward, to
+    `tolerance` of its largest logit (bf16: both round, differently)."""
+    from serve import attention
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    sequences = [torch.randint(0, vocab, (n,), generator=g) for n in (5, 13, 9, 17, 1)]
+    got = run_ragged(model, sequences, block_size=4, seed=0, attention=attention.Native(),
+                     dtype=dtype)
+    for s, logits in zip(sequences, got):
+        with torch.no_grad():
+            expected = model(s[None])[0]
+        scale = expected.abs().max().item()
+        assert (logits.float() - expected.float()).abs().max().item() <= tolerance * scale
+
+
+def greedy_by_backend(model, backends=("native", "sdpa")) -> tuple[dict, dict]:
+    """Greedy tokens of `mixed_prompts` through an engine per attention backend, continuous
+    batching with prefix caching on: (outputs, prompt tokens served from the prefix cache),
+    each by backend."""
+    from serve import SamplingParams
+    from serve.engine import EngineConfig, LLMEngine
+
+    prompts = mixed_prompts(model.config.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    outs, cached = {}, {}
+    for backend in backends:
+        engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=128,
+                                               attention_backend=backend,
+                                               enable_prefix_caching=True))
+        outs[backend] = engine.generate(prompts, params)
+        cached[backend] = engine.stats.cached_prompt_tokens
+    return outs, cached
