@@ -16,7 +16,10 @@ from egmla.generate import generate
 from egmla.imports import KNOWN_MODELS, PackagedGGUF, load_pretrained
 
 NAME = "SmolLM2-135M-Instruct"
-TOL = 1e-4  # float32
+# float32, two summation orders: a forward of up to egmla.kernels.MAX_ROWS tokens takes our CPU
+# kernel, not PyTorch's matmul (measured 1.2e-4 at 39 tokens); a wrong weight or operation moves
+# these logits (magnitude ~20) by far more
+TOL = 5e-4
 
 
 @pytest.fixture(scope="module")
