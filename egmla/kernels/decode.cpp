@@ -328,126 +328,207 @@ void attend_chunk(const float* q, const P* k_pool, const P* v_pool, const int64_
 // head h against the shared latent c_s and the RoPE key of its group (rope head h / (H / Hr)),
 //   score_hs = (q_h[:C] . c_s + q_h[C:] . k_rope_s) * scale,   out_h = sum_s e_hs c_s,
 // an MQA whose one key/value row (c_s) serves every head. Both products are register-blocked
-// so that the FMAs, not the loads, bound them: scores two keys x four heads at a time (6 loads
-// per 8 FMAs, the eight sums reduced together), values four heads x 16 latent columns at a
-// time over the chunk's keys, accumulated in registers (6 loads per 8 FMAs, no stores). `next`:
-// how many keys of the row follow the chunk (s1 .. s1 + next - 1), the next chunk's, which the
-// value pass asks into L2 (MLA at the paper's shapes, 4,096 scattered keys: 0.71-0.74 -> 0.63-0.67
-// ms in an interleaved A/B while this was written, not kept; latent_decode.py records the step).
+// so that the FMAs, not the loads, bound them (12 accumulators, in AVX2's 16 registers):
+// - scores 3 heads x 4 keys at a time (4 x 3 where H is not a multiple of 3), keys outside and
+//   head blocks inside (a few keys' rows serve every head from L1), the heads' queries read
+//   from a panel laid out [8-dim step][head][8] (one pointer, constant offsets: H query
+//   pointers do not fit in the registers);
+// - values 4 heads x 16 latent columns at a time over the chunk's keys, columns outside and
+//   head blocks inside (a strip of the latents serves every head from L1), the probabilities
+//   transposed key-major for the same reason as the panel.
+// The scores wait on memory and the values on nothing (the chunk is in L2 by then): while a
+// chunk is computed, the next chunk's cache lines (the `next` keys after it) are asked into L2
+// a few at a time, spread evenly over its score and value blocks (asked in a burst, or only
+// during the values, most of them arrived too late). At the paper's MLA shapes, 4,096
+// scattered keys, batch 1, in interleaved runs while this was written (not kept): 0.67-0.69
+// -> 0.48-0.51 ms, paired 0.70-0.75x (EG-MLA latent at d_c 64: 0.26-0.27 -> 0.20-0.21 ms);
+// benchmarks/latent_decode.py records the step against its roofline.
+constexpr int kValueHeads = 4;
+
+// The keys per score block of SH heads: 12 accumulators (a last, smaller head block fewer).
+constexpr int score_keys(int SH) { return std::min(4, 12 / SH); }
+
+// f(std::integral_constant<int, HB>{}, h) for the heads [0, H) in blocks of HB (a last,
+// smaller block where HB does not divide H).
+template <int HB, typename F>
+inline void head_blocks(int64_t H, F&& f) {
+  int64_t h = 0;
+  for (; h + HB <= H; h += HB) f(std::integral_constant<int, HB>{}, h);
+  if constexpr (HB > 1)
+    if (h < H) head_blocks<HB - 1>(H - h, [&](auto hb, int64_t i) { f(hb, h + i); });
+}
+
+// The next keys' cache lines (their latent rows, then their RoPE rows), asked into L2 a few
+// at a time: each pump() asks its share of the lines left, so that `chances` calls spread
+// them evenly.
+template <typename P>
+struct NextLines {
+  const char *c_pool, *r_pool;
+  const int64_t* slots;  // the next keys'
+  int64_t c_row, r_row, c_lines, lines, left, chances, key = 0, line = 0;
+  NextLines(const P* c, const P* r, const int64_t* slots, int64_t keys, int64_t C, int64_t rope,
+            int64_t chances)
+      : c_pool(reinterpret_cast<const char*>(c)), r_pool(reinterpret_cast<const char*>(r)), slots(slots),
+        c_row(C * sizeof(P)), r_row(rope * sizeof(P)), c_lines((c_row + 63) / 64),
+        lines(c_lines + (r_row + 63) / 64), left(keys * lines), chances(chances) {}
+  void pump() {
+    if (chances <= 0 || left <= 0) return;
+    int64_t take = (left + chances - 1) / chances;
+    --chances;
+    left -= take;
+    for (; take > 0; --take) {
+      _mm_prefetch(line < c_lines ? c_pool + slots[key] * c_row + line * 64
+                                  : r_pool + slots[key] * r_row + (line - c_lines) * 64,
+                   _MM_HINT_T1);
+      if (++line == lines) line = 0, ++key;
+    }
+  }
+};
+
+// Scores of HB query heads h .. h + HB - 1 against KB keys (slots[0 .. KB)):
+// scores[i * width + j] = (q_{h+i} . [c_j, k_rope_j]) * scale over the blocked dimensions, the
+// first C8 of the latent and r8 of the RoPE key. `panel`: the heads' queries [step][head][8],
+// C8 / 8 steps over the latent, then r8 / 8 over the RoPE key.
+template <int HB, int KB, typename P>
+inline void latent_scores(const float* panel, const P* c_pool, const P* r_pool, const int64_t* slots,
+                          int64_t h, int64_t R, int64_t Hr, int64_t C, int64_t C8, int64_t r, int64_t r8,
+                          float scale, float* scores, int64_t width) {
+  __m256 acc[HB * KB];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  const float* qs = panel;
+  // acc[i][j] += q_i . keys_j over [0, len), the panel's next len / 8 steps
+  const auto steps = [&](const P* const* keys, int64_t len) {
+    for (int64_t d = 0; d < len; d += 8, qs += HB * 8) {
+      __m256 k[KB];
+      for (int j = 0; j < KB; ++j) k[j] = load8(keys[j] + d);
+      for (int i = 0; i < HB; ++i) {
+        const __m256 qv = _mm256_loadu_ps(qs + i * 8);
+        for (int j = 0; j < KB; ++j) acc[i * KB + j] = _mm256_fmadd_ps(qv, k[j], acc[i * KB + j]);
+      }
+    }
+  };
+  const P* keys[KB];
+  for (int j = 0; j < KB; ++j) keys[j] = c_pool + slots[j] * C;
+  steps(keys, C8);
+  if (h / R == (h + HB - 1) / R) {  // the block's heads read one RoPE key per key
+    for (int j = 0; j < KB; ++j) keys[j] = r_pool + (slots[j] * Hr + h / R) * r;
+    steps(keys, r8);
+  } else {  // each head its group's
+    for (int64_t d = 0; d < r8; d += 8, qs += HB * 8)
+      for (int i = 0; i < HB; ++i) {
+        const __m256 qv = _mm256_loadu_ps(qs + i * 8);
+        for (int j = 0; j < KB; ++j)
+          acc[i * KB + j] =
+              _mm256_fmadd_ps(qv, load8(r_pool + (slots[j] * Hr + (h + i) / R) * r + d), acc[i * KB + j]);
+      }
+  }
+  alignas(32) float sums[HB * KB + 8];
+  int a = 0;
+  for (; a + 8 <= HB * KB; a += 8) _mm256_store_ps(sums + a, hsum8(acc + a));
+  for (; a < HB * KB; ++a) sums[a] = hsum(acc[a]);
+  for (int i = 0; i < HB; ++i)
+    for (int j = 0; j < KB; ++j) scores[i * width + j] = sums[i * KB + j] * scale;
+}
+
+// out[i * C + d + c] = sum_k e[k * H + i] c_k[d + c] for heads i < HB and columns c < 8W
+// (e: the probabilities, key-major), asking for the next lines every 32 keys.
+template <int HB, int W, typename P>
+inline void latent_values(const float* e, int64_t H, const P* c_pool, const int64_t* slots, int64_t n,
+                          int64_t C, int64_t d, float* out, NextLines<P>& next) {
+  __m256 acc[HB * W];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  for (int64_t k = 0; k < n; ++k, e += H) {
+    if (k % 32 == 0) next.pump();
+    const P* c = c_pool + slots[k] * C + d;
+    __m256 v[W];
+    for (int w = 0; w < W; ++w) v[w] = load8(c + 8 * w);
+    for (int i = 0; i < HB; ++i) {
+      const __m256 p = _mm256_broadcast_ss(e + i);
+      for (int w = 0; w < W; ++w) acc[i * W + w] = _mm256_fmadd_ps(p, v[w], acc[i * W + w]);
+    }
+  }
+  for (int i = 0; i < HB; ++i)
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(out + i * C + d + 8 * w, acc[i * W + w]);
+}
+
+template <int SH, typename P>
+void attend_latent_blocks(const float* q, const P* c_pool, const P* r_pool, const int64_t* slots,
+                          int64_t n, int64_t next, int64_t H, int64_t Hr, int64_t C, int64_t r, float scale,
+                          float* scores, int64_t width, float* out, float* max, float* sum) {
+  const int64_t R = H / Hr, D = C + r, C8 = C - C % 8, r8 = r - r % 8, steps = (C8 + r8) / 8;
+  thread_local std::vector<float> panel_memory, e_memory;
+  panel_memory.resize(H * steps * 8);
+  e_memory.resize(n * H);
+  float *panel = panel_memory.data(), *e = e_memory.data();
+  head_blocks<SH>(H, [&](auto hb, int64_t h) {  // each block's queries, [step][head][8]
+    constexpr int HB = decltype(hb)::value;
+    for (int64_t t = 0; t < steps; ++t)
+      for (int i = 0; i < HB; ++i) {
+        const float* from = q + (h + i) * D + (t * 8 < C8 ? t * 8 : C + t * 8 - C8);
+        std::copy(from, from + 8, panel + (h * steps + t * HB + i) * 8);
+      }
+  });
+  // keys outside, heads inside: KB keys' rows serve every head block from L1
+  constexpr int KB = score_keys(SH);
+  // how often the next lines are asked for: once per KB keys' scores, once per 32 keys of a
+  // value block
+  int64_t chances = n / KB + n % KB;
+  head_blocks<kValueHeads>(H, [&](auto, int64_t) { chances += (C / 16 + C % 16 / 8) * ((n + 31) / 32); });
+  NextLines<P> lines(c_pool, r_pool, slots + n, next, C, Hr * r, chances);
+  int64_t s = 0;
+  for (; s + KB <= n; s += KB, lines.pump())
+    head_blocks<SH>(H, [&](auto hb, int64_t h) {
+      latent_scores<decltype(hb)::value, KB>(panel + h * steps * 8, c_pool, r_pool, slots + s, h, R, Hr, C,
+                                             C8, r, r8, scale, scores + h * width + s, width);
+    });
+  for (; s < n; ++s, lines.pump())
+    head_blocks<SH>(H, [&](auto hb, int64_t h) {
+      latent_scores<decltype(hb)::value, 1>(panel + h * steps * 8, c_pool, r_pool, slots + s, h, R, Hr, C,
+                                            C8, r, r8, scale, scores + h * width + s, width);
+    });
+  if (C8 < C || r8 < r) {  // the dimensions the blocks left
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t k = 0; k < n; ++k) {
+        const float* qh = q + h * D;
+        const P* c = c_pool + slots[k] * C;
+        const P* kr = r_pool + (slots[k] * Hr + h / R) * r;
+        float t = 0.f;
+        for (int64_t d = C8; d < C; ++d) t += qh[d] * static_cast<float>(c[d]);
+        for (int64_t d = r8; d < r; ++d) t += qh[C + d] * static_cast<float>(kr[d]);
+        scores[h * width + k] += t * scale;
+      }
+  }
+  softmax_rows(scores, H, n, width, max, sum);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t k = 0; k < n; ++k) e[k * H + h] = scores[h * width + k];
+  // columns outside, heads inside: a strip of the chunk's latents (n x 16 columns) serves
+  // every head block from L1
+  int64_t d = 0;
+  for (; d + 16 <= C; d += 16)
+    head_blocks<kValueHeads>(H, [&](auto hb, int64_t h) {
+      latent_values<decltype(hb)::value, 2>(e + h, H, c_pool, slots, n, C, d, out + h * C, lines);
+    });
+  for (; d + 8 <= C; d += 8)
+    head_blocks<kValueHeads>(H, [&](auto hb, int64_t h) {
+      latent_values<decltype(hb)::value, 1>(e + h, H, c_pool, slots, n, C, d, out + h * C, lines);
+    });
+  for (int64_t h = 0; h < H; ++h) {  // the columns the blocks left
+    float* o = out + h * C;
+    std::fill(o + d, o + C, 0.f);
+    for (int64_t k = 0; k < n; ++k)
+      for (int64_t c = d; c < C; ++c) o[c] += e[k * H + h] * static_cast<float>(c_pool[slots[k] * C + c]);
+  }
+}
+
 template <typename P>
 void attend_latent_chunk(const float* q, const P* c_pool, const P* r_pool, const int64_t* slots,
                          int64_t s0, int64_t s1, int64_t next, int64_t H, int64_t Hr, int64_t C, int64_t r,
                          float scale, float* scores, int64_t width, float* out, float* max, float* sum) {
-  const int64_t n = s1 - s0, R = H / Hr, D = C + r, C8 = C - C % 8, H4 = H - H % 4;
-  // four heads of a block read one RoPE key when their group holds all four (Hr == 1 always)
-  const bool rope_blocked = R % 4 == 0;
-  const int64_t r8 = rope_blocked ? r - r % 8 : 0;
-  slots += s0;
-  // one (head, key) score's part the blocks leave: C8.. of c, r8.. of the RoPE key (all of it
-  // where the heads of a block read different RoPE keys)
-  const auto tail = [&](int64_t h, int64_t s) {
-    const float* qh = q + h * D;
-    const P* c = c_pool + slots[s] * C;
-    const P* kr = r_pool + (slots[s] * Hr + h / R) * r;
-    float t = 0.f;
-    for (int64_t d = C8; d < C; ++d) t += qh[d] * static_cast<float>(c[d]);
-    for (int64_t d = r8; d < r; ++d) t += qh[C + d] * static_cast<float>(kr[d]);
-    return t;
-  };
-  // acc[i] += q_{h+i}[at..] . k0, acc[4 + i] += q_{h+i}[at..] . k1 over `len` (a multiple of 8)
-  const auto block = [&](__m256* acc, int64_t h, int64_t at, const P* k0, const P* k1, int64_t len) {
-    for (int64_t d = 0; d < len; d += 8) {
-      const __m256 a = load8(k0 + d), b = load8(k1 + d);
-      for (int i = 0; i < 4; ++i) {
-        const __m256 qv = _mm256_loadu_ps(q + (h + i) * D + at + d);
-        acc[i] = _mm256_fmadd_ps(qv, a, acc[i]);
-        acc[4 + i] = _mm256_fmadd_ps(qv, b, acc[4 + i]);
-      }
-    }
-  };
-  // key k's rows (its latent and RoPE keys) asked for, into L1 (hint T0) or L2 (T1)
-  const auto ask = [&](int64_t k, auto hint) {
-    const char* c = reinterpret_cast<const char*>(c_pool + slots[k] * C);
-    const char* kr = reinterpret_cast<const char*>(r_pool + slots[k] * Hr * r);
-    for (int64_t b = 0; b < static_cast<int64_t>(C * sizeof(P)); b += 64) _mm_prefetch(c + b, hint());
-    for (int64_t b = 0; b < static_cast<int64_t>(Hr * r * sizeof(P)); b += 64) _mm_prefetch(kr + b, hint());
-  };
-  using L1 = std::integral_constant<_mm_hint, _MM_HINT_T0>;
-  using L2 = std::integral_constant<_mm_hint, _MM_HINT_T1>;
-  // rows a few keys ahead asked for while these are computed: a block's slots are contiguous
-  // but blocks are scattered, and the hardware prefetcher restarts at each
-  const auto prefetch = [&](int64_t k) {
-    if (k < n) ask(k, L1{});
-  };
-  constexpr int64_t kAhead = 4;
-  for (int64_t k = 0; k < std::min(kAhead, n); ++k) prefetch(k);
-  int64_t s = 0;
-  for (; s + 2 <= n; s += 2) {
-    prefetch(s + kAhead);
-    prefetch(s + kAhead + 1);
-    const P* c0 = c_pool + slots[s] * C;
-    const P* c1 = c_pool + slots[s + 1] * C;
-    for (int64_t h = 0; h < H4; h += 4) {
-      __m256 acc[8];
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      block(acc, h, 0, c0, c1, C8);
-      if (rope_blocked)
-        block(acc, h, C, r_pool + (slots[s] * Hr + h / R) * r, r_pool + (slots[s + 1] * Hr + h / R) * r, r8);
-      float sums[8];
-      _mm256_storeu_ps(sums, hsum8(acc));
-      for (int i = 0; i < 4; ++i) {
-        scores[(h + i) * width + s] = (sums[i] + tail(h + i, s)) * scale;
-        scores[(h + i) * width + s + 1] = (sums[4 + i] + tail(h + i, s + 1)) * scale;
-      }
-    }
-  }
-  for (int64_t h = 0; h < H; ++h) {  // the heads and keys the blocks left
-    for (int64_t k = h < H4 ? s : 0; k < n; ++k) {
-      const float* qh = q + h * D;
-      scores[h * width + k] = (dot(qh, c_pool + slots[k] * C, C8) +
-                               dot(qh + C, r_pool + (slots[k] * Hr + h / R) * r, r8) + tail(h, k)) * scale;
-    }
-  }
-  softmax_rows(scores, H, n, width, max, sum);
-  // The scores read every key's rows from memory and wait on them, the values find them in L2
-  // and wait on nothing: while they are computed, the next chunk's rows (the `next` keys after
-  // this one) are asked for, spread over the value blocks, so that its scores find them in L2.
-  const int64_t C16 = C - C % 16, blocks = std::max<int64_t>(1, (H4 / 4) * (C16 / 16));
-  int64_t asked = 0;  // value blocks begun
-  const auto prefetch_next = [&] {
-    for (int64_t k = n + asked * next / blocks; k < n + (asked + 1) * next / blocks; ++k) ask(k, L2{});
-    ++asked;
-  };
-  for (int64_t h = 0; h < H4; h += 4) {
-    const float* e = scores + h * width;
-    for (int64_t d = 0; d < C16; d += 16) {
-      prefetch_next();
-      __m256 acc[8];
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t k = 0; k < n; ++k) {
-        const P* c = c_pool + slots[k] * C + d;
-        const __m256 v0 = load8(c), v1 = load8(c + 8);
-        for (int i = 0; i < 4; ++i) {
-          const __m256 p = _mm256_broadcast_ss(e + i * width + k);
-          acc[2 * i] = _mm256_fmadd_ps(p, v0, acc[2 * i]);
-          acc[2 * i + 1] = _mm256_fmadd_ps(p, v1, acc[2 * i + 1]);
-        }
-      }
-      for (int i = 0; i < 4; ++i) {
-        _mm256_storeu_ps(out + (h + i) * C + d, acc[2 * i]);
-        _mm256_storeu_ps(out + (h + i) * C + d + 8, acc[2 * i + 1]);
-      }
-    }
-  }
-  for (int64_t h = 0; h < H; ++h) {  // the columns and heads the blocks left
-    const int64_t d0 = h < H4 ? C16 : 0;
-    std::fill(out + h * C + d0, out + (h + 1) * C, 0.f);
-    for (int64_t k = 0; k < n; ++k) {
-      const P* c = c_pool + slots[k] * C;
-      const float p = scores[h * width + k];
-      for (int64_t d = d0; d < C; ++d) out[h * C + d] += p * static_cast<float>(c[d]);
-    }
-  }
+  if (H % 3 == 0)  // 3-head score blocks (the paper's 12 heads, SmolLM2's 9); else 4 heads
+    return attend_latent_blocks<3>(q, c_pool, r_pool, slots + s0, s1 - s0, next, H, Hr, C, r, scale, scores,
+                                   width, out, max, sum);
+  attend_latent_blocks<4>(q, c_pool, r_pool, slots + s0, s1 - s0, next, H, Hr, C, r, scale, scores, width,
+                          out, max, sum);
 }
 
 

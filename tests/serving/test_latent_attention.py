@@ -42,6 +42,9 @@ def reference(q, c_pool, r_pool, slots, lengths, scale):
     ([300], 16, 1, 64, 16),  # MLA: one RoPE key; several chunks of one row over two threads
     ([5, 700, 129, 1], 6, 2, 40, 8),  # ragged; RoPE keys per group (a converted model); C % 8
     ([3, 2], 5, 1, 12, 4),  # H not a multiple of four heads, C and r below a vector's tail
+    ([50, 260], 9, 3, 24, 8),  # SmolLM2's 9 heads in 3 x 4 blocks, each block one RoPE group
+    ([129, 17], 7, 1, 256, 64),  # 7 heads: a 4-head block and a 3-head one; the paper's widths
+    ([40, 90], 10, 5, 32, 8),  # 4-head blocks across RoPE groups of 2 heads, a 2-head block last
 ])
 def test_the_kernel_equals_a_float64_softmax(lengths, H, Hr, C, r, pool_dtype, threads):
     torch.manual_seed(len(lengths) + H)
