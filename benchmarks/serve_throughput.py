@@ -14,7 +14,9 @@ The workload: `--requests` prompts of random token ids (special tokens excluded)
 uniform in 16..512 and output lengths uniform in 16..128, from `--seed`. EOS never stops a request,
 so every request produces exactly its output length (checked). Throughput counts those requested
 tokens over the wall time of the whole workload, all requests submitted at t=0. Before timing, each
-system runs a short warm-up. Correctness is checked lightly: the number of requests whose greedy
+system runs a short warm-up, and our KV pool is touched (`PagedKVCache.populate`, as `python -m
+serve` does at start; `--cold-pool` leaves it untouched, so the timed run pays its page faults).
+Correctness is checked lightly: the number of requests whose greedy
 token ids equal ours exactly (float32 ties may flip a token; that is reported, not failed).
 
     python benchmarks/serve_throughput.py                       # 64 requests, all systems
@@ -87,7 +89,7 @@ def load_models(block_size: int, kv_cache_mib: int, max_num_seqs: int, max_batch
 # ---- the three systems ------------------------------------------------------------------------
 
 
-def run_ours(llm, workload: list[tuple[list[int], int]], progress: bool) -> dict:
+def run_ours(llm, workload: list[tuple[list[int], int]], progress: bool, populate: bool = True) -> dict:
     from serve import LLMEngine, SamplingParams
 
     # Warm-up on a small engine of its own, so the measured engine's metrics cover the workload only.
@@ -95,6 +97,10 @@ def run_ours(llm, workload: list[tuple[list[int], int]], progress: bool) -> dict
     warm.generate([workload[0][0][:32], workload[-1][0][:16]], SamplingParams(max_tokens=4, temperature=0))
 
     engine = llm.engine
+    t0 = time.perf_counter()
+    if populate:  # the pool's page faults before the clock, as `python -m serve` takes them at start
+        engine.cache.populate()
+    populate_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     ids = [engine.add_request(p, SamplingParams(max_tokens=k, temperature=0.0))
            for p, k in workload]
@@ -111,7 +117,7 @@ def run_ours(llm, workload: list[tuple[list[int], int]], progress: bool) -> dict
     outputs = [finished[i] for i in ids]
     m = engine.metrics()
     return {
-        "outputs": outputs, "wall_s": wall,
+        "outputs": outputs, "wall_s": wall, "pool_populated": populate, "populate_s": populate_s,
         "engine": {**{k: m[k] for k in ("ttft_mean_s", "tpot_mean_s", "peak_running",
                                         "preemptions", "fragmentation_mean",
                                         "prefix_cache_hit_rate", "steps", "kv_blocks_total",
@@ -314,6 +320,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 8 requests, prompts 16..64, outputs 8..16")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--cold-pool", action="store_true",
+                        help="do not touch our KV pool before timing: each page's first write "
+                             "pays its fault (and any huge-page compaction) in the timed run")
     parser.add_argument("--profile", action="store_true",
                         help="run only our engine under cProfile; write the top functions by "
                              "tottime to serve_throughput_profile.txt instead of the tables")
@@ -348,7 +357,7 @@ def main() -> None:
         print(f"running {system} ...", flush=True)
         try:
             if system == "ours":
-                results[system] = run_ours(llm, workload, progress)
+                results[system] = run_ours(llm, workload, progress, populate=not args.cold_pool)
             elif system == "generate":
                 pad = tok.pad_token_id if tok.pad_token_id is not None else 0
                 for size in args.batch_sizes:
@@ -403,7 +412,8 @@ def main() -> None:
     ours = results.get("ours")
     report = {
         "meta": meta, "summary": rows,
-        "ours_engine": ours and {**ours["engine"], "engine_config": ours["engine_config"]},
+        "ours_engine": ours and {**ours["engine"], "engine_config": ours["engine_config"],
+                                 "pool_populated": ours["pool_populated"], "populate_s": ours["populate_s"]},
         "generate_batch_attn_implementation": results.get("generate_batch", {}).get(
             "attn_implementation"),
         "correctness": checks, "errors": errors,

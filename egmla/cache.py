@@ -148,9 +148,9 @@ class AttendsInPlace(Protocol):
         h // (H / Hr). None, with nothing written, where it cannot."""
         ...
 
-    def fused_gated_attention(self, m: torch.Tensor, q_mu: torch.Tensor, q_rope: torch.Tensor,
-                              new: Mapping[str, torch.Tensor], table: torch.Tensor,
-                              residual: bool, scale: float
+    def fused_gated_attention(self, query: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                              q_rope: torch.Tensor, new: Mapping[str, torch.Tensor],
+                              table: torch.Tensor, residual: bool, scale: float
                               ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """EG-MLA `kv`'s absorbed attention computed by the cache (docs/attention.md, "The
         absorbed kv computation"): write `new` (exactly the layer's fields: `c`, `k_rope` and
@@ -158,9 +158,10 @@ class AttendsInPlace(Protocol):
         m_i = sum_j a_ij inv_j mu_j, where a_ij = softmax_j((inv_j (c_j^T M_i e_j - mu_j
         q_mu_i) + q_rope_i . k_rope_j) * scale) over every key each query may see, e_j =
         table[token id of key j] (then a constant 1 when `residual`) and (mu_j, inv_j) the
-        key's norm statistics (0 and 1 where none are cached): m (B, T, H, C, E'), q_mu
-        (B, T, H), q_rope (B, T, H, r) -> (B, T, H, C, E'), (B, T, H). None, with nothing
-        written, where it cannot."""
+        key's norm statistics (0 and 1 where none are cached). `query()` returns the per-query
+        side, (M (B, T, H, C, E'), q_mu (B, T, H)), called only where the cache attends (M
+        costs H C E' d_nope MACs a token); q_rope (B, T, H, r) -> (B, T, H, C, E'), (B, T, H).
+        None, with nothing written (and `query` not called), where it cannot."""
         ...
 
 

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from egmla.dtypes import WEIGHT_DTYPES as DTYPES
@@ -194,10 +195,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model))
                                       if os.path.isdir(args.model) else args.model)
-    c = llm.engine.config
+    c, started = llm.engine.config, time.perf_counter()
+    llm.engine.cache.populate()  # the pool's page faults now, not in the first requests' steps
     logging.getLogger("serve").info(
-        "serving %s as %r: %d KV blocks of %d tokens (%.1f MiB), attention %s", args.model, name,
-        c.num_blocks, c.block_size, llm.engine.cache.nbytes() / 2**20, llm.engine.attention_backend)
+        "serving %s as %r: %d KV blocks of %d tokens (%.1f MiB, touched in %.1f s), attention %s",
+        args.model, name, c.num_blocks, c.block_size, llm.engine.cache.nbytes() / 2**20,
+        time.perf_counter() - started, llm.engine.attention_backend)
     engine = AsyncEngine(llm, max_queued_requests=args.max_queued_requests).start()
     app = build_app(engine, name, max_request_bytes=args.max_request_bytes, api_key=args.api_key)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,

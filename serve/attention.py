@@ -57,6 +57,7 @@ class PagedAttention:
 
     name = "sdpa"
     fuses_blocks = False  # whether decode steps may run a whole block in one native kernel
+    packs = False  # whether `attend` takes packed steps (serve.paged_cache: new prompts as one row)
 
     def prepare(self, step) -> None:
         """Build what every layer of `step` shares, before the forward (outside any compiled
@@ -75,18 +76,18 @@ class PagedAttention:
         new fields written: (B, T, H, C); or None (nothing written) where it does not apply."""
         return None
 
-    def attend_gated(self, step, pools: dict[str, torch.Tensor], m: torch.Tensor,
-                     q_mu: torch.Tensor, q_rope: torch.Tensor, new: dict[str, torch.Tensor],
-                     table: torch.Tensor, residual: bool, scale: float
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def attend_gated(self, step, pools: dict[str, torch.Tensor], query, q_rope: torch.Tensor,
+                     new: dict[str, torch.Tensor], table: torch.Tensor, residual: bool,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """EG-MLA `kv`'s absorbed attention (egmla.kernels.paged_gated_attention's function;
-        egmla.cache.AttendsInPlace.fused_gated_attention), with the layer's new fields
-        written: (A (B, T, H, C, E'), m (B, T, H)); or None (nothing written)."""
+        egmla.cache.AttendsInPlace.fused_gated_attention: `query()` gives (M, q_mu)), with the
+        layer's new fields written: (A (B, T, H, C, E'), m (B, T, H)); or None (nothing
+        written, `query` not called)."""
         return None
 
 
 class Native(PagedAttention):
-    name, fuses_blocks = "native", True
+    name, fuses_blocks, packs = "native", True, True
 
     def attend(self, step, pools, q, new, key, value, scale):
         if not step.decode_only and step.fresh:  # new prompts: causal over their own tokens
@@ -97,6 +98,9 @@ class Native(PagedAttention):
             # is the gather path's. Padding follows each row's tokens, so a real query's causal
             # window holds only its row's real keys.
             k, v = (new[name].to(pools[name].dtype).to(q.dtype) for name in (key, value))
+            if step.packed:  # each prompt causal over its own tokens
+                return torch.cat([common.attend(q[:, a:b], k[:, a:b], v[:, a:b], scale, None, None)
+                                  for a, b in step.segments], dim=1)
             return common.attend(q, k, v, scale, None, None)
         if not step.decode_only or not kernels.paged_attention_runs(q, pools[key], pools[value]):
             return None
@@ -114,13 +118,14 @@ class Native(PagedAttention):
                                              step.lengths, scale)
         return out[:, None]  # (B, 1, H, C)
 
-    def attend_gated(self, step, pools, m, q_mu, q_rope, new, table, residual, scale):
+    def attend_gated(self, step, pools, query, q_rope, new, table, residual, scale):
         stats = pools.get("norm_stats")
         ids = step.cache.sequence.get(common.TOKEN_IDS_FIELD)
         if (not step.decode_only or set(pools) - {"c", "k_rope", "norm_stats"} or ids is None
                 or not kernels.paged_gated_attention_runs(pools["c"], pools["k_rope"], table,
-                                                          stats, m)):
+                                                          stats, q_rope)):
             return None
+        m, q_mu = query()
         step.write_fields(pools, new)
         a, msum = kernels.paged_gated_attention(m[:, 0], q_mu[:, 0], q_rope[:, 0], pools["c"],
                                                 pools["k_rope"], stats, ids, table, residual,

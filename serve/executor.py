@@ -5,8 +5,9 @@ The executor owns what running the model takes on the serving side: the paged ca
 model (eager, or through torch.compile), the fused decode (`fused_decode`: on the CPU, a
 decode step of a Llama-shaped model runs each block in one kernel call straight from the
 paged pools, the executor asking each block for its weights), and how a step's rows are
-grouped into ragged forwards (`forward_groups`). It reads only the plan's rows (their tokens,
-positions, block tables), never the engine's live sequences.
+grouped into ragged forwards (`forward_groups`; new prompts packed into one row of all their
+tokens where the backend attends within each, `Executor.packs`). It reads only the plan's rows
+(their tokens, positions, block tables), never the engine's live sequences.
 """
 
 from __future__ import annotations
@@ -56,15 +57,25 @@ class Executor:
         self._fuses = bool(kv) and len(kv) == len(model.layers)  # every block may run fused
         choice = attention.select(config.attention_backend, weight.device, dtype,
                                   config.block_size, head_dims)
+        self._packs = self._fuses and choice.backend.packs  # every layer attends within a prompt
         self.attention_backend = choice.name  # what runs, and why (logged)
         log.info("attention backend: %s (%s)", choice.name, choice.reason)
         self.cache = PagedKVCache(spec, config.num_blocks, config.block_size, dtype=dtype,
                                   device=weight.device, attention=choice.backend)
         self.decode_model = model if config.enforce_eager else compiled_decode(model)
 
+    def packs(self, row: ScheduledRow) -> bool:
+        """Whether `row` may run in a packed forward: a new prompt (no history, more than one
+        token) under a backend that attends within each prompt of a packed step, every layer
+        attending through it (serve/paged_cache.py)."""
+        return self._packs and row.start == 0 and row.num_new_tokens > 1
+
     def forward(self, rows: list[ScheduledRow], every: bool = False) -> torch.Tensor:
         """One ragged forward over the paged cache -> (rows, vocab) logits of each row's last
-        new token, or (`every`) (rows, new tokens, vocab) at every position."""
+        new token, or (`every`) (rows, new tokens, vocab) at every position. Several rows that
+        all `packs` run as one row of all their tokens: no padding."""
+        if not every and len(rows) > 1 and all(self.packs(r) for r in rows):
+            return self._packed(rows)
         T = max(r.num_new_tokens for r in rows)
         pad = [[0] * (T - r.num_new_tokens) for r in rows]  # padding queries sit at position 0
         tokens = torch.tensor([[*r.token_ids, *p] for r, p in zip(rows, pad)], dtype=torch.long)
@@ -85,6 +96,18 @@ class Executor:
                 torch.tensor([r.num_new_tokens - 1 for r in rows], device=self.device))
         return model(tokens.to(self.device), positions.to(self.device), cache=step,
                      logits_at=last)
+
+    def _packed(self, rows: list[ScheduledRow]) -> torch.Tensor:
+        """New prompts as one packed row (1, N): (rows, vocab) logits of each one's last token."""
+        lengths = [r.num_new_tokens for r in rows]
+        tokens = torch.tensor([[t for r in rows for t in r.token_ids]], dtype=torch.long)
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        step = self.cache.step([r.block_table for r in rows], [0] * len(rows), lengths, packed=True)
+        if self._prepares:
+            self.cache.attention.prepare(step)
+        last = torch.tensor(lengths).cumsum(0)[None] - 1  # (1, rows)
+        return self.model(tokens.to(self.device), positions.to(self.device), cache=step,
+                          logits_at=last.to(self.device))[0]
 
     def _fused(self, tokens: torch.Tensor, positions: torch.Tensor, step: PagedStep
                ) -> torch.Tensor | None:
@@ -140,15 +163,20 @@ def fused_decode(blocks: Sequence[Block], x: torch.Tensor, positions: torch.Tens
     return out
 
 
-def forward_groups(lengths: list[int], max_padding: float = 0.25) -> list[list[int]]:
+def forward_groups(lengths: list[int], max_padding: float = 0.25,
+                   packable: Sequence[bool] | None = None) -> list[list[int]]:
     """Split a step's rows (new-token counts) into forwards that waste little on padding: all
-    decodes (1 token) together, prefill chunks grouped longest first while the padded size stays
-    within (1 + max_padding) x their real tokens. A (B, T) forward computes B * T tokens, so one
-    512-token chunk padded with 30 decodes would otherwise cost 31x."""
+    decodes (1 token) together, the rows that are `packable` together (two or more: one packed
+    forward, no padding), the other prefill chunks grouped longest first while the padded size
+    stays within (1 + max_padding) x their real tokens. A (B, T) forward computes B * T tokens,
+    so one 512-token chunk padded with 30 decodes would otherwise cost 31x."""
+    packed = [i for i, n in enumerate(lengths) if n > 1 and packable is not None and packable[i]]
+    packed = packed if len(packed) > 1 else []
     decodes = [i for i, n in enumerate(lengths) if n == 1]
-    groups = [decodes] if decodes else []
+    groups = [g for g in (decodes, packed) if g]
     group: list[int] = []
-    for i in sorted((i for i, n in enumerate(lengths) if n > 1), key=lambda i: -lengths[i]):
+    rest = (i for i, n in enumerate(lengths) if n > 1 and i not in packed)
+    for i in sorted(rest, key=lambda i: -lengths[i]):
         real = sum(lengths[j] for j in group) + lengths[i]
         if group and (len(group) + 1) * lengths[group[0]] > (1 + max_padding) * real:
             groups.append(group)

@@ -372,12 +372,13 @@ def paged_latent_attention(q: torch.Tensor, c_pool: torch.Tensor, r_pool: torch.
 
 
 def paged_gated_attention_runs(c_pool: torch.Tensor, r_pool: torch.Tensor, table: torch.Tensor,
-                               stats_pool: torch.Tensor | None, m: torch.Tensor) -> bool:
-    """Whether `paged_gated_attention` can take these tensors here."""
+                               stats_pool: torch.Tensor | None, q: torch.Tensor) -> bool:
+    """Whether `paged_gated_attention` can take these tensors here (q: a query-side input,
+    M or q_rope, whose gradient would be lost)."""
     return (c_pool.device.type == "cpu" and c_pool.dtype in DTYPES and r_pool.dtype == c_pool.dtype
             and c_pool.dim() == 2 and r_pool.dim() in (2, 3) and table.dtype in DTYPES
             and (stats_pool is None or stats_pool.dtype == torch.float32)
-            and not (torch.is_grad_enabled() and m.requires_grad) and load())
+            and not (torch.is_grad_enabled() and q.requires_grad) and load())
 
 
 def paged_gated_attention(m: torch.Tensor, q_mu: torch.Tensor, q_rope: torch.Tensor,

@@ -332,3 +332,33 @@ def test_forward_groups_keep_decodes_together_and_bound_prefill_padding():
     assert groups[0] == [0, 2, 5]  # every decode in one forward
     for g in groups[1:]:
         assert len(g) * max(lengths[i] for i in g) <= 1.25 * sum(lengths[i] for i in g)
+
+
+def test_packable_prefills_run_in_one_forward_and_the_rest_as_before():
+    from serve.executor import forward_groups as _forward_groups
+
+    lengths = [1, 512, 1, 30, 500, 7, 28, 2]
+    packable = [False, False, False, True, False, True, True, False]
+    groups = _forward_groups(lengths, packable=packable)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert groups[:2] == [[0, 2], [3, 5, 6]]  # the decodes, then the packed prompts
+    assert [1, 4] in groups and [7] in groups  # the other chunks grouped by padding as before
+    alone = [False, False, False, True, False, False, False, False]  # one: nothing to pack with
+    assert [3] not in _forward_groups(lengths, packable=alone)[:1]
+
+
+@pytest.mark.parametrize("name", ["mha", "gqa"])
+def test_new_prompts_run_packed_and_decode_as_the_full_recompute(name, monkeypatch):
+    from serve.executor import Executor
+
+    packed_rows, real = [], Executor._packed
+    monkeypatch.setattr(Executor, "_packed",
+                        lambda self, rows: packed_rows.append(len(rows)) or real(self, rows))
+    model = build(VARIANTS[name])
+    prompts = mixed_prompts(model.config.vocab_size)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=96, max_num_batched_tokens=128,
+                                           enable_prefix_caching=False))
+    outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
+    assert packed_rows and max(packed_rows) > 2  # the packed path ran, several prompts at once
+    for prompt, out in zip(prompts, outputs):
+        assert out == reference_greedy(model, prompt, 6)

@@ -270,15 +270,21 @@ class EGMLA(EGMLABase):
             return None
         if not self._use_absorbed(q_nope.shape[1], cache.key_positions.shape[1], cached=True):
             return None
-        m_q, q_mu, outputs = self._absorbed_query(q_nope)
-        got = in_place(m_q, q_mu, q_rope, fields, self.gate_table.weight, self.gate_residual,
+        outputs = []
+
+        def query():  # the per-query side, computed only where the cache attends
+            m_q, q_mu, rest = self._absorbed_query(q_nope)
+            outputs.append(rest)
+            return m_q, q_mu
+
+        got = in_place(query, q_rope, fields, self.gate_table.weight, self.gate_residual,
                        self.scale)
         if got is None:
             return None
         acc, m = got
         has_mu = self.stats_width and self.gate_norm_kind != "rmsnorm"
-        return self._absorbed_output(acc.to(m_q.dtype), m.to(m_q.dtype) if has_mu else None,
-                                     outputs)
+        return self._absorbed_output(acc.to(q_nope.dtype), m.to(q_nope.dtype) if has_mu else None,
+                                     outputs[0])
 
     def _absorbed_query(self, q_nope: torch.Tensor):
         """The per-query side of the absorbed computation: each head's M_i (B, T, H, C, E'),
