@@ -14,7 +14,8 @@
     for per-document metrics (accuracy) the paired difference's mean with a 95% interval over
     documents and how many documents changed.
 (d) quantization (`--quantization q8_0 gguf ...`): the same comparison for block-quantized
-    weights (`quantization=` of the adapter, serve.LLM's), against the same float32 run.
+    weights (`quantization=` of the adapter, serve.LLM's), against the same float32 run; the
+    methods run replace their rows, the other methods' recorded rows stay (each with its run).
 
     python benchmarks/eval_suite.py                    # all parts (~55 min on 2 CPU cores)
     python benchmarks/eval_suite.py --quick            # smoke test: a few documents per task
@@ -218,10 +219,11 @@ def render(report: dict[str, Any]) -> str:
     if report.get("quantization"):
         part = report["quantization"]
         lines += ["", "## Quantized weights against float32 (`--model egmla`, "
-                  "`quantization=...` in `--model_args`)", "",
-                  *_made_by(part, "float32 activations")]
+                  "`quantization=...` in `--model_args`)", ""]
+        runs = part.get("runs") or {m: part for m in part["rows"]}
         for method, rows in part["rows"].items():
-            lines += [f"### {method}", "", *_comparison(rows, method, method), ""]
+            lines += [f"### {method}", "", *_made_by(runs[method], "float32 activations"),
+                      *_comparison(rows, method, method), ""]
     return "\n".join(lines) + "\n"
 
 
@@ -282,9 +284,14 @@ def main() -> int:
                        {"bfloat16": {"dtype": "bfloat16"}})["bfloat16"]
         report["precision"] = {**made_by, "native_bf16": kernels.native_bf16(), "rows": rows}
     if args.quantization:
+        # the methods run now replace their rows; the others recorded stay, each method with
+        # the run that made it (its own float32 pair)
         variants = {m: {"dtype": "float32", "quantization": m} for m in args.quantization}
-        report["quantization"] = {**made_by, "rows": compare(EgmlaLM, manager, PRECISION_TASKS,
-                                                             args.quick, variants)}
+        kept = report["quantization"] or {"rows": {}}
+        runs = kept.get("runs") or {m: {k: kept[k] for k in made_by} for m in kept["rows"]}
+        rows = compare(EgmlaLM, manager, PRECISION_TASKS, args.quick, variants)
+        report["quantization"] = {**made_by, "rows": {**kept["rows"], **rows},
+                                  "runs": {**runs, **{m: made_by for m in rows}}}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / f"{name}.md").write_text(render(report))
