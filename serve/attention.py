@@ -57,7 +57,7 @@ class PagedAttention:
 
     name = "sdpa"
     fuses_blocks = False  # whether decode steps may run a whole block in one native kernel
-    packs = False  # whether `attend` takes packed steps (serve.paged_cache: new prompts as one row)
+    packs = False  # whether `attend` takes packed steps (serve.paged_cache: every row's tokens as one)
 
     def prepare(self, step) -> None:
         """Build what every layer of `step` shares, before the forward (outside any compiled
@@ -90,6 +90,8 @@ class Native(PagedAttention):
     name, fuses_blocks, packs = "native", True, True
 
     def attend(self, step, pools, q, new, key, value, scale):
+        if step.packed:
+            return self._attend_packed(step, pools, q, new, key, value, scale)
         if not step.decode_only and step.fresh:  # new prompts: causal over their own tokens
             step.write_fields(pools, new)
             # SDPA's causal path skips the blocks above the diagonal, which a mask cannot (at
@@ -98,9 +100,6 @@ class Native(PagedAttention):
             # is the gather path's. Padding follows each row's tokens, so a real query's causal
             # window holds only its row's real keys.
             k, v = (new[name].to(pools[name].dtype).to(q.dtype) for name in (key, value))
-            if step.packed:  # each prompt causal over its own tokens
-                return torch.cat([common.attend(q[:, a:b], k[:, a:b], v[:, a:b], scale, None, None)
-                                  for a, b in step.segments], dim=1)
             return common.attend(q, k, v, scale, None, None)
         if not step.decode_only or not kernels.paged_attention_runs(q, pools[key], pools[value]):
             return None
@@ -108,6 +107,26 @@ class Native(PagedAttention):
         out = kernels.paged_attention(q[:, 0], pools[key], pools[value], step.slots,
                                       step.lengths, scale)
         return out[:, None]  # (B, 1, H, Dv)
+
+    @staticmethod
+    def _attend_packed(step, pools, q, new, key, value, scale):
+        """A packed step (serve.paged_cache): each row's tokens over its own keys; a new prompt
+        causal over its new tokens (SDPA's causal path), a row with history over the keys
+        gathered from the pools (its new ones written first)."""
+        step.write_fields(pools, new)
+        k_new, v_new = (new[name].to(pools[name].dtype).to(q.dtype) for name in (key, value))
+        outs = []
+        for b, (start, end, context) in enumerate(step.segments):
+            if context == 0:
+                outs.append(common.attend(q[:, start:end], k_new[:, start:end], v_new[:, start:end],
+                                          scale, None, None))
+                continue
+            slots = step.slots[b, :context + end - start]
+            k, v = (pools[name].index_select(0, slots)[None].to(q.dtype) for name in (key, value))
+            positions = torch.arange(context, context + end - start, device=q.device)[None]
+            outs.append(common.attend(q[:, start:end], k, v, scale, positions,
+                                      torch.arange(len(slots), device=q.device)))
+        return torch.cat(outs, dim=1)
 
     def attend_latent(self, step, pools, q, new, scale):
         if (not step.decode_only or set(pools) != {"c", "k_rope"}

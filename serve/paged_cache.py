@@ -20,10 +20,10 @@ goes through `PagedStep`, which implements the model's cache protocol (`egmla.ca
   fused decode (serve/executor.py: a whole block in one kernel call), under a backend that
   fuses blocks.
 
-A `packed` step holds new prompts only (no row has history) as one row of all their tokens,
-(1, N) in row order, so that the model's linear layers run once over every prompt with no
-padding; the backend then attends within each row's own tokens (`segments`) and the layers
-never gather (`update` refuses).
+A `packed` step holds its rows' new tokens as one row, (1, N) in row order, so that the model's
+linear layers run once over every row's tokens with no padding; the backend then attends each
+row's tokens (`segments`) over that row's own keys, and the layers never gather (`update`
+refuses).
 
 Slot of position p in a sequence = block_table[p // block_size] * block_size + p % block_size.
 """
@@ -123,8 +123,6 @@ class PagedStep:
     ) -> None:
         if not (len(block_tables) == len(context_lens) == len(new_lens)):
             raise ValueError("block_tables, context_lens and new_lens need one entry per row")
-        if packed and any(context_lens):
-            raise ValueError("a packed step holds new prompts only: every context length 0")
         self.cache, self.packed = cache, packed
         bs, device = cache.block_size, cache.device
         totals = [ctx + new for ctx, new in zip(context_lens, new_lens)]
@@ -156,10 +154,11 @@ class PagedStep:
                          else self.new_slots.flatten().index_select(0, self._rows))
 
     @functools.cached_property
-    def segments(self) -> list[tuple[int, int]]:
-        """Each row's [start, end) in a packed step's one row of tokens."""
+    def segments(self) -> list[tuple[int, int, int]]:
+        """Each row's [start, end) in a packed step's one row of tokens, and its context
+        length (the cached tokens before them)."""
         ends = torch.tensor(self._new_lens).cumsum(0).tolist()
-        return list(zip([0, *ends[:-1]], ends))
+        return list(zip([0, *ends[:-1]], ends, self._context_lens))
 
     @functools.cached_property
     def fresh(self) -> bool:

@@ -334,21 +334,21 @@ def test_forward_groups_keep_decodes_together_and_bound_prefill_padding():
         assert len(g) * max(lengths[i] for i in g) <= 1.25 * sum(lengths[i] for i in g)
 
 
-def test_packable_prefills_run_in_one_forward_and_the_rest_as_before():
+def test_a_steps_packable_prefill_rows_run_in_one_forward():
     from serve.executor import forward_groups as _forward_groups
 
     lengths = [1, 512, 1, 30, 500, 7, 28, 2]
-    packable = [False, False, False, True, False, True, True, False]
-    groups = _forward_groups(lengths, packable=packable)
-    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
-    assert groups[:2] == [[0, 2], [3, 5, 6]]  # the decodes, then the packed prompts
-    assert [1, 4] in groups and [7] in groups  # the other chunks grouped by padding as before
-    alone = [False, False, False, True, False, False, False, False]  # one: nothing to pack with
-    assert [3] not in _forward_groups(lengths, packable=alone)[:1]
+    groups = _forward_groups(lengths, packable=[True] * len(lengths))
+    assert groups == [[0, 2], [1, 3, 4, 5, 6, 7]]  # the decodes (the fused block), every chunk
+    some = _forward_groups(lengths, packable=[False, False, False, True, False, True, True, False])
+    assert some[:2] == [[0, 2], [3, 5, 6]]  # the packed rows; the others grouped as before
+    assert [1, 4] in some and [7] in some
+    alone = [False, False, False, True] + [False] * 4  # nothing to pack with: grouped as before
+    assert _forward_groups(lengths, packable=alone) == _forward_groups(lengths)
 
 
 @pytest.mark.parametrize("name", ["mha", "gqa"])
-def test_new_prompts_run_packed_and_decode_as_the_full_recompute(name, monkeypatch):
+def test_packed_steps_decode_as_the_full_recompute(name, monkeypatch):
     from serve.executor import Executor
 
     packed_rows, real = [], Executor._packed
@@ -356,9 +356,8 @@ def test_new_prompts_run_packed_and_decode_as_the_full_recompute(name, monkeypat
                         lambda self, rows: packed_rows.append(len(rows)) or real(self, rows))
     model = build(VARIANTS[name])
     prompts = mixed_prompts(model.config.vocab_size)
-    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=96, max_num_batched_tokens=128,
-                                           enable_prefix_caching=False))
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=96, max_num_batched_tokens=48))
     outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
-    assert packed_rows and max(packed_rows) > 2  # the packed path ran, several prompts at once
+    assert packed_rows and max(packed_rows) > 2  # the packed path ran, several rows at once
     for prompt, out in zip(prompts, outputs):
         assert out == reference_greedy(model, prompt, 6)

@@ -40,40 +40,36 @@ def test_ragged_paged_steps_equal_full_forward(name):
 
 
 @pytest.mark.parametrize("name", ["mha", "gqa"])
-def test_a_packed_step_equals_each_prompts_full_forward_and_fills_the_cache(name):
-    # New prompts as one row of all their tokens (the engine's packed prefill): each prompt's
-    # logits are its own full forward's, and a decode step after it reads what it wrote.
+def test_packed_steps_equal_each_rows_full_forward(name):
+    # Every row's new tokens as one row (the engine's packed forward): new prompts, then their
+    # next chunks and single decode tokens over what the first step wrote. Each row's logits
+    # are its own full forward's.
     model = build(VARIANTS[name])
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (5, 13, 2, 9)]
+    sequences = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (9, 14, 3, 11)]
     cache = PagedKVCache(model.cache_spec(), num_blocks=16, block_size=4, dtype=torch.float64)
-    tables = [[7, 2], [0, 9, 4, 11], [3], [15, 1, 8]]  # scattered blocks, room for one more token
-    lengths = [len(p) for p in prompts]
-    step = cache.step(tables, [0] * len(prompts), lengths, packed=True)
-    tokens = torch.cat(prompts)[None]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    with torch.no_grad():
-        packed = model(tokens, positions, cache=step)[0]  # (N, V)
-        for (a, b), p in zip(step.segments, prompts):
-            assert (packed[a:b] - model(p[None])[0]).abs().max().item() < 1e-9
-        nxt = torch.stack([packed[b - 1].argmax() for _, b in step.segments])
-        decode = cache.step(tables, lengths, [1] * len(prompts))
-        out = model(nxt[:, None], torch.tensor(lengths)[:, None], cache=decode)[:, 0]
-    for p, t, logits in zip(prompts, nxt, out):
+    tables = [[7, 2, 5], [0, 9, 4, 11], [3], [15, 1, 8]]  # scattered blocks
+    done = [0] * len(sequences)
+    for new in ([5, 13, 2, 4], [4, 1, 1, 7]):  # prompts, then chunks and decodes with history
+        step = cache.step(tables, done, new, packed=True)
+        tokens = torch.cat([s[d:d + n] for s, d, n in zip(sequences, done, new)])[None]
+        positions = torch.cat([torch.arange(d, d + n) for d, n in zip(done, new)])[None]
         with torch.no_grad():
-            expected = model(torch.cat((p, t[None]))[None])[0, -1]
-        assert (logits - expected).abs().max().item() < 1e-9
+            packed = model(tokens, positions, cache=step)[0]  # (N, V)
+            for (start, end, context), s, d, n in zip(step.segments, sequences, done, new):
+                assert (start, end - start, context) == (start, n, d)
+                expected = model(s[None, :d + n])[0, d:]
+                assert (packed[start:end] - expected).abs().max().item() < 1e-9
+        done = [d + n for d, n in zip(done, new)]
 
 
-def test_a_packed_step_holds_new_prompts_only_and_never_gathers():
+def test_a_packed_step_never_gathers():
     model = build(VARIANTS["gqa"])
     cache = PagedKVCache(model.cache_spec(), num_blocks=4, block_size=4, dtype=torch.float64)
-    with pytest.raises(ValueError, match="new prompts only"):
-        cache.step([[0], [1]], [2, 0], [2, 3], packed=True)
-    step = cache.step([[0], [1]], [0, 0], [2, 3], packed=True)
-    assert step.segments == [(0, 2), (2, 5)]
-    fields = {name: torch.zeros(1, 5, *shape) for name, shape in
-              ((n, f.shape) for n, f in model.cache_spec().layers[0].items())}
+    step = cache.step([[0], [1, 2]], [0, 3], [2, 3], packed=True)
+    assert step.segments == [(0, 2, 0), (2, 5, 3)]
+    fields = {name: torch.zeros(1, 5, *field.shape) for name, field in
+              model.cache_spec().layers[0].items()}
     with pytest.raises(RuntimeError, match="none gathers"):
         step.layer(0).update(**fields)
 
