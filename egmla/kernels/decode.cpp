@@ -267,8 +267,12 @@ inline __m256 exp_nonpositive(__m256 x) {
 inline void softmax_rows(float* scores, int64_t H, int64_t n, int64_t width, float* max, float* sum) {
   for (int64_t h = 0; h < H; ++h) {
     float* e = scores + h * width;
-    float top = -INFINITY;
+    __m256 most8 = _mm256_set1_ps(-INFINITY);
     int64_t s = 0;
+    for (; s + 8 <= n; s += 8) most8 = _mm256_max_ps(most8, _mm256_loadu_ps(e + s));
+    alignas(32) float tops[8];
+    _mm256_store_ps(tops, most8);
+    float top = *std::max_element(tops, tops + 8);
     for (; s < n; ++s) top = std::max(top, e[s]);
     __m256 sum8 = _mm256_setzero_ps();
     const __m256 top8 = _mm256_set1_ps(top);
@@ -334,14 +338,14 @@ void attend_chunk(const float* q, const P* k_pool, const P* v_pool, const int64_
 //   from a panel laid out [8-dim step][head][8] (one pointer, constant offsets: H query
 //   pointers do not fit in the registers);
 // - values 4 heads x 16 latent columns at a time over the chunk's keys, columns outside and
-//   head blocks inside (a strip of the latents serves every head from L1), the probabilities
-//   transposed key-major for the same reason as the panel.
+//   head blocks inside (a strip of the latents serves every head from L1).
 // The scores wait on memory and the values on nothing (the chunk is in L2 by then): while a
 // chunk is computed, the next chunk's cache lines (the `next` keys after it) are asked into L2
 // a few at a time, spread evenly over its score and value blocks (asked in a burst, or only
 // during the values, most of them arrived too late). At the paper's MLA shapes, 4,096
 // scattered keys, batch 1, in interleaved runs while this was written (not kept): 0.67-0.69
-// -> 0.48-0.51 ms, paired 0.70-0.75x (EG-MLA latent at d_c 64: 0.26-0.27 -> 0.20-0.21 ms);
+// -> 0.48-0.51 ms, paired 0.70-0.75x (EG-MLA latent at d_c 64: 0.26-0.27 -> 0.20-0.21 ms),
+// then 0.95x and 0.91x for a vectorized softmax maximum and no transposed probabilities;
 // benchmarks/latent_decode.py records the step against its roofline.
 constexpr int kValueHeads = 4;
 
@@ -430,20 +434,20 @@ inline void latent_scores(const float* panel, const P* c_pool, const P* r_pool, 
     for (int j = 0; j < KB; ++j) scores[i * width + j] = sums[i * KB + j] * scale;
 }
 
-// out[i * C + d + c] = sum_k e[k * H + i] c_k[d + c] for heads i < HB and columns c < 8W
-// (e: the probabilities, key-major), asking for the next lines every 32 keys.
+// out[i * C + d + c] = sum_k e[i * width + k] c_k[d + c] for heads i < HB and columns c < 8W
+// (e: the heads' probabilities), asking for the next lines every 32 keys.
 template <int HB, int W, typename P>
-inline void latent_values(const float* e, int64_t H, const P* c_pool, const int64_t* slots, int64_t n,
+inline void latent_values(const float* e, int64_t width, const P* c_pool, const int64_t* slots, int64_t n,
                           int64_t C, int64_t d, float* out, NextLines<P>& next) {
   __m256 acc[HB * W];
   for (auto& a : acc) a = _mm256_setzero_ps();
-  for (int64_t k = 0; k < n; ++k, e += H) {
+  for (int64_t k = 0; k < n; ++k, ++e) {
     if (k % 32 == 0) next.pump();
     const P* c = c_pool + slots[k] * C + d;
     __m256 v[W];
     for (int w = 0; w < W; ++w) v[w] = load8(c + 8 * w);
     for (int i = 0; i < HB; ++i) {
-      const __m256 p = _mm256_broadcast_ss(e + i);
+      const __m256 p = _mm256_broadcast_ss(e + i * width);
       for (int w = 0; w < W; ++w) acc[i * W + w] = _mm256_fmadd_ps(p, v[w], acc[i * W + w]);
     }
   }
@@ -456,10 +460,9 @@ void attend_latent_blocks(const float* q, const P* c_pool, const P* r_pool, cons
                           int64_t n, int64_t next, int64_t H, int64_t Hr, int64_t C, int64_t r, float scale,
                           float* scores, int64_t width, float* out, float* max, float* sum) {
   const int64_t R = H / Hr, D = C + r, C8 = C - C % 8, r8 = r - r % 8, steps = (C8 + r8) / 8;
-  thread_local std::vector<float> panel_memory, e_memory;
+  thread_local std::vector<float> panel_memory;
   panel_memory.resize(H * steps * 8);
-  e_memory.resize(n * H);
-  float *panel = panel_memory.data(), *e = e_memory.data();
+  float* panel = panel_memory.data();
   head_blocks<SH>(H, [&](auto hb, int64_t h) {  // each block's queries, [step][head][8]
     constexpr int HB = decltype(hb)::value;
     for (int64_t t = 0; t < steps; ++t)
@@ -499,24 +502,25 @@ void attend_latent_blocks(const float* q, const P* c_pool, const P* r_pool, cons
       }
   }
   softmax_rows(scores, H, n, width, max, sum);
-  for (int64_t h = 0; h < H; ++h)
-    for (int64_t k = 0; k < n; ++k) e[k * H + h] = scores[h * width + k];
   // columns outside, heads inside: a strip of the chunk's latents (n x 16 columns) serves
   // every head block from L1
   int64_t d = 0;
   for (; d + 16 <= C; d += 16)
     head_blocks<kValueHeads>(H, [&](auto hb, int64_t h) {
-      latent_values<decltype(hb)::value, 2>(e + h, H, c_pool, slots, n, C, d, out + h * C, lines);
+      latent_values<decltype(hb)::value, 2>(scores + h * width, width, c_pool, slots, n, C, d, out + h * C,
+                                            lines);
     });
   for (; d + 8 <= C; d += 8)
     head_blocks<kValueHeads>(H, [&](auto hb, int64_t h) {
-      latent_values<decltype(hb)::value, 1>(e + h, H, c_pool, slots, n, C, d, out + h * C, lines);
+      latent_values<decltype(hb)::value, 1>(scores + h * width, width, c_pool, slots, n, C, d, out + h * C,
+                                            lines);
     });
   for (int64_t h = 0; h < H; ++h) {  // the columns the blocks left
     float* o = out + h * C;
     std::fill(o + d, o + C, 0.f);
     for (int64_t k = 0; k < n; ++k)
-      for (int64_t c = d; c < C; ++c) o[c] += e[k * H + h] * static_cast<float>(c_pool[slots[k] * C + c]);
+      for (int64_t c = d; c < C; ++c)
+        o[c] += scores[h * width + k] * static_cast<float>(c_pool[slots[k] * C + c]);
   }
 }
 
