@@ -24,8 +24,13 @@ def test_the_latent_decode_benchmark_writes_consistent_rows(tmp_path):
     rows = {(r["variant"], r["path"]): r for r in report["rows"]}
     assert set(rows) == {("mla", "native"), ("mla", "pytorch"), ("egmla-kv", "native"),
                          ("egmla-kv", "pytorch"), ("egmla-kv", "pytorch-rebuild")}
+    machine = report["machine"]
+    best = {k: max(machine["before"][k], machine["after"][k]) for k in ("read_gb_s", "fma_gmac_s")}
+    assert machine["roofline"] == best  # the better measurement of each rate
     for r in rows.values():
         assert r["context"] == 1024 and r["batch"] == 1 and len(r["runs_s"]) == 2
+        assert r["roofline_s"] == pytest.approx(max(r["bytes"] / (best["read_gb_s"] * 1e9),
+                                                    r["macs"] / (best["fma_gmac_s"] * 1e9)))
         assert r["median_s"] == pytest.approx(statistics.median(r["runs_s"]))
         assert r["time_over_roofline"] == pytest.approx(r["median_s"] / r["roofline_s"])
     for variant in ("mla", "egmla-kv"):
