@@ -360,7 +360,7 @@ class LLMEngine:
             last[i] = logits[-1]
         others = [i for i in range(len(rows)) if i not in set(scoring)]
         for group in forward_groups([rows[i].num_new_tokens for i in others],
-                                    packable=[self.executor.packs(rows[i]) for i in others]):
+                                    pack=self.executor.packs):
             self._forward_isolated([others[g] for g in group], rows, last, failures)
         return last
 

@@ -6,8 +6,9 @@ model (eager, or through torch.compile), the fused decode (`fused_decode`: on th
 decode step of a Llama-shaped model runs each block in one kernel call straight from the
 paged pools, the executor asking each block for its weights), and how a step's rows are
 grouped into ragged forwards (`forward_groups`; where the backend attends within each row of
-a packed step, a step's prefill rows run in one forward of all their tokens, `Executor.packs`). It reads only the plan's rows (their tokens, positions, block tables), never
-the engine's live sequences.
+a packed step, a step's prefill rows run in one forward of all their tokens, `Executor.packs`).
+It reads only the plan's rows (their tokens, positions, block tables), never the engine's live
+sequences.
 """
 
 from __future__ import annotations
@@ -57,23 +58,20 @@ class Executor:
         self._fuses = bool(kv) and len(kv) == len(model.layers)  # every block may run fused
         choice = attention.select(config.attention_backend, weight.device, dtype,
                                   config.block_size, head_dims)
-        self._packs = self._fuses and choice.backend.packs  # every layer attends within a row
+        # whether prefill rows run packed (serve/paged_cache.py): the backend attends within each
+        # row of a packed step, and every layer attends through it
+        self.packs = self._fuses and choice.backend.packs
         self.attention_backend = choice.name  # what runs, and why (logged)
         log.info("attention backend: %s (%s)", choice.name, choice.reason)
         self.cache = PagedKVCache(spec, config.num_blocks, config.block_size, dtype=dtype,
                                   device=weight.device, attention=choice.backend)
         self.decode_model = model if config.enforce_eager else compiled_decode(model)
 
-    def packs(self, row: ScheduledRow) -> bool:
-        """Whether `row` may run in a packed forward (serve/paged_cache.py): the backend attends
-        within each row of a packed step, and every layer attends through it."""
-        return self._packs
-
     def forward(self, rows: list[ScheduledRow], every: bool = False) -> torch.Tensor:
         """One ragged forward over the paged cache -> (rows, vocab) logits of each row's last
         new token, or (`every`) (rows, new tokens, vocab) at every position. Several prefill
-        rows that all `packs` run as one row of all their tokens: no padding."""
-        if not every and len(rows) > 1 and all(r.num_new_tokens > 1 and self.packs(r) for r in rows):
+        rows run as one row of all their tokens where the executor `packs`: no padding."""
+        if self.packs and not every and len(rows) > 1 and all(r.num_new_tokens > 1 for r in rows):
             return self._packed(rows)
         T = max(r.num_new_tokens for r in rows)
         pad = [[0] * (T - r.num_new_tokens) for r in rows]  # padding queries sit at position 0
@@ -164,23 +162,22 @@ def fused_decode(blocks: Sequence[Block], x: torch.Tensor, positions: torch.Tens
     return out
 
 
-def forward_groups(lengths: list[int], max_padding: float = 0.25,
-                   packable: Sequence[bool] | None = None) -> list[list[int]]:
+def forward_groups(lengths: list[int], max_padding: float = 0.25, pack: bool = False
+                   ) -> list[list[int]]:
     """Split a step's rows (new-token counts) into forwards that waste little on padding: all
-    decodes (1 token) together (the fused block kernel's step), the prefill chunks that are
-    `packable` in one packed forward (two or more; no padding), the other prefill chunks
-    grouped longest first while the padded size stays within (1 + max_padding) x their real
-    tokens. A (B, T) forward computes B * T tokens, so one 512-token chunk padded with 30
+    decodes (1 token) together (the fused block kernel's step); with `pack`, every prefill
+    chunk in one packed forward (no padding); else the prefill chunks grouped longest first
+    while the padded size stays within (1 + max_padding) x their real tokens. A (B, T) forward computes B * T tokens, so one 512-token chunk padded with 30
     decodes would otherwise cost 31x. (Decodes packed beside the chunks made a mixed workload
     slower, 12.9 against 11.9 s: each row's attention over its history is a gather and an
     SDPA call of its own there, one kernel call for all rows in the decode step.)"""
-    packed = [i for i, n in enumerate(lengths) if n > 1 and packable is not None and packable[i]]
-    packed = packed if len(packed) > 1 else []
     decodes = [i for i, n in enumerate(lengths) if n == 1]
-    groups = [g for g in (decodes, packed) if g]
+    chunks = [i for i, n in enumerate(lengths) if n > 1]
+    if pack:
+        return [g for g in (decodes, chunks) if g]
+    groups = [decodes] if decodes else []
     group: list[int] = []
-    rest = (i for i, n in enumerate(lengths) if n > 1 and i not in packed)
-    for i in sorted(rest, key=lambda i: -lengths[i]):
+    for i in sorted(chunks, key=lambda i: -lengths[i]):
         real = sum(lengths[j] for j in group) + lengths[i]
         if group and (len(group) + 1) * lengths[group[0]] > (1 + max_padding) * real:
             groups.append(group)

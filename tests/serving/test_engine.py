@@ -334,17 +334,13 @@ def test_forward_groups_keep_decodes_together_and_bound_prefill_padding():
         assert len(g) * max(lengths[i] for i in g) <= 1.25 * sum(lengths[i] for i in g)
 
 
-def test_a_steps_packable_prefill_rows_run_in_one_forward():
+def test_packed_prefill_chunks_run_in_one_forward_beside_the_decodes():
     from serve.executor import forward_groups as _forward_groups
 
     lengths = [1, 512, 1, 30, 500, 7, 28, 2]
-    groups = _forward_groups(lengths, packable=[True] * len(lengths))
-    assert groups == [[0, 2], [1, 3, 4, 5, 6, 7]]  # the decodes (the fused block), every chunk
-    some = _forward_groups(lengths, packable=[False, False, False, True, False, True, True, False])
-    assert some[:2] == [[0, 2], [3, 5, 6]]  # the packed rows; the others grouped as before
-    assert [1, 4] in some and [7] in some
-    alone = [False, False, False, True] + [False] * 4  # nothing to pack with: grouped as before
-    assert _forward_groups(lengths, packable=alone) == _forward_groups(lengths)
+    assert _forward_groups(lengths, pack=True) == [[0, 2], [1, 3, 4, 5, 6, 7]]
+    assert _forward_groups([1, 1], pack=True) == [[0, 1]]
+    assert _forward_groups([40, 3], pack=True) == [[0, 1]]
 
 
 @pytest.mark.parametrize("name", ["mha", "gqa"])
