@@ -242,6 +242,12 @@ inline __m256 hsum8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(lo4, hi4, 0x20), _mm256_permute2f128_ps(lo4, hi4, 0x31));
 }
 
+// The horizontal sums of four vectors: {sum(v[0]), ..., sum(v[3])}.
+inline __m128 hsum4(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+}
+
 // exp(x) for x <= 0 (softmax's shifted scores), 8 at a time: 2^n * p(r) with x = n ln2 + r,
 // |r| <= ln2 / 2, p the degree-6 Taylor polynomial (relative error about 2e-7, near a float's
 // rounding); below -87 (where exp underflows float's normal range) it returns 0.
@@ -429,6 +435,7 @@ inline void latent_scores(const float* panel, const P* c_pool, const P* r_pool, 
   alignas(32) float sums[HB * KB + 8];
   int a = 0;
   for (; a + 8 <= HB * KB; a += 8) _mm256_store_ps(sums + a, hsum8(acc + a));
+  for (; a + 4 <= HB * KB; a += 4) _mm_store_ps(sums + a, hsum4(acc + a));
   for (; a < HB * KB; ++a) sums[a] = hsum(acc[a]);
   for (int i = 0; i < HB; ++i)
     for (int j = 0; j < KB; ++j) scores[i * width + j] = sums[i * KB + j] * scale;
