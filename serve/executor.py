@@ -167,10 +167,11 @@ def forward_groups(lengths: list[int], max_padding: float = 0.25, pack: bool = F
     """Split a step's rows (new-token counts) into forwards that waste little on padding: all
     decodes (1 token) together (the fused block kernel's step); with `pack`, every prefill
     chunk in one packed forward (no padding); else the prefill chunks grouped longest first
-    while the padded size stays within (1 + max_padding) x their real tokens. A (B, T) forward computes B * T tokens, so one 512-token chunk padded with 30
-    decodes would otherwise cost 31x. (Decodes packed beside the chunks made a mixed workload
-    slower, 12.9 against 11.9 s: each row's attention over its history is a gather and an
-    SDPA call of its own there, one kernel call for all rows in the decode step.)"""
+    while the padded size stays within (1 + max_padding) x their real tokens. A (B, T)
+    forward computes B * T tokens, so one 512-token chunk padded with 30 decodes would
+    otherwise cost 31x. (Decodes packed beside the chunks made a mixed workload slower, 12.9
+    against 11.9 s: each row's attention over its history is a gather and an SDPA call of its
+    own there, one kernel call for all rows in the decode step.)"""
     decodes = [i for i, n in enumerate(lengths) if n == 1]
     chunks = [i for i, n in enumerate(lengths) if n > 1]
     if pack:

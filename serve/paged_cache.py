@@ -31,6 +31,7 @@ Slot of position p in a sequence = block_table[p // block_size] * block_size + p
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -157,7 +158,7 @@ class PagedStep:
     def segments(self) -> list[tuple[int, int, int]]:
         """Each row's [start, end) in a packed step's one row of tokens, and its context
         length (the cached tokens before them)."""
-        ends = torch.tensor(self._new_lens).cumsum(0).tolist()
+        ends = list(itertools.accumulate(self._new_lens))
         return list(zip([0, *ends[:-1]], ends, self._context_lens))
 
     @functools.cached_property

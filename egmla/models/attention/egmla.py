@@ -31,6 +31,7 @@ about H * 2 * d_c * d_e MACs; per query H * D * d_c * d_e. `impl: auto` picks th
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import torch
@@ -270,21 +271,16 @@ class EGMLA(EGMLABase):
             return None
         if not self._use_absorbed(q_nope.shape[1], cache.key_positions.shape[1], cached=True):
             return None
-        outputs = []
-
-        def query():  # the per-query side, computed only where the cache attends
-            m_q, q_mu, rest = self._absorbed_query(q_nope)
-            outputs.append(rest)
-            return m_q, q_mu
-
-        got = in_place(query, q_rope, fields, self.gate_table.weight, self.gate_residual,
-                       self.scale)
+        # the per-query side, computed once and only where the cache attends
+        per_query = functools.cache(lambda: self._absorbed_query(q_nope))
+        got = in_place(lambda: per_query()[:2], q_rope, fields, self.gate_table.weight,
+                       self.gate_residual, self.scale)
         if got is None:
             return None
         acc, m = got
         has_mu = self.stats_width and self.gate_norm_kind != "rmsnorm"
         return self._absorbed_output(acc.to(q_nope.dtype), m.to(q_nope.dtype) if has_mu else None,
-                                     outputs[0])
+                                     per_query()[2])
 
     def _absorbed_query(self, q_nope: torch.Tensor):
         """The per-query side of the absorbed computation: each head's M_i (B, T, H, C, E'),
