@@ -3,6 +3,9 @@ scattered blocks reproduce the full forward of every sequence, for every variant
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -72,6 +75,21 @@ def test_a_packed_step_never_gathers():
               model.cache_spec().layers[0].items()}
     with pytest.raises(RuntimeError, match="none gathers"):
         step.layer(0).update(**fields)
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads resident memory from procfs")
+def test_populate_touches_every_page_of_the_pools_and_leaves_them_zero():
+    # What `python -m serve` does at start (docs/serving.md): the pool's pages resident before
+    # any step writes them, its contents unchanged.
+    def resident() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    cache = PagedKVCache(cache_spec_for(preset("paper-mha")), num_blocks=32, block_size=16)
+    assert cache.nbytes() >= 32 << 20
+    before = resident()
+    cache.populate()
+    assert resident() - before >= 0.9 * cache.nbytes()
+    assert all(t.count_nonzero().item() == 0 for t in cache.tensors())
 
 
 def test_copy_block_duplicates_every_field():
