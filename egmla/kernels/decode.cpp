@@ -29,6 +29,7 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+#include <memory>
 
 #include <algorithm>
 #include <cmath>
@@ -294,6 +295,26 @@ inline void softmax_rows(float* scores, int64_t H, int64_t n, int64_t width, flo
   }
 }
 
+// Folds one chunk's results (H heads: unnormalized out (Dv each), max, sum) into a running
+// merge of earlier chunks of the same row (the split softmax's merge, two at a time).
+inline void fold_chunk(float* out, float* max, float* sum, const float* o, const float* mx, const float* sm,
+                       int64_t H, int64_t Dv) {
+  for (int64_t h = 0; h < H; ++h) {
+    const float top = std::max(max[h], mx[h]);
+    const float a = std::exp(max[h] - top), c = std::exp(mx[h] - top);
+    const __m256 av = _mm256_set1_ps(a), cv = _mm256_set1_ps(c);
+    float* acc = out + h * Dv;
+    const float* add = o + h * Dv;
+    int64_t d = 0;
+    for (; d + 8 <= Dv; d += 8)
+      _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(cv, _mm256_loadu_ps(add + d),
+                                                _mm256_mul_ps(av, _mm256_loadu_ps(acc + d))));
+    for (; d < Dv; ++d) acc[d] = a * acc[d] + c * add[d];
+    max[h] = top;
+    sum[h] = a * sum[h] + c * sm[h];
+  }
+}
+
 // Every query head of one row over keys [s0, s1) of the row (n = s1 - s0 <= the scores'
 // width): with e_hs = exp(q_h . k_s * scale - m_h), m_h the head's largest score, writes
 // out_h = sum_s e_hs v_s (unnormalized), max[h] = m_h and sum[h] = sum_s e_hs, for the split
@@ -351,7 +372,9 @@ void attend_chunk(const float* q, const P* k_pool, const P* v_pool, const int64_
 // during the values, most of them arrived too late). At the paper's MLA shapes, 4,096
 // scattered keys, batch 1, in interleaved runs while this was written (not kept): 0.67-0.69
 // -> 0.48-0.51 ms, paired 0.70-0.75x (EG-MLA latent at d_c 64: 0.26-0.27 -> 0.20-0.21 ms),
-// then 0.95x and 0.91x for a vectorized softmax maximum and no transposed probabilities;
+// then 0.95x and 0.91x for a vectorized softmax maximum and no transposed probabilities,
+// then 0.93-0.95x for attend_rows' in-thread merge and 0.95x for the scale in the panel and
+// a head's 4 scores stored as one vector (a chunk's first keys asked for ahead: no change);
 // benchmarks/latent_decode.py records the step against its roofline.
 constexpr int kValueHeads = 4;
 
@@ -397,12 +420,13 @@ struct NextLines {
 
 // Scores of HB query heads h .. h + HB - 1 against KB keys (slots[0 .. KB)):
 // scores[i * width + j] = (q_{h+i} . [c_j, k_rope_j]) * scale over the blocked dimensions, the
-// first C8 of the latent and r8 of the RoPE key. `panel`: the heads' queries [step][head][8],
-// C8 / 8 steps over the latent, then r8 / 8 over the RoPE key.
+// first C8 of the latent and r8 of the RoPE key. `panel`: the heads' queries times the scale,
+// [step][head][8], C8 / 8 steps over the latent, then r8 / 8 over the RoPE key. With 4 keys a
+// head's 4 sums are one vector (one reduction, one store).
 template <int HB, int KB, typename P>
 inline void latent_scores(const float* panel, const P* c_pool, const P* r_pool, const int64_t* slots,
                           int64_t h, int64_t R, int64_t Hr, int64_t C, int64_t C8, int64_t r, int64_t r8,
-                          float scale, float* scores, int64_t width) {
+                          float* scores, int64_t width) {
   __m256 acc[HB * KB];
   for (auto& a : acc) a = _mm256_setzero_ps();
   const float* qs = panel;
@@ -432,13 +456,17 @@ inline void latent_scores(const float* panel, const P* c_pool, const P* r_pool, 
               _mm256_fmadd_ps(qv, load8(r_pool + (slots[j] * Hr + (h + i) / R) * r + d), acc[i * KB + j]);
       }
   }
+  if constexpr (KB == 4) {  // one head's 4 scores a vector
+    for (int i = 0; i < HB; ++i) _mm_storeu_ps(scores + i * width, hsum4(acc + i * KB));
+    return;
+  }
   alignas(32) float sums[HB * KB + 8];
   int a = 0;
   for (; a + 8 <= HB * KB; a += 8) _mm256_store_ps(sums + a, hsum8(acc + a));
   for (; a + 4 <= HB * KB; a += 4) _mm_store_ps(sums + a, hsum4(acc + a));
   for (; a < HB * KB; ++a) sums[a] = hsum(acc[a]);
   for (int i = 0; i < HB; ++i)
-    for (int j = 0; j < KB; ++j) scores[i * width + j] = sums[i * KB + j] * scale;
+    for (int j = 0; j < KB; ++j) scores[i * width + j] = sums[i * KB + j];
 }
 
 // out[i * C + d + c] = sum_k e[i * width + k] c_k[d + c] for heads i < HB and columns c < 8W
@@ -475,7 +503,8 @@ void attend_latent_blocks(const float* q, const P* c_pool, const P* r_pool, cons
     for (int64_t t = 0; t < steps; ++t)
       for (int i = 0; i < HB; ++i) {
         const float* from = q + (h + i) * D + (t * 8 < C8 ? t * 8 : C + t * 8 - C8);
-        std::copy(from, from + 8, panel + (h * steps + t * HB + i) * 8);
+        _mm256_storeu_ps(panel + (h * steps + t * HB + i) * 8, _mm256_mul_ps(_mm256_loadu_ps(from),
+                                                                             _mm256_set1_ps(scale)));
       }
   });
   // keys outside, heads inside: KB keys' rows serve every head block from L1
@@ -489,12 +518,12 @@ void attend_latent_blocks(const float* q, const P* c_pool, const P* r_pool, cons
   for (; s + KB <= n; s += KB, lines.pump())
     head_blocks<SH>(H, [&](auto hb, int64_t h) {
       latent_scores<decltype(hb)::value, KB>(panel + h * steps * 8, c_pool, r_pool, slots + s, h, R, Hr, C,
-                                             C8, r, r8, scale, scores + h * width + s, width);
+                                             C8, r, r8, scores + h * width + s, width);
     });
   for (; s < n; ++s, lines.pump())
     head_blocks<SH>(H, [&](auto hb, int64_t h) {
       latent_scores<decltype(hb)::value, 1>(panel + h * steps * 8, c_pool, r_pool, slots + s, h, R, Hr, C,
-                                            C8, r, r8, scale, scores + h * width + s, width);
+                                            C8, r, r8, scores + h * width + s, width);
     });
   if (C8 < C || r8 < r) {  // the dimensions the blocks left
     for (int64_t h = 0; h < H; ++h)
@@ -802,8 +831,10 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w) { return gemv_many(x, 
 // into chunks when there are fewer rows than threads (flash-decoding's split): each chunk's
 // softmax is taken on its own, with its maximum and sum, and the chunks are merged after,
 //   out = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c,   M = max_c m_c,
-// so one long sequence still reads its cache on every thread. A chunk covers every head of
-// its row, so each thread reads whole (G, D) slot rows.
+// so one long sequence still reads its cache on every thread (a thread folds its own chunks
+// of a row as it goes, fold_chunk, so that the merge after reads one result per thread: the
+// single-threaded merge of every chunk had cost 4% of a 4,096-key latent step). A chunk covers
+// every head of its row, so each thread reads whole (G, D) slot rows.
 // chunk(b, s0, s1, scores, width, out, max, sum): attend_chunk's work for row b's keys [s0, s1);
 // key_floats: the floats a key's rows hold (K and V), which sizes the work per thread.
 template <typename Chunk>
@@ -814,19 +845,31 @@ void attend_rows(Chunk&& chunk, const int64_t* lp, int64_t B, int64_t H, int64_t
   const int64_t threads = at::get_num_threads();
   const int64_t chunks = std::max((threads + B - 1) / B, (S + 127) / 128);
   const int64_t C = (S + chunks - 1) / chunks;
-  std::vector<float> part_out(B * chunks * H * Dv), part_max(B * chunks * H), part_sum(B * chunks * H);
+  // Each thread folds its consecutive chunks of a row into the first of them as it goes, so
+  // the merge after reads one partial result per thread and row (the others are left empty).
+  std::unique_ptr<float[]> part_out(new float[B * chunks * H * Dv]);
+  std::vector<float> part_max(B * chunks * H), part_sum(B * chunks * H);
   // A short context is a few microseconds of work: waking a second thread costs more.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, C * key_floats * H));
   at::parallel_for(0, B * chunks, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(H * C);
+    std::vector<float> scores(H * C), own(H * Dv + 2 * H);
+    int64_t run = -1;  // the chunk holding this thread's merge of the row's chunks so far
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / chunks, s0 = (i % chunks) * C, s1 = std::min(lp[b], s0 + C);
-      if (s0 >= s1) {  // a row shorter than this chunk's start: nothing to add
+      const bool folds = run >= 0 && run / chunks == b;  // into an earlier chunk of its row
+      if (s0 >= s1 || folds) {  // nothing of its own for the merge after
         std::fill(&part_max[i * H], &part_max[i * H] + H, -INFINITY);
         std::fill(&part_sum[i * H], &part_sum[i * H] + H, 0.f);
+      }
+      if (s0 >= s1) continue;  // a row shorter than this chunk's start: nothing to add
+      if (!folds) {
+        chunk(b, s0, s1, scores.data(), C, part_out.get() + i * H * Dv, &part_max[i * H], &part_sum[i * H]);
+        run = i;
         continue;
       }
-      chunk(b, s0, s1, scores.data(), C, part_out.data() + i * H * Dv, &part_max[i * H], &part_sum[i * H]);
+      float *o = own.data(), *mx = o + H * Dv, *sm = mx + H;
+      chunk(b, s0, s1, scores.data(), C, o, mx, sm);
+      fold_chunk(part_out.get() + run * H * Dv, &part_max[run * H], &part_sum[run * H], o, mx, sm, H, Dv);
     }
   });
   for (int64_t b = 0; b < B; ++b) {
