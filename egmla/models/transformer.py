@@ -77,8 +77,9 @@ class Transformer(nn.Module):
 
     def reset_parameters(self) -> None:
         """N(0, init_std) weights and unit norms; residual outputs scaled by 1/sqrt(2 L); then each
-        attention layer's own init (EG-MLA: unit-scale gates), applied last so the generic pass
-        can never overwrite it, whatever order `named_modules()` visits shared modules in."""
+        attention layer's own init (EG-MLA: its gate's, by `gate_init`), applied last so the
+        generic pass can never overwrite it, whatever order `named_modules()` visits shared
+        modules in. The HF export's modeling code draws a fresh model the same way."""
         if self.tok_emb.weight.is_meta:
             return  # built for its shapes only (e.g. cache_spec_for): nothing to initialize
         std = self.config.init_std

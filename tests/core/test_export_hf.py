@@ -437,3 +437,48 @@ def test_an_export_from_before_the_converted_forms_reads_them_at_their_defaults(
     with torch.no_grad():
         ours, theirs = model(ids), load_transformers(directory)(ids).logits
     assert (ours - theirs).abs().max().item() < 1e-4
+
+
+INITS = {
+    "gqa": {"type": "mha", "n_kv_heads": 2},
+    "mla": {"type": "mla", **MLA},
+    "egmla-kv-small": {"type": "egmla", **MLA, "d_e": 32, "gate_group_size": 2},
+    "egmla-kv-random": {"type": "egmla", **MLA, "d_e": 32, "gate_init": "random"},
+    "egmla-kv-matched": {"type": "egmla", **MLA, "d_e": 32, "gate_init": "matched"},
+    "egmla-kv-identity": {"type": "egmla", **MLA, "d_e": 32, "gate_init": "identity",
+                          "gate_residual": True},
+    "egmla-latent-random": {"type": "egmla", **MLA, "d_e": 32, "gate_position": "latent",
+                            "gate_init": "random", "gate_norm": "rmsnorm"},
+}
+
+
+@pytest.mark.parametrize("variant", list(INITS))
+def test_a_fresh_transformers_model_starts_as_a_fresh_egmla_model(variant, tmp_path):
+    """A model transformers builds from an export's config (weights drawn by the exported
+    modeling code) starts with egmla's initialization: per tensor the same mean and spread
+    (the residual outputs at init_std / sqrt(2 layers), each `gate_init`'s gate), and the
+    constant tensors (norms, `identity`'s zero W_UE, `matched`'s gate norm gain) equal."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = ModelConfig.from_dict({"vocab_size": 512, "d_model": 128, "n_layers": 4,
+                                    "n_heads": 4, "attention": INITS[variant]})
+    ours = hf_state_dict_of(Transformer(config))
+    directory = save_hf(Transformer(config), tmp_path / "hf")
+    fresh = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(directory, trust_remote_code=True), trust_remote_code=True)
+    theirs = dict(fresh.state_dict())
+    assert set(ours) <= set(theirs)
+    for name, mine in ours.items():
+        other = theirs[name].float()
+        if mine.std() == 0:  # a constant: a norm's gain or bias, a zero W_UE
+            assert torch.equal(other, mine), name
+            continue
+        assert other.std() / mine.std() == pytest.approx(1.0, abs=0.1), name
+        assert abs(other.mean() - mine.mean()) < 0.1 * mine.std(), name
+
+
+def hf_state_dict_of(model: Transformer) -> dict[str, torch.Tensor]:
+    from egmla.export.hf import hf_state_dict
+
+    return {name: t.float() for name, t in hf_state_dict(model).items()}

@@ -105,6 +105,7 @@ class EgmlaMLP(nn.Module):
         self.gate_proj = None if self.ffn == "relu2" else nn.Linear(d, f, bias=False)
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
+        self.down_proj.init_as = "residual"  # see EgmlaPreTrainedModel._init_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up = self.up_proj(x)
@@ -215,6 +216,7 @@ class EgmlaMHA(nn.Module):
         self.k_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(H * self.head_dim, d, bias=False)
+        self.o_proj.init_as = "residual"
 
     def forward(self, x, positions, mask, cache, key_ids, **kwargs):
         B, T, _ = x.shape
@@ -272,11 +274,15 @@ class EgmlaMLA(nn.Module):
         kv_width = self.n_kv * (self.d_nope + self.d_v)
         self.kv_b_proj = nn.Linear(self.d_c, kv_width, bias=False)
         self.o_proj = nn.Linear(H * self.d_v, d, bias=False)
+        self.o_proj.init_as = "residual"
         self.gate_position = a.get("gate_position") if a["type"] == "egmla" else None
         if self.gate_position is not None:
             gated = kv_width if self.gate_position == "kv" else self.d_c
             self.gate_embed_proj = nn.Linear(a["d_e"], gated, bias=False)  # W_UE
+            self.gate_embed_proj.init_as = "gate_proj"
             self.gate_norm = make_norm(a["gate_norm"], gated, config.rms_norm_eps)
+            if self.gate_position == "kv":
+                self.gate_norm.init_as = "kv_gate_norm"
             self.gate_residual = a.get("gate_residual", False)
 
     def gate(self, gate_table: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
@@ -352,19 +358,32 @@ class EgmlaPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """egmla's initialization: N(0, initializer_range); unit-scale gates; norms at one."""
-        std = self.config.initializer_range
+        """egmla's initialization (egmla.models.transformer.Transformer.reset_parameters, then
+        the gate's by the attention's `gate_init`): weights N(0, initializer_range^2), the
+        residual outputs (o_proj, down_proj) N(0, initializer_range^2 / (2 layers)), norms at
+        one; the gate `small` as every weight, `random` E ~ N(0, 1) and W_UE ~ N(0, 1 / d_e),
+        `matched` that with the `kv` gate norm's gain at initializer_range * sqrt(d_c),
+        `identity` E ~ N(0, 1) and W_UE = 0. transformers skips a remote-code module with no
+        parameters of its own (an attention block), so each weight's module carries its role
+        (`init_as`, set where it is built)."""
+        std, role = self.config.initializer_range, getattr(module, "init_as", None)
+        gate_init = self.config.attention.get("gate_init", "small")
         if isinstance(module, (nn.Linear, nn.Embedding)):
             init.normal_(module.weight, 0.0, std)
+            if role == "residual":
+                init.normal_(module.weight, 0.0, std / math.sqrt(2 * self.config.num_hidden_layers))
+            elif role == "gate_table" and gate_init != "small":
+                init.normal_(module.weight, 0.0, 1.0)
+            elif role == "gate_proj" and gate_init == "identity":
+                init.zeros_(module.weight)
+            elif role == "gate_proj" and gate_init != "small":
+                init.normal_(module.weight, 0.0, module.in_features**-0.5)
         if isinstance(module, (EgmlaRMSNorm, nn.LayerNorm)):
             init.ones_(module.weight)
             if getattr(module, "bias", None) is not None:
                 init.zeros_(module.bias)
-        if isinstance(module, EgmlaModel) and module.gate_embeddings is not None:
-            for table in module.gate_embeddings:  # E[id] ~ N(0, 1): a gate of unit scale
-                init.normal_(table.weight, 0.0, 1.0)
-        if isinstance(module, EgmlaMLA) and module.gate_position is not None:
-            init.normal_(module.gate_embed_proj.weight, 0.0, module.gate_embed_proj.in_features**-0.5)
+            if role == "kv_gate_norm" and gate_init == "matched":
+                init.constant_(module.weight, std * self.config.attention["d_c"] ** 0.5)
 
 
 class EgmlaModel(EgmlaPreTrainedModel):
@@ -383,6 +402,8 @@ class EgmlaModel(EgmlaPreTrainedModel):
             self.gate_embeddings = nn.ModuleList(
                 nn.Embedding(config.vocab_size, a["d_e"]) for _ in range(tables)
             )
+            for table in self.gate_embeddings:
+                table.init_as = "gate_table"
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Module:
