@@ -50,6 +50,14 @@ def test_readme_quotes_the_studys_record():
     assert f"[{dc32['low']:.3f}, {dc32['high']:.3f}]" in section
     assert f"{-matched['mean']:.3f} below MLA with the FFN widened" in section
     assert f"[{matched['low']:.3f}, {matched['high']:.3f}]" in section
+    comparisons = json.loads((ROOT / "benchmarks/results/study/summary.json").read_text())["comparisons"]
+    holm = {(c["family"], c["arm"], c["against"]): c["p_holm"] for c in comparisons}
+    flat = " ".join(section.split())
+    assert (f"Holm-adjusted within that family, p = {holm['headline', 'egmla_kv', 'mla_dc32']:.3f} and "
+            f"{holm['headline', 'egmla_kv', 'mla_param_matched']:.3f}") in flat
+    assert (f"all 17 comparisons with a baseline, {holm['baselines', 'egmla_kv', 'mla_dc32']:.3f} and "
+            f"{holm['baselines', 'egmla_kv', 'mla_param_matched']:.3f}") in flat
+    assert f"{holm['token_identity', 'egmla_kv', 'mla_value_embed']:.3f} Holm-adjusted" in flat
     assert quoted("egmla_const_gate", "mla_dc32") in section
     assert quoted("egmla_hidden_gate", "mla_dc32") in section
     assert all(len(arm["val_loss_by_seed"]) >= 3 for arm in arms.values()

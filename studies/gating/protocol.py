@@ -55,6 +55,20 @@ ARMS = [
 ARM = {a.name: a for a in ARMS}
 LONG_ARMS = ("mla_dc32", "mla_param_matched", "egmla_kv", "egmla_latent", "mla_value_embed")
 BASELINES = ("mla_dc32", "mla_param_matched")  # the paired differences are taken against these
+# The comparisons the study states, in families declared before reading them: each reports its
+# p-values raw and Holm-adjusted within its family (summary.json's `comparisons`).
+# - headline: the two the conclusion rests on, EG-MLA kv against MLA at its latent width and
+#   against MLA given its parameters;
+# - baselines: every arm against each baseline (the seeds table), each pair once;
+# - token_identity: the direct contrasts that separate token identity from gating (a gate that
+#   carries no token id; token ids added, not multiplied; a gate from the hidden state).
+FAMILIES = {
+    "headline": (("egmla_kv", "mla_dc32"), ("egmla_kv", "mla_param_matched")),
+    "baselines": tuple((a.name, base) for i, base in enumerate(BASELINES) for a in ARMS
+                       if a.name != base and a.name not in BASELINES[:i]),
+    "token_identity": (("egmla_kv", "egmla_const_gate"), ("egmla_kv", "mla_value_embed"),
+                       ("egmla_latent", "egmla_hidden_gate")),
+}
 ABLATIONS = {
     **{f"egmla_kv_de{d}": ("small_egmla", (f"model.attention.d_e={d}",)) for d in (16, 32, 128)},
     **{f"egmla_kv_group{g}": ("small_egmla", (f"model.attention.gate_group_size={g}",))

@@ -1,7 +1,8 @@
 """The study's statistics and its record: per arm the losses by seed at its chosen rate with a
 mean and 95% interval, the long runs, MQAR and lm-eval, and the paired differences (same seed,
-hence the same data order) against each baseline; written, with one JSON per run and the
-tables, under --results."""
+hence the same data order) against each baseline; the declared families of comparisons with
+raw and Holm-adjusted p-values; written, with one JSON per run and the tables, under
+--results."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from egmla import files
-from eval.stats import interval, paired
+from eval.stats import holm, interval, paired, paired_p
 from studies.gating.arms import arm_overrides, describe
 from studies.gating.plan import choose_lrs, selection_loss
-from studies.gating.protocol import (ABLATIONS, ARM, ARMS, BASE, BASE_STEPS, BASELINES,
+from studies.gating.protocol import (ABLATIONS, ARM, ARMS, BASE, BASE_STEPS, BASELINES, FAMILIES,
                                      LM_EVAL_METRICS, LONG_ARMS, LONG_FACTOR, MQAR_STEPS, Setup)
 from studies.gating.tables import render
 
@@ -86,7 +87,28 @@ def summarize(records: list[dict[str, Any]], chosen: dict[str, float],
                          "selection": "best final validation loss over the LR grid, first seed "
                          "(best over LR); a best at an edge grows the grid by a factor of 2 "
                          "past it, at most lr_extensions times"},
-            "arms": arms, "remakes": remakes(records)}
+            "arms": arms, "comparisons": comparisons(arms), "remakes": remakes(records)}
+
+
+def comparisons(arms: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each declared family's comparisons (protocol.FAMILIES) of the validation loss, paired by
+    seed: the difference `arm - against` with its 95% interval, the paired t-test's p, and that p
+    Holm-adjusted within the family (over the comparisons it has data for so far)."""
+    out = []
+    for family, pairs in FAMILIES.items():
+        rows = []
+        for arm, against in pairs:
+            if arm not in arms or against not in arms:
+                continue
+            mine, theirs = arms[arm]["val_loss_by_seed"], arms[against]["val_loss_by_seed"]
+            diffs = [mine[s] - theirs[s] for s in sorted(set(mine) & set(theirs))]
+            rows.append({"family": family, "arm": arm, "against": against,
+                         **paired(mine, theirs), "p": paired_p(diffs)})
+        tested = [r for r in rows if r["p"] is not None]
+        for r, adjusted in zip(tested, holm([r["p"] for r in tested])):
+            r["p_holm"] = adjusted
+        out += [{**r, "family_size": len(tested), "p_holm": r.get("p_holm")} for r in rows]
+    return out
 
 
 def remakes(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -203,6 +203,21 @@ def lm_eval_paired_table(summary: dict[str, Any]) -> str:
     return _table(header, rows, 1)
 
 
+def _p(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def comparisons_table(summary: dict[str, Any]) -> str:
+    """The declared families of comparisons (validation loss, paired by seed): each difference
+    with its interval, its paired t-test p and that p Holm-adjusted within its family."""
+    rows = [[f"{c['family']} ({c['family_size']})", _name(c["arm"]), _name(c["against"]),
+             ci(c, signed=True, digits=3), _p(c["p"]), _p(c["p_holm"])]
+            for c in summary.get("comparisons") or []]
+    if not rows:
+        return ""
+    return _table(["family (size)", "arm", "against", "difference [95% CI]", "p", "p, Holm"], rows, 3)
+
+
 def remakes_table(summary: dict[str, Any], most: int = 3) -> str:
     """How far the runs trained again moved: the `most` that moved most, then the mean change
     over all of them (and the mean of its size)."""
@@ -224,6 +239,8 @@ SECTIONS = {  # name -> (heading, the table)
     "ablations": ("Ablations of egmla_kv (egmla_kv's rate)", ablations_table),
     "mqar": ("MQAR recall (egmla_kv's rate; the MQAR model's KV bytes and parameters)",
              mqar_table),
+    "comparisons": ("Comparisons by family: paired p-values, raw and Holm-adjusted within the "
+                    "family", comparisons_table),
     "lm_eval": ("lm-eval (each arm's seeds at its rate)", lm_eval_table),
     "lm_eval_paired": ("lm-eval, paired differences", lm_eval_paired_table),
     "remakes": ("Runs trained again: the largest changes of the loss (nats per token)",

@@ -90,6 +90,38 @@ def test_paired_differences_pair_the_same_seed_and_say_when_they_exclude_zero():
     assert same["low"] == pytest.approx(same["high"]) and not same["distinguishable_from_zero"]
 
 
+def test_each_declared_familys_p_values_are_holm_adjusted_within_it():
+    """summary.json's `comparisons`: every declared comparison with data, its paired t-test p
+    (scipy's, over the seed differences) and that p Holm-adjusted over its own family only; the
+    committed record's families are the two-comparison headline, the 17 pairs with a baseline
+    and the token-identity contrasts."""
+    losses = {"mla_dc32": (4.70, 4.80, 4.60), "mla_param_matched": (4.69, 4.82, 4.58),
+              "egmla_kv": (4.60, 4.71, 4.49), "mla_value_embed": (4.66, 4.70, 4.58)}
+    records = [r for arm, seeds in losses.items()
+               for r in rows("seeds", arm, {(2e-3, s): v for s, v in enumerate(seeds)})]
+    comparisons = study.summarize(records, dict.fromkeys(losses, 2e-3))["comparisons"]
+    by_family: dict[str, list[dict]] = {}
+    for c in comparisons:
+        by_family.setdefault(c["family"], []).append(c)
+        diffs = [a - b for a, b in zip(losses[c["arm"]], losses[c["against"]])]
+        assert c["mean"] == pytest.approx(sum(diffs) / 3)
+        assert c["p"] == pytest.approx(stats.paired_p(diffs))
+    assert {f: [(c["arm"], c["against"]) for c in cs] for f, cs in by_family.items()} == {
+        "headline": [("egmla_kv", "mla_dc32"), ("egmla_kv", "mla_param_matched")],
+        "baselines": [("mla_param_matched", "mla_dc32"), ("egmla_kv", "mla_dc32"),
+                      ("mla_value_embed", "mla_dc32"), ("egmla_kv", "mla_param_matched"),
+                      ("mla_value_embed", "mla_param_matched")],
+        "token_identity": [("egmla_kv", "mla_value_embed")]}
+    for family in by_family.values():
+        adjusted = stats.holm([c["p"] for c in family])
+        assert [c["p_holm"] for c in family] == pytest.approx(adjusted)
+        assert all(c["family_size"] == len(family) for c in family)
+    assert by_family["headline"][0]["p_holm"] != by_family["baselines"][1]["p_holm"]  # same pair
+    record = json.loads((ROOT / "benchmarks/results/study/summary.json").read_text())
+    sizes = {c["family"]: c["family_size"] for c in record["comparisons"]}
+    assert sizes == {"headline": 2, "baselines": 17, "token_identity": 3}
+
+
 def test_lm_eval_scores_and_mqar_recall_are_summarized_over_seeds_and_paired(tmp_path):
     chosen = {"mla_dc32": 2e-3, "egmla_kv": 1e-3}
     records = []
@@ -286,7 +318,7 @@ def test_the_committed_tables_and_the_docs_quotes_are_the_records():
     assert (results / "tables.md").read_text() == render(summary)
     docs = (ROOT / "docs" / "study.md").read_text()
     quoted = {m[1] for line in docs.split("\n") if (m := MARKER.match(line))}
-    assert {"lr", "seeds", "long", "ablations", "mqar"} <= quoted <= set(SECTIONS)
+    assert {"lr", "seeds", "comparisons", "long", "ablations", "mqar"} <= quoted <= set(SECTIONS)
     assert quote(docs, summary) == docs
 
 
@@ -377,7 +409,24 @@ def test_the_docs_reading_quotes_the_record():
             for n in ("egmla_kv", "mla_value_embed")}
     assert f"({gain['egmla_kv'][0]:+.3f}, against {gain['egmla_kv'][1]:+.3f} for the same seed" in long
     assert f"({gain['mla_value_embed'][1]:+.3f} to {gain['mla_value_embed'][0]:+.3f})" in long
+    record = json.loads((ROOT / "benchmarks/results/study/summary.json").read_text())
+    holm = {(c["family"], c["arm"], c["against"]): c for c in record["comparisons"]}
+    headline = [holm["headline", "egmla_kv", b] for b in ("mla_dc32", "mla_param_matched")]
+    wide = [holm["baselines", "egmla_kv", b] for b in ("mla_dc32", "mla_param_matched")]
+    within = f"Holm-adjusted within the family {headline[0]['p_holm']:.3f} and {headline[1]['p_holm']:.3f}"
+    assert within in seeds
+    assert f"Holm-adjusted they are {wide[0]['p_holm']:.3f} and {wide[1]['p_holm']:.3f}" in seeds
+    assert all(c["p_holm"] > 0.05 for c in wide) and all(c["p_holm"] < 0.05 for c in headline)
+    value = holm["token_identity", "egmla_kv", "mla_value_embed"]
+    assert (f"`egmla_kv` is {value['mean']:+.3f} [{value['low']:+.3f}, {value['high']:+.3f}] against it"
+            in seeds and f"{value['p_holm']:.3f} Holm-adjusted over the three token-identity" in seeds)
+    latent = holm["token_identity", "egmla_latent", "egmla_hidden_gate"]
+    assert f"is {latent['mean']:+.3f} [{latent['low']:+.3f}, {latent['high']:+.3f}]: not" in seeds
+    assert not latent["distinguishable_from_zero"]
     conclusion = section("## Conclusion", "### Provenance")
+    assert (f"Holm-adjusted p {headline[0]['p_holm']:.3f} and {headline[1]['p_holm']:.3f} within these "
+            f"two, the headline family, and {wide[0]['p_holm']:.3f} and {wide[1]['p_holm']:.3f} among all "
+            "17 comparisons") in conclusion
     assert (f"{-dc32['mean']:.3f} nats below `mla_dc32` and {-matched['mean']:.3f} below "
             "`mla_param_matched`") in conclusion
     wide = arms["egmla_kv"]["val_loss"]["mean"] - arms["mla"]["val_loss"]["mean"]
