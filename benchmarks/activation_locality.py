@@ -19,7 +19,9 @@ What is measured, per model and mode:
 1. decode tok/s at each `--batch-sizes` (1, 4, 16): B distinct prompts of `--prompt-len` tokens
    of held-out text (corpus-b), `--new-tokens` each, greedy; decode tok/s = B (N - 1) / (last
    finish - last first token), so prefill is excluded; the median over `--repeats`, interleaved
-   (for repeat: for batch: for mode, the mode order rotating); `speedup` = tok/s over dense's;
+   (for repeat: for batch: for mode, the mode order rotating); `speedup` = tok/s over dense's
+   (the ratio of the medians), and `paired_vs_dense` each repeat's ratio to dense's run beside
+   it, their median and interval (the figure to quote: the machine is shared);
 2. density: the share of MLP neurons computed per decode step (the kernels count them), and the
    weight bytes a decode step reads per generated token (every weight once per step, the MLP's
    at that density: gate mode reads its deciding matrix whole, predicted mode its predictors);
@@ -29,9 +31,11 @@ What is measured, per model and mode:
    tasks) under the same masks (oracle computes exactly dense, so it is not run again);
 5. predicted mode: the hot block's share of the firings (its hit rate) and the predictors'
    recall and density on the held-out tokens.
-For SmolLM2 also llama.cpp F32 through cyllama (the `bench` extra) at batch 1, the dense peer,
-its runs taking their turn among our modes'; our trained models have no llama.cpp architecture
-(their MLPs are not SwiGLU).
+Each model's entry records its predictors file's sha256 and, from the predictors.json beside it
+(written with the file by `python -m studies.locality predictors`), the command, commit and
+time that made them. For SmolLM2 also llama.cpp F32 through cyllama (the `bench` extra) at
+batch 1, the dense peer, its runs taking their turn among our modes'; our trained models have
+no llama.cpp architecture (their MLPs are not SwiGLU).
 
     python benchmarks/activation_locality.py --model runs/locality-drelu-s0/export ...
     python benchmarks/activation_locality.py --model SmolLM2-135M-Instruct --swiglu-sparsity 0.5
@@ -65,6 +69,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # measure the checkout this script is in
 from eval.local_tasks import group_tasks  # noqa: E402  (after the path: this checkout's eval)
+from eval.stats import paired_ratios  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 TASKS = group_tasks("egmla_loglikelihood")  # eval/tasks/egmla_loglikelihood.yaml
@@ -234,10 +239,25 @@ def measure_speed(subject: Subject, prompts: list[list[int]], batches: list[int]
                      "density": density,
                      "weight_bytes_per_token": weight_bytes_per_token(
                          subject.model, density, mode, subject.predictors, batch)})
-    dense = {r["batch"]: r["tok_s"] for r in rows if r["mode"] == "dense"}
+    dense = {r["batch"]: r for r in rows if r["mode"] == "dense"}
     for r in rows:
-        r["speedup_vs_dense"] = r["tok_s"] / dense[r["batch"]]
+        r["speedup_vs_dense"] = r["tok_s"] / dense[r["batch"]]["tok_s"]
+        r["paired_vs_dense"] = paired_ratios(r["runs"], dense[r["batch"]]["runs"])
     return sorted(rows, key=lambda r: (r["batch"], subject.modes.index(r["mode"]))), peer_tok_s
+
+
+def predictors_provenance(path: str | None) -> dict[str, Any] | None:
+    """The predictors file's sha256 and what made it: the command, commit and time in the
+    predictors.json written beside it (None where there is none)."""
+    if path is None:
+        return None
+    import hashlib
+
+    made = Path(path).with_name("predictors.json")
+    meta = json.loads(made.read_text()).get("meta", {}) if made.is_file() else {}
+    return {"file": path, "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(),
+            "made_by": {k: meta[k] for k in ("command", "time_utc", "git", "config") if k in meta}
+            or None}
 
 
 def llamacpp_f32(context: int, threads: int):
@@ -355,12 +375,22 @@ def render(report: dict[str, Any]) -> str:
         if when:
             lines += [f"Measured {when['time_utc']} at git {when['git']['sha']}, load "
                       f"{when['load'][0]} -> {when['load'][1]}.", ""]
-        lines += ["| mode | batch | tok/s | min..max | speedup vs dense | density | MB/token |",
-                  "|---|---:|---:|---|---:|---:|---:|"]
+        made = m.get("predictors_provenance")
+        if made:
+            by = made.get("made_by") or {}
+            lines += [f"Predictors: `{made['file']}`, sha256 {made['sha256'][:16]}, made "
+                      + (f"{by.get('time_utc')} at git {(by.get('git') or {}).get('sha', '?')[:10]} by "
+                         f"`{' '.join(by.get('command') or [])}`." if by else
+                         "by an unrecorded command (no predictors.json beside it)."), ""]
+        lines += ["| mode | batch | tok/s | min..max | speedup vs dense | paired vs dense: median "
+                  "(per repeat) | density | MB/token |", "|---|---:|---:|---|---:|---|---:|---:|"]
         for r in m["speed"]:
+            pair = r.get("paired_vs_dense")
+            paired = (f"{pair['median']:.2f}x ({' '.join(f'{x:.2f}' for x in pair['ratios'])})"
+                      if pair else "-")
             lines.append(f"| {r['mode']} | {r['batch']} | {r['tok_s']:.1f} | {r['tok_s_min']:.1f}.."
-                         f"{r['tok_s_max']:.1f} | {r['speedup_vs_dense']:.2f}x | {r['density']:.3f} | "
-                         f"{r['weight_bytes_per_token'] / 1e6:.2f} |")
+                         f"{r['tok_s_max']:.1f} | {r['speedup_vs_dense']:.2f}x | {paired} | "
+                         f"{r['density']:.3f} | {r['weight_bytes_per_token'] / 1e6:.2f} |")
         if m.get("llamacpp"):
             ours = ", ".join(f"{r['mode']} {r['speedup_vs_llamacpp_f32']:.2f}x" for r in m["speed"]
                              if "speedup_vs_llamacpp_f32" in r)
@@ -532,7 +562,9 @@ def main(argv: list[str] | None = None) -> int:
         rows, hot = quality(subject, held_out, args.lm_eval_limit, args.skip_lm_eval, log)
         entry = {"model": name, "ffn": subject.ffn, "threshold": subject.threshold,
                  "sparsity": subject.sparsity,
-                 "predictors": subject.predictors_file, "params": subject.model.num_params(),
+                 "predictors": subject.predictors_file,
+                 "predictors_provenance": predictors_provenance(subject.predictors_file),
+                 "params": subject.model.num_params(),
                  "speed": speed, "quality": rows, "hot": hot}
         if peer_tok_s:
             entry["llamacpp"] = {"system": "llama.cpp F32 (cyllama)", "interleaved": True,

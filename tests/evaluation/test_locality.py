@@ -4,11 +4,14 @@ export directory with its tokenizer (a real subprocess), refusing bad input in o
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import shutil
+import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -197,6 +200,9 @@ def test_the_predictors_command_trains_chooses_and_saves(relu2_export, tmp_path)
     assert report["hot_budget_bytes"] == 96 * 1024 and sum(report["hot"]) == 96 * 1024 // 512
     assert [r["hot"] for r in layers] == report["hot"]
     saved = safetensors.torch.load_file(out / "predictors.safetensors")
+    digest = hashlib.sha256((out / "predictors.safetensors").read_bytes()).hexdigest()
+    assert report["meta"]["predictors_sha256"] == digest  # the report names the file it wrote
+    assert "predictors" in report["meta"]["command"]
     assert saved["layer0.w1"].shape[0] == report["chosen_rank"]
     assert torch.equal(saved["layer1.order"].sort().values, torch.arange(saved["layer1.order"].numel()))
     # what it saved serves: the model reordered as the predictors were trained, decoded sparsely
@@ -411,7 +417,15 @@ def test_the_benchmark_measures_every_mode_of_a_relu_family_model(drelu_with_pre
     report = json.loads((tmp_path / "activation_locality_quick.json").read_text())
     [model] = report["models"]
     assert model["predictors"].endswith("locality/predictors.safetensors")
+    made = model["predictors_provenance"]  # what was timed, and the command that made it
+    assert made["sha256"] == hashlib.sha256(Path(model["predictors"]).read_bytes()).hexdigest()
+    assert made["made_by"]["command"][-2:] == ["--tolerance", "10"]
     cells = {(r["mode"], r["batch"]): r for r in model["speed"]}
+    for r in cells.values():  # each repeat's ratio to the dense run beside it
+        dense = cells[("dense", r["batch"])]["runs"]
+        assert r["paired_vs_dense"]["ratios"] == pytest.approx([a / b for a, b in zip(r["runs"], dense)])
+        assert r["paired_vs_dense"]["median"] == pytest.approx(statistics.median(
+            r["paired_vs_dense"]["ratios"]))
     assert set(cells) == {(m, b) for m in ("dense", "gate", "oracle", "predicted") for b in (1, 4)}
     assert all(r["speedup_vs_dense"] > 0 and 0 < r["density"] <= 1 for r in cells.values())
     assert cells[("dense", 1)]["speedup_vs_dense"] == 1 and cells[("gate", 1)]["density"] < 1

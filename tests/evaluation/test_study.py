@@ -28,6 +28,16 @@ def test_the_interval_is_students_t_over_the_seeds():
     assert stats.interval([5.0]) == {"n": 1, "mean": 5.0, "low": None, "high": None}
 
 
+def test_a_speed_up_is_the_per_repeat_paired_ratio():
+    """stats.paired_ratios: each repeat's ratio to its partner run, their median and the t
+    interval of their mean; repeats that do not pair are refused."""
+    r = stats.paired_ratios([2.0, 3.0, 4.5], [1.0, 2.0, 3.0])
+    assert r["ratios"] == [2.0, 1.5, 1.5] and r["median"] == 1.5 and r["n"] == 3
+    assert r["mean"] == pytest.approx(5 / 3) and r["low"] < r["mean"] < r["high"]
+    with pytest.raises(ValueError, match="as many repeats"):
+        stats.paired_ratios([1.0, 2.0], [1.0])
+
+
 def test_the_learning_rate_is_the_best_of_a_complete_grid():
     setup = study.Setup(arms=("mla_dc32", "egmla_kv"), lrs=(1e-3, 2e-3, 4e-3))
     records = (rows("lr", "mla_dc32", {(1e-3, 0): 4.9, (2e-3, 0): 4.7, (4e-3, 0): 4.8})
