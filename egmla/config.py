@@ -444,6 +444,57 @@ class MLAValueEmbedConfig(MLAConfig):
         return "mla-value-embed"
 
 
+@dataclass
+class MLAKVEmbedConfig(MLAValueEmbedConfig):
+    """MLA plus a per-layer token-id embedding added to the keys and the values: k_j = W_UK c_j +
+    W_KE E[id_j], v_j = W_UV c_j + W_VE E[id_j]. Token identity where EG-MLA `kv` puts it (K and
+    V), added instead of multiplied: with `egmla_v_gate`, the control that separates adding from
+    multiplying (`mla_value_embed` touches V only)."""
+
+    type: ClassVar[str] = "mla_kv_embed"
+    native_refusal: ClassVar[str] = _CONTROL_REFUSAL.format(name="mla_kv_embed")
+    hf_refusal: ClassVar[str] = _CONTROL_REFUSAL.format(name="mla_kv_embed")
+
+    def validate(self, model: ModelConfig) -> None:
+        super().validate(model)
+        _check(self.d_nope >= 1, "attention[mla_kv_embed]: needs d_nope >= 1 (the keys' part "
+               "that the embedding is added to)")
+
+    def layer_params(self, model: ModelConfig) -> int:
+        return super().layer_params(model) + self.d_e * model.n_heads * self.d_nope
+
+    def label(self, model: ModelConfig) -> str:
+        return "mla-kv-embed"
+
+
+@dataclass
+class EGMLAValueGateConfig(EGMLAConfig):
+    """EG-MLA `kv` with the token-id gate on the values only: [k; v] = [W_UK c; Norm(W_UV c *
+    g)], g = W_UE E[id] of width n_kv_heads * d_v. Multiplying where `mla_value_embed` adds (V
+    only): with `mla_kv_embed`, the control that separates multiplying from adding. It runs the
+    rebuild only (`impl: naive`): no absorbed form is written for it."""
+
+    type: ClassVar[str] = "egmla_v_gate"
+    native_refusal: ClassVar[str] = _CONTROL_REFUSAL.format(name="egmla_v_gate")
+    hf_layout: ClassVar[tuple[str, ...]] = ()
+    hf_refusal: ClassVar[str] = _CONTROL_REFUSAL.format(name="egmla_v_gate")
+    gate_position: Literal["kv"] = "kv"
+    impl: Literal["naive"] = "naive"
+
+    def validate(self, model: ModelConfig) -> None:
+        super().validate(model)
+        _check(self.impl == "naive", f"attention[egmla_v_gate].impl={self.impl!r}: this control "
+               "runs the rebuild only (impl: naive)")
+        _check(self.gate_position == "kv", "attention[egmla_v_gate]: gates the values "
+               f"(gate_position kv), not {self.gate_position!r}")
+
+    def gated_width(self, model: ModelConfig) -> int:
+        return self.kv_heads(model) * self.d_v
+
+    def label(self, model: ModelConfig) -> str:
+        return "egmla-v-gate"
+
+
 def attention_from_dict(data: dict[str, Any]) -> AttentionConfig:
     if not isinstance(data, dict) or "type" not in data:
         raise ConfigError(

@@ -46,6 +46,10 @@ def _variants(base: dict[str, Any], latent: dict[str, Any], d_c: int, d_e: int,
                                                     **latent}},
         "mla-value-embed": {**base, "attention": {"type": "mla_value_embed", "d_c": d_c // 4,
                                                   "d_e": d_e, **latent}},
+        "mla-kv-embed": {**base, "attention": {"type": "mla_kv_embed", "d_c": d_c // 4,
+                                               "d_e": d_e, **latent}},
+        "egmla-v-gate": {**base, "attention": {"type": "egmla_v_gate", "d_c": d_c // 4,
+                                               "d_e": d_e, **latent}},
     }
 
 

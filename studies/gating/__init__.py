@@ -17,7 +17,11 @@ The phases, in the order they run:
   seeds      each arm at its learning rate, the other seeds
   long       the five arms that decide the question, 4x the tokens, at their learning rates
   ablations  EG-MLA kv's d_e and gate_group_size, at egmla_kv's learning rate
-  mqar       every arm on MQAR (the recall task), at egmla_kv's learning rate
+  mqar       every arm on MQAR (the recall task), at egmla_kv's learning rate, 500 steps (the
+             first MQAR comparison, kept as it ran: it favours egmla_kv)
+  mqar_lr    the fair one: each arm's own grid on MQAR, 2,000 steps, seed 0, the best by MQAR's
+             validation loss, grown past an edge as lr's
+  mqar_seeds each arm at its MQAR rate, the other seeds
   eval       the offline lm-eval tasks on the final checkpoints of the seeds phase
 
 Re-running skips finished runs and resumes an interrupted one from its last checkpoint, so the

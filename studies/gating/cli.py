@@ -78,14 +78,10 @@ def _run(args, log) -> int:
     for phase in PHASES[:-1]:  # the training phases, in order: each may need the one before
         seen: set[Path] = set()
         while True:  # a phase's plan may grow from its own results (the LR grid does)
-            try:
-                runs = plan(phase, list(records.values()), setup)
-            except StudyError:
-                if phase in selected and train_here:
-                    raise
-                if args.dry_run:
-                    print(f"wait  {phase:9s} (needs the learning rates of the lr phase)")
-                break
+            # a phase this invocation trains needs every arm's rate (StudyError names the
+            # missing); otherwise the runs of the arms that have theirs are read
+            runs = plan(phase, list(records.values()), setup,
+                        ready_only=not (phase in selected and train_here))
             new = [r for r in runs if r.directory(args.runs_dir) not in seen]
             if not new:
                 break
@@ -104,6 +100,11 @@ def _run(args, log) -> int:
                 elif phase in selected and train_here:
                     records[directory] = execute(run, args.runs_dir, log)
                     write_results(args.results, list(records.values()), setup)
+        if args.dry_run:
+            try:
+                plan(phase, list(records.values()), setup)
+            except StudyError as waiting:  # some arms' runs of this phase wait for a rate
+                print(f"wait  {phase:9s} ({waiting})")
     if args.dry_run:
         return 0
     if "eval" in selected and not args.summarize:

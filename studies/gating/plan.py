@@ -8,8 +8,9 @@ import math
 from typing import Any
 
 from studies.gating.arms import arm_overrides
-from studies.gating.protocol import (ABLATIONS, ARM, BASE, BASE_STEPS, LONG_ARMS, LONG_FACTOR,
-                                     MQAR_STEPS, PHASES, Run, Setup, StudyError)
+from studies.gating.protocol import (ABLATIONS, ARM, BASE, BASE_STEPS, LATER_ARMS, LONG_ARMS,
+                                     LONG_FACTOR, MQAR_BASE, MQAR_FAIR_STEPS, MQAR_STEPS, PHASES, Run, Setup,
+                                     StudyError)
 
 
 def lr_grid(losses: dict[float, float], setup: Setup = Setup()) -> tuple[list[float], float | None]:
@@ -35,8 +36,10 @@ def lr_grid(losses: dict[float, float], setup: Setup = Setup()) -> tuple[list[fl
     return grid, None
 
 
-def _lr_losses(records: list[dict[str, Any]], arm: str) -> dict[float, float]:
-    return {r["lr"]: selection_loss(r) for r in records if r["phase"] == "lr" and r["arm"] == arm}
+def _lr_losses(records: list[dict[str, Any]], arm: str, phase: str = "lr") -> dict[float, float]:
+    """An arm's grid so far: learning rate -> validation loss of its `phase` runs (the lr phase,
+    or the MQAR grid, mqar_lr)."""
+    return {r["lr"]: selection_loss(r) for r in records if r["phase"] == phase and r["arm"] == arm}
 
 
 def selection_loss(r: dict[str, Any]) -> float:
@@ -46,10 +49,20 @@ def selection_loss(r: dict[str, Any]) -> float:
     return r["remade"]["recorded_val_loss"] if "remade" in r else r["val_loss"]
 
 
-def plan(phase: str, records: list[dict[str, Any]], setup: Setup = Setup()) -> list[Run]:
+def plan(phase: str, records: list[dict[str, Any]], setup: Setup = Setup(),
+         ready_only: bool = False) -> list[Run]:
     """The runs of `phase` given the runs recorded so far: the LR grid grows from its results,
-    and the phases after `lr` need the learning rates it chooses."""
+    and the phases after `lr` need the learning rates it chooses (StudyError names the arms
+    still without one; `ready_only`: plan the arms that have theirs and leave the rest, as a
+    summary of the record does while an added arm's grid has not run yet)."""
     steps, arms, first = setup.steps(BASE_STEPS), setup.arms, setup.seeds[0]
+
+    def ready(need: list[str], rates: dict[str, float], source: str) -> list[str]:
+        missing = [a for a in need if a not in rates]
+        if missing and not ready_only:
+            raise StudyError(f"phase {phase!r} needs the learning rates the {source} phase "
+                             f"chooses; not yet chosen for: {', '.join(missing)}")
+        return [a for a in need if a in rates]
 
     def run(phase, arm, lr, seed, steps, base=tuple(BASE)) -> Run:
         attention = ARM[arm].attention if arm in ARM else ABLATIONS[arm][0]
@@ -59,30 +72,39 @@ def plan(phase: str, records: list[dict[str, Any]], setup: Setup = Setup()) -> l
     if phase == "lr":
         return [run("lr", arm, lr, first, steps) for arm in arms
                 for lr in lr_grid(_lr_losses(records, arm), setup)[0]]
+    mqar_steps = setup.steps(MQAR_FAIR_STEPS)
+    if phase == "mqar_lr":  # each arm's own grid on MQAR, selected by its validation loss
+        return [run("mqar_lr", arm, lr, first, mqar_steps, MQAR_BASE) for arm in arms
+                for lr in lr_grid(_lr_losses(records, arm, "mqar_lr"), setup)[0]]
+    if phase == "mqar_seeds":
+        on_mqar = choose_lrs(records, setup, "mqar_lr")
+        return [run("mqar_seeds", arm, on_mqar[arm], seed, mqar_steps, MQAR_BASE)
+                for seed in setup.seeds[1:] for arm in ready(list(arms), on_mqar, "mqar_lr")]
     chosen = choose_lrs(records, setup)
-    need = list(arms) if phase in ("seeds", "long") else ["egmla_kv"]
-    missing = [a for a in need if a not in chosen]
-    if missing:
-        raise StudyError(f"phase {phase!r} needs the learning rates the lr phase chooses; "
-                         f"not yet chosen for: {', '.join(missing)}")
+    if phase in ("seeds", "long"):
+        at_rate = ready([a for a in arms if phase == "seeds" or a in LONG_ARMS], chosen, "lr")
+    elif not ready(["egmla_kv"], chosen, "lr"):  # the phases at egmla_kv's rate
+        return []
     if phase == "seeds":
         return [run("seeds", arm, chosen[arm], seed, steps)
-                for seed in setup.seeds[1:] for arm in arms]
+                for seed in setup.seeds[1:] for arm in at_rate]
     if phase == "long":
         return [run("long", arm, chosen[arm], first, steps * LONG_FACTOR)
-                for arm in LONG_ARMS if arm in arms]
+                for arm in LONG_ARMS if arm in at_rate]
     if phase == "ablations":
         return [run("ablations", name, chosen["egmla_kv"], seed, steps)
                 for seed in setup.seeds for name in ABLATIONS]
     if phase == "mqar":
-        return [run("mqar", arm, chosen["egmla_kv"], seed, setup.steps(MQAR_STEPS),
-                    ("experiment=mqar_sweep",)) for seed in setup.seeds for arm in arms]
+        return [run("mqar", arm, chosen["egmla_kv"], seed, setup.steps(MQAR_STEPS), MQAR_BASE)
+                for seed in setup.seeds for arm in arms if arm not in LATER_ARMS]
     raise StudyError(f"unknown phase {phase!r}; phases: {', '.join(PHASES)}")
 
 
-def choose_lrs(records: list[dict[str, Any]], setup: Setup = Setup()) -> dict[str, float]:
-    """Each arm's best learning rate on the first seed, once its grid is settled."""
-    best = {arm: lr_grid(_lr_losses(records, arm), setup)[1] for arm in ARM}
+def choose_lrs(records: list[dict[str, Any]], setup: Setup = Setup(),
+               phase: str = "lr") -> dict[str, float]:
+    """Each arm's best learning rate on the first seed, once its grid (of `phase`: lr, or
+    mqar_lr for MQAR) is settled."""
+    best = {arm: lr_grid(_lr_losses(records, arm, phase), setup)[1] for arm in ARM}
     return {arm: lr for arm, lr in best.items() if lr is not None}
 
 

@@ -17,7 +17,11 @@ RESULTS = ROOT / "benchmarks" / "results" / "study"
 BASE = ["experiment=quickstart"]
 BASE_STEPS = 300  # 300 x 16 x 128 = 614,400 tokens, as benchmarks/train_variants.py
 LONG_FACTOR = 4
-MQAR_STEPS = 500
+MQAR_STEPS = 500  # the first MQAR phase: every arm at egmla_kv's rate (kept as it ran)
+# The fair MQAR phases: each arm's own rate from a grid on MQAR itself (its validation loss,
+# seed 0, grown past an edge as the lr phase's), then seeds 1 and 2 there, 2,000 steps a run
+MQAR_FAIR_STEPS = 2000
+MQAR_BASE = ("experiment=mqar_sweep",)
 LRS = (1e-3, 2e-3, 4e-3)
 LR_EXTENSIONS = 2  # a best LR at the grid's edge adds the next doubling (halving), at most twice
 SEEDS = (0, 1, 2)
@@ -51,8 +55,17 @@ ARMS = [
         what="control: MLA d_c 32 plus a token-id embedding added to V (identity, no gating)"),
     Arm("egmla_hidden_gate", "small_egmla_hidden_gate",
         what="control: the latent gated by sigmoid(W h) from the hidden state"),
+    Arm("mla_kv_embed", "small_mla_kv_embed",
+        what="control: MLA d_c 32 plus a token-id embedding added to K and V (identity where "
+             "egmla_kv gates, added)"),
+    Arm("egmla_v_gate", "small_egmla_v_gate",
+        what="control: egmla_kv's token-id gate on V only (multiplied where mla_value_embed "
+             "adds)"),
 ]
 ARM = {a.name: a for a in ARMS}
+# Arms added after the first MQAR phase had run: that phase (every arm at egmla_kv's rate) stays
+# as it ran, and they are measured on MQAR by the fair phases only.
+LATER_ARMS = ("mla_kv_embed", "egmla_v_gate")
 LONG_ARMS = ("mla_dc32", "mla_param_matched", "egmla_kv", "egmla_latent", "mla_value_embed")
 BASELINES = ("mla_dc32", "mla_param_matched")  # the paired differences are taken against these
 # The comparisons the study states, in families declared before reading them: each reports its
@@ -61,20 +74,22 @@ BASELINES = ("mla_dc32", "mla_param_matched")  # the paired differences are take
 #   against MLA given its parameters;
 # - baselines: every arm against each baseline (the seeds table), each pair once;
 # - token_identity: the direct contrasts that separate token identity from gating (a gate that
-#   carries no token id; token ids added, not multiplied; a gate from the hidden state).
+#   carries no token id; token ids added, not multiplied, on V and on K and V; a gate from the
+#   hidden state).
 FAMILIES = {
     "headline": (("egmla_kv", "mla_dc32"), ("egmla_kv", "mla_param_matched")),
     "baselines": tuple((a.name, base) for i, base in enumerate(BASELINES) for a in ARMS
                        if a.name != base and a.name not in BASELINES[:i]),
     "token_identity": (("egmla_kv", "egmla_const_gate"), ("egmla_kv", "mla_value_embed"),
-                       ("egmla_latent", "egmla_hidden_gate")),
+                       ("egmla_latent", "egmla_hidden_gate"), ("egmla_kv", "mla_kv_embed"),
+                       ("egmla_v_gate", "mla_value_embed")),
 }
 ABLATIONS = {
     **{f"egmla_kv_de{d}": ("small_egmla", (f"model.attention.d_e={d}",)) for d in (16, 32, 128)},
     **{f"egmla_kv_group{g}": ("small_egmla", (f"model.attention.gate_group_size={g}",))
        for g in (2, 4)},
 }
-PHASES = ("lr", "seeds", "long", "ablations", "mqar", "eval")
+PHASES = ("lr", "seeds", "long", "ablations", "mqar", "mqar_lr", "mqar_seeds", "eval")
 
 
 @dataclass(frozen=True)

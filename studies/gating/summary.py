@@ -15,16 +15,18 @@ from eval.stats import holm, interval, paired, paired_p
 from studies.gating.arms import arm_overrides, describe
 from studies.gating.plan import choose_lrs, selection_loss
 from studies.gating.protocol import (ABLATIONS, ARM, ARMS, BASE, BASE_STEPS, BASELINES, FAMILIES,
-                                     LM_EVAL_METRICS, LONG_ARMS, LONG_FACTOR, MQAR_STEPS, Setup)
+                                     LM_EVAL_METRICS, LONG_ARMS, LONG_FACTOR, MQAR_FAIR_STEPS,
+                                     MQAR_STEPS, Setup)
 from studies.gating.tables import render
 
 
 def summarize(records: list[dict[str, Any]], chosen: dict[str, float],
-              setup: Setup = Setup()) -> dict[str, Any]:
+              setup: Setup = Setup(), chosen_mqar: dict[str, float] | None = None) -> dict[str, Any]:
     """Per arm: its configuration, the LR grid, the chosen LR, the losses by seed at that LR with
     mean and 95% interval, the long runs, MQAR, and the paired differences (same seed, hence the
     same data order) against each baseline arm."""
     arms: dict[str, Any] = {}
+    chosen_mqar = chosen_mqar or {}
     for arm in [a.name for a in ARMS] + list(ABLATIONS):
         rows = [r for r in records if r["arm"] == arm]
         if not rows:
@@ -50,8 +52,9 @@ def summarize(records: list[dict[str, Any]], chosen: dict[str, float],
                 if acc}
         arms[arm]["mqar_model"] = next(  # MQAR's model is another size: its own bytes, params
             ({"params": r["params"], "kv_bytes_per_token_bf16": r["kv_bytes_per_token_bf16"]}
-             for r in rows if r["phase"] == "mqar" and r.get("params")), None)
+             for r in rows if r["phase"].startswith("mqar") and r.get("params")), None)
         arms[arm]["mqar_mean_accuracy"] = interval(list(mqar.values())) if mqar else None
+        arms[arm]["mqar_fair"] = mqar_fair(rows, chosen_mqar.get(arm))
         scored = {r["seed"]: r["lm_eval"] for r in rows
                   if r["phase"] in ("lr", "seeds") and r["lr"] == lr and r.get("lm_eval")}
         arms[arm]["lm_eval_by_seed"] = dict(sorted(scored.items()))
@@ -82,6 +85,7 @@ def summarize(records: list[dict[str, Any]], chosen: dict[str, float],
                          "lm_eval_metrics": list(LM_EVAL_METRICS),
                          "base_steps": BASE_STEPS, "tokens_per_step": 16 * 128,
                          "long_factor": LONG_FACTOR, "mqar_steps": MQAR_STEPS,
+                         "mqar_fair_steps": MQAR_FAIR_STEPS,
                          "recipe": BASE, "lr_grid": list(setup.lrs),
                          "lr_extensions": setup.lr_extensions,
                          "selection": "best final validation loss over the LR grid, first seed "
@@ -111,6 +115,23 @@ def comparisons(arms: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def mqar_fair(rows: list[dict[str, Any]], lr: float | None) -> dict[str, Any] | None:
+    """An arm's fair MQAR runs (mqar_lr, mqar_seeds): its grid (validation loss, seed 0), its
+    chosen rate, and at that rate the recall by seed (each slice and their mean), the mean's
+    interval over the seeds and each slice's; None before any such run."""
+    grid = {f"{r['lr']:g}": selection_loss(r) for r in rows if r["phase"] == "mqar_lr"}
+    if not grid:
+        return None
+    at_lr = {r["seed"]: r["mqar_accuracy"] for r in rows
+             if r["phase"] in ("mqar_lr", "mqar_seeds") and r["lr"] == lr and r["mqar_accuracy"]}
+    by_seed = dict(sorted(at_lr.items()))
+    slices = sorted({k for acc in by_seed.values() for k in acc})
+    return {"lr_grid_val_loss": grid, "lr": lr, "lr_protocol": "best over LR on MQAR (seed 0)",
+            "accuracy_by_seed": by_seed,
+            "mean_accuracy": interval([mqar_mean(a) for a in by_seed.values()]),
+            "by_slice": {k: interval([a[k] for a in by_seed.values() if k in a]) for k in slices}}
+
+
 def remakes(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The runs trained again (for an export on a machine without their run directory): the
     loss each had, the loss it has now, and the difference, largest first."""
@@ -133,8 +154,8 @@ def write_results(results: Path, records: list[dict[str, Any]], setup: Setup) ->
     (results / "runs").mkdir(exist_ok=True)
     for r in records:
         files.write_json(results / "runs" / f"{r['phase']}-{r['run']}.json", r)
-    chosen = choose_lrs(records, setup)
-    summary = {**summarize(records, chosen, setup), "chosen_lr": chosen, "provenance": provenance(),
-               "runs": len(records)}
+    chosen, on_mqar = choose_lrs(records, setup), choose_lrs(records, setup, "mqar_lr")
+    summary = {**summarize(records, chosen, setup, on_mqar), "chosen_lr": chosen,
+               "chosen_lr_mqar": on_mqar, "provenance": provenance(), "runs": len(records)}
     files.write_json(results / "summary.json", summary)
     files.write_text(results / "tables.md", render(json.loads(json.dumps(summary))))  # as read back

@@ -166,6 +166,29 @@ def mqar_table(summary: dict[str, Any]) -> str:
                    *(f"vs {_name(b)}" for b in plan["baselines"])], rows, 1)
 
 
+def mqar_fair_table(summary: dict[str, Any]) -> str:
+    """The fair MQAR runs: each arm at its own rate from a grid on MQAR, recall by seed (the mean
+    over the 4, 8 and 16-pair slices), its interval, each slice's mean, and the MQAR model's
+    KV bytes."""
+    arms, plan = summary["arms"], _plan(summary)
+    names = [n for n in plan["arms"] if arms[n].get("mqar_fair")]
+    if not names:
+        return ""
+    rows = []
+    for n in names:
+        fair, model = arms[n]["mqar_fair"], arms[n].get("mqar_model") or {}
+        slices = fair["by_slice"]
+        rows.append([_name(n), " / ".join(f"{lr}: {loss:.3f}" for lr, loss in sorted(
+                         fair["lr_grid_val_loss"].items(), key=lambda kv: float(kv[0]))),
+                     _rate(fair["lr"]),
+                     _seeds({s: _mean(a.values()) for s, a in fair["accuracy_by_seed"].items()}, 3),
+                     ci(fair["mean_accuracy"], 3, fraction=True),
+                     " / ".join(f"{slices[k]['mean']:.3f}" for k in sorted(slices)) or "-",
+                     str(model.get("kv_bytes_per_token_bf16", "-"))])
+    return _table(["arm", "grid (LR: val loss, seed 0)", "LR", "recall by seed",
+                   "mean [95% CI]", "by slice", "KV bytes/token (bf16)"], rows, 2)
+
+
 def _lm_digits(metric: str) -> int:
     return 1 if metric.endswith("word_perplexity") else 3 if metric.endswith("acc") or \
         metric.endswith("acc_norm") else 4
@@ -239,6 +262,7 @@ SECTIONS = {  # name -> (heading, the table)
     "ablations": ("Ablations of egmla_kv (egmla_kv's rate)", ablations_table),
     "mqar": ("MQAR recall (egmla_kv's rate; the MQAR model's KV bytes and parameters)",
              mqar_table),
+    "mqar_fair": ("MQAR recall, each arm at its own rate (2,000 steps)", mqar_fair_table),
     "comparisons": ("Comparisons by family: paired p-values, raw and Holm-adjusted within the "
                     "family", comparisons_table),
     "lm_eval": ("lm-eval (each arm's seeds at its rate)", lm_eval_table),

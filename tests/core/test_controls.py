@@ -2,7 +2,8 @@
 counterpart, which must fail the same check (so the checks can fail):
 
 - the constant gate has no token dependence;
-- the value embedding adds to V (a term of the token id alone), it does not multiply;
+- the value embedding adds to V (a term of the token id alone), it does not multiply; the K/V
+  embedding adds to K and V; the V-only gate multiplies V and leaves K as MLA's;
 - the hidden-state gate depends on the hidden state only;
 - their KV bytes are what the cache holds (and what they claim relative to their counterparts).
 """
@@ -92,6 +93,62 @@ def test_the_value_embedding_adds_a_term_of_the_token_id_alone():
     assert not torch.allclose(d1, d2, atol=1e-6)
 
 
+def test_the_kv_embedding_adds_to_keys_and_values_and_absorbs_exactly():
+    """`mla_kv_embed`: what the ids change in K and in V does not depend on the latent (added,
+    not multiplied), and its absorbed decode ([c, e, k_rope] against [W_UK^T q, W_KE^T q,
+    q_rope]) equals the rebuild over a prefill and decode steps."""
+    model, attn = layer("tiny-mla-kv-embed")
+    g = torch.Generator().manual_seed(5)
+    c1, c2 = (torch.randn(2, 10, attn.d_c, generator=g, dtype=torch.float64) for _ in range(2))
+    _, _, ids = inputs(model)
+    other = (ids + 7) % model.config.vocab_size
+    with torch.no_grad():
+        (k1, v1), (k1o, v1o) = attn.expand(c1, ids), attn.expand(c1, other)
+        (k2, v2), (k2o, v2o) = attn.expand(c2, ids), attn.expand(c2, other)
+    assert not torch.allclose(k1, k1o) and not torch.allclose(v1, v1o)
+    torch.testing.assert_close(k1 - k1o, k2 - k2o, rtol=0, atol=1e-12)
+    torch.testing.assert_close(v1 - v1o, v2 - v2o, rtol=0, atol=1e-12)
+    assert_decode_equals_forward("tiny-mla-kv-embed", "absorbed")
+
+
+def test_the_value_gate_multiplies_values_only():
+    """`egmla_v_gate`: the keys are MLA's (no token identity), the values carry the ids
+    multiplied (what they change depends on the latent), and decoding step by step (the
+    rebuild) equals the full forward; an absorbed impl is refused by name."""
+    from egmla.config import ConfigError
+    from support.models import with_attention
+
+    model, attn = layer("tiny-egmla-v-gate")
+    g = torch.Generator().manual_seed(6)
+    c1, c2 = (torch.randn(2, 10, attn.d_c, generator=g, dtype=torch.float64) for _ in range(2))
+    _, _, ids = inputs(model)
+    other = (ids + 7) % model.config.vocab_size
+    with torch.no_grad():
+        (k1, v1), (k1o, v1o) = attn.expand(c1, ids), attn.expand(c1, other)
+        (_, v2), (_, v2o) = attn.expand(c2, ids), attn.expand(c2, other)
+        k_mla = attn.wkv_b(c1).view(2, 10, attn.n_kv, -1)[..., :attn.d_nope]
+    assert torch.equal(k1, k1o) and torch.equal(k1, k_mla)  # keys: MLA's, no token identity
+    assert not torch.allclose(v1, v1o)
+    assert not torch.allclose(v1 - v1o, v2 - v2o, atol=1e-6)  # multiplied, not added
+    assert_decode_equals_forward("tiny-egmla-v-gate", "naive")
+    with pytest.raises(ConfigError, match="impl"):
+        with_attention(preset("tiny-egmla-v-gate"), impl="auto")
+
+
+def assert_decode_equals_forward(name: str, impl: str) -> None:
+    """A prefill of 6 tokens then one token a step through the cache equals the full forward."""
+    from support.models import build, with_attention
+
+    model = build(with_attention(preset(name), impl=impl), seed=1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache(2, 12)
+        steps = [model(ids[:, :6], cache=cache)]
+        steps += [model(ids[:, t:t + 1], cache=cache) for t in range(6, 12)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-10)
+
+
 @pytest.mark.parametrize("name, id_dependent", [("tiny-egmla-latent", True),
                                                 ("tiny-egmla-hidden-gate", False)])
 def test_the_hidden_gate_depends_on_the_hidden_state_only(name, id_dependent):
@@ -116,6 +173,8 @@ def test_the_hidden_gate_depends_on_the_hidden_state_only(name, id_dependent):
     ("small-egmla-hidden-gate", "small-egmla-latent", 0),  # the same cache
     ("small-egmla-const-gate", "small-egmla", -4),  # no token ids (int32) to cache
     ("small-mla-value-embed", "small-mla-narrow", 4),  # MLA's cache plus the token ids
+    ("small-mla-kv-embed", "small-mla-narrow", 4),
+    ("small-egmla-v-gate", "small-mla-narrow", 4),  # the rebuild only: no norm statistics
 ])
 def test_control_kv_bytes_are_allocated_and_relate_to_their_counterpart(control, counterpart,
                                                                         extra_bytes):
@@ -129,7 +188,7 @@ def test_control_kv_bytes_are_allocated_and_relate_to_their_counterpart(control,
 
 
 @pytest.mark.parametrize("name", ["tiny-egmla-const-gate", "tiny-egmla-hidden-gate",
-                                  "tiny-mla-value-embed"])
+                                  "tiny-mla-value-embed", "tiny-mla-kv-embed", "tiny-egmla-v-gate"])
 def test_controls_refuse_the_exports_that_have_no_modeling_code_for_them(name, tmp_path):
     from egmla.export.hf import save_hf
     from egmla.export.native import NativeExportError, native_architecture

@@ -41,8 +41,8 @@ def hand_sequence_bytes(config: dict) -> int:
     """EG-MLA with the gate on K/V rebuilds K/V from token ids, and the value-embedding control
     adds its keys' embeddings: one int32 per token (the constant-gate control reads no ids)."""
     a = config["attention"]
-    token_gate = a["type"] == "egmla" and a["gate_position"] == "kv"
-    return 4 if token_gate or a["type"] == "mla_value_embed" else 0
+    token_gate = a["type"] in ("egmla", "egmla_v_gate") and a["gate_position"] == "kv"
+    return 4 if token_gate or a["type"] in ("mla_value_embed", "mla_kv_embed") else 0
 
 
 def hand_stats_bytes(config: dict) -> int:

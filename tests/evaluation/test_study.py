@@ -161,6 +161,63 @@ def test_lm_eval_scores_and_mqar_recall_are_summarized_over_seeds_and_paired(tmp
     assert sorted(r["metric_value"] for r in mqar_rows)[-1] == pytest.approx(0.90)
 
 
+def test_the_fair_mqar_phases_give_each_arm_its_own_rate_then_its_seeds():
+    """mqar_lr runs each arm's own grid on MQAR (2,000 steps at full scale, seed 0), grown past
+    the edge its best validation loss is at; mqar_seeds waits for every arm's choice, then
+    runs seeds 1 and 2 there; the summary reports recall at each arm's MQAR rate, not at
+    egmla_kv's, and the table shows it."""
+    from studies.gating.tables import mqar_fair_table
+
+    setup = study.Setup(arms=("mla_dc32", "egmla_kv"), lrs=(1e-3, 2e-3, 4e-3), lr_extensions=1)
+    first = study.plan("mqar_lr", [], setup)
+    assert {(r.arm, r.lr, r.seed, r.steps) for r in first} == {
+        (a, lr, 0, 2000) for a in setup.arms for lr in setup.lrs}
+    assert all("experiment=mqar_sweep" in r.base for r in first)
+    with pytest.raises(study.StudyError, match="mqar_lr"):
+        study.plan("mqar_seeds", [], setup)
+    loss = {"mla_dc32": {1e-3: 1.2, 2e-3: 1.1, 4e-3: 1.0, 8e-3: 0.9},  # best at the top edge
+            "egmla_kv": {1e-3: 0.9, 2e-3: 0.7, 4e-3: 0.8}}
+    recall = {"mla_dc32": {8e-3: 0.4, 4e-3: 0.3}, "egmla_kv": {2e-3: 0.9, 4e-3: 0.5}}
+
+    def record(arm, lr, seed, phase):
+        acc = recall[arm].get(lr, 0.1) + 0.01 * seed
+        return {**rows(phase, arm, {(lr, seed): loss[arm].get(lr, 1.0)})[0],
+                "mqar_accuracy": {"kv4": acc + 0.05, "kv16": acc - 0.05}}
+
+    records = [record(r.arm, r.lr, 0, "mqar_lr") for r in first]
+    grown = study.plan("mqar_lr", records, setup)
+    assert {(r.arm, r.lr) for r in grown} - {(r.arm, r.lr) for r in first} == {("mla_dc32", 8e-3)}
+    records.append(record("mla_dc32", 8e-3, 0, "mqar_lr"))
+    seeds = study.plan("mqar_seeds", records, setup)
+    assert {(r.arm, r.lr, r.seed) for r in seeds} == {
+        ("mla_dc32", 8e-3, 1), ("mla_dc32", 8e-3, 2), ("egmla_kv", 2e-3, 1), ("egmla_kv", 2e-3, 2)}
+    records += [record(r.arm, r.lr, r.seed, "mqar_seeds") for r in seeds]
+    summary = study.summarize(records, {}, setup, study.choose_lrs(records, setup, "mqar_lr"))
+    fair = summary["arms"]["egmla_kv"]["mqar_fair"]
+    assert fair["lr"] == 2e-3 and sorted(fair["accuracy_by_seed"]) == [0, 1, 2]
+    assert fair["mean_accuracy"]["mean"] == pytest.approx(0.91)
+    assert fair["by_slice"]["kv4"]["mean"] == pytest.approx(0.96)
+    assert summary["arms"]["mla_dc32"]["mqar_fair"]["lr"] == 8e-3
+    table = mqar_fair_table(json.loads(json.dumps(summary))).split("\n")
+    assert table[2].startswith("| `mla_dc32` | 0.001: 1.200 / 0.002: 1.100 / 0.004: 1.000 / "
+                               "0.008: 0.900 | 0.008 | 0.400 / 0.410 / 0.420 |")
+
+
+def test_an_arm_added_later_leaves_the_others_runs_in_the_record():
+    """Before an added arm's grid has run, a phase that needs every arm's rate refuses to train
+    (naming the arm), but reading the record (`ready_only`: --summarize, --dry-run) still plans
+    the ready arms' runs, so their records stay in the summary."""
+    setup = study.Setup(arms=("mla_dc32", "mla_kv_embed"), lrs=(1e-3, 2e-3, 4e-3),
+                        lr_extensions=0)
+    records = rows("lr", "mla_dc32", {(1e-3, 0): 4.7, (2e-3, 0): 4.6, (4e-3, 0): 4.65})
+    with pytest.raises(study.StudyError, match="mla_kv_embed"):
+        study.plan("seeds", records, setup)
+    ready = study.plan("seeds", records, setup, ready_only=True)
+    assert {(r.arm, r.lr, r.seed) for r in ready} == {("mla_dc32", 2e-3, 1), ("mla_dc32", 2e-3, 2)}
+    assert study.plan("long", records, setup) == study.plan("long", records, setup, ready_only=True)
+    assert study.plan("mqar", records, setup, ready_only=True) == []  # needs egmla_kv's rate
+
+
 def test_the_param_matched_arm_has_egmla_kvs_parameters_lookup_tables_included():
     d_ff = study.param_matched_d_ff()
     matched = study.model_of("small_mla_dc32", [f"model.d_ff={d_ff}"])

@@ -7,7 +7,11 @@ another, so that a gain can be traced to token identity, to gating, or to neithe
 - `egmla_hidden_gate` (EGMLAHiddenGate): the latent gated by sigmoid(W_G h) from the hidden state
   (the control for `gate_position: latent`);
 - `mla_value_embed` (MLAValueEmbed): MLA with a token-id embedding added to the values: token
-  identity without multiplication.
+  identity without multiplication;
+- `mla_kv_embed` (MLAKVEmbed): the embedding added to the keys and the values (where EG-MLA
+  `kv` multiplies), and `egmla_v_gate` (EGMLAValueGate): the gate multiplying the values only
+  (where `mla_value_embed` adds): together they separate adding from multiplying at either
+  placement.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from egmla.config import (EGMLAConstGateConfig, EGMLAHiddenGateConfig, MLAValueEmbedConfig,
-                          ModelConfig)
+from egmla.config import (EGMLAConstGateConfig, EGMLAHiddenGateConfig, EGMLAValueGateConfig,
+                          MLAKVEmbedConfig, MLAValueEmbedConfig, ModelConfig)
 from egmla.models.attention.common import attend
 from egmla.models.attention.egmla import EGMLA, EGMLALatent
 from egmla.models.attention.mla import MLA
@@ -122,3 +126,63 @@ class MLAValueEmbed(MLA):
                 "macs_per_query": cost["macs_per_query"] + (H * v * E if absorbed else 0),
                 "cache_bytes_per_key": cost["cache_bytes_per_key"] + 4,  # the int32 id
                 "lookup_bytes_per_key": E * dtype.itemsize}
+
+
+class MLAKVEmbed(MLAValueEmbed):
+    """`mla_kv_embed`: k_j = W_UK c_j + W_KE E[id_j] and v_j = W_UV c_j + W_VE E[id_j], one table
+    E per layer. Absorbed, the key is [c_j, e_j, k_rope_j] against the query [W_UK^T q, W_KE^T q,
+    q_rope], and the value [c_j, e_j] as for `mla_value_embed`."""
+
+    config_class = MLAKVEmbedConfig
+
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+        super().__init__(config, layer)
+        self.w_key = Linear(self.d_e, config.n_heads * self.d_nope, bias=False)  # W_KE
+
+    def expand(self, c, key_ids):
+        k_nope, v = super().expand(c, key_ids)
+        B, S, _ = c.shape
+        added = self.w_key(self._key_rows(key_ids)).view(B, S, self.n_heads, self.d_nope)
+        return k_nope + added, v
+
+    def _absorbed(self, q_nope, q_rope, fields, key_ids, positions, key_positions):
+        c, k_rope, e = fields["c"], fields["k_rope"], self._key_rows(key_ids).to(fields["c"].dtype)
+        H, n, v, C = self.n_heads, self.d_nope, self.d_v, self.d_c
+        w_uk, w_uv = self.wkv_b.weight.view(H, n + v, C).split([n, v], dim=1)
+        w_ke = self.w_key.weight.view(H, n, self.d_e)
+        q = torch.cat((torch.einsum("bthn,hnc->bthc", q_nope, w_uk),
+                       torch.einsum("bthn,hne->bthe", q_nope, w_ke), q_rope), dim=-1)
+        k = torch.cat((c, e, k_rope), dim=-1)[:, :, None]  # (B, S, 1, C + E + r)
+        value = torch.cat((c, e), dim=-1)[:, :, None]  # (B, S, 1, C + E)
+        o_c, o_e = attend(q, k, value, self.scale, positions, key_positions).split([C, self.d_e], -1)
+        w_ve = self.w_value.weight.view(H, v, self.d_e)
+        return (torch.einsum("bthc,hvc->bthv", o_c, w_uv)
+                + torch.einsum("bthe,hve->bthv", o_e, w_ve))
+
+    def decode_cost(self, context: int, dtype: torch.dtype = torch.float32) -> dict[str, int]:
+        cost = super().decode_cost(context, dtype)
+        H, E, n = self.n_heads, self.d_e, self.d_nope
+        absorbed = self._use_absorbed(1, context, cached=True)
+        return {**cost,  # the keys' embedding: scored per key absorbed, expanded per key naive
+                "macs_per_key": cost["macs_per_key"] + (H * E if absorbed else H * n * E),
+                "macs_per_query": cost["macs_per_query"] + (H * n * E if absorbed else 0)}
+
+
+class EGMLAValueGate(EGMLA):
+    """`egmla_v_gate`: the token-id gate and its norm on the values only, v_j = Norm(W_UV c_j *
+    g_j), the keys MLA's (W_UK c_j). The rebuild only (`impl: naive`)."""
+
+    config_class = EGMLAValueGateConfig
+
+    def expand(self, c, key_ids):
+        B, S, _ = c.shape
+        u = self.wkv_b(c).view(B, S, self.n_kv, self.d_nope + self.d_v)
+        k_nope, v = u.split([self.d_nope, self.d_v], dim=-1)
+        gated = self.gate_norm(v.reshape(B, S, -1) * self.gate(key_ids, c))
+        return k_nope, gated.view(B, S, self.n_kv, self.d_v)
+
+    def step_macs(self, T: int, S: int) -> dict[str, int]:
+        G, H, n, v, r, C, E = (self.n_kv, self.n_heads, self.d_nope, self.d_v, self.d_rope,
+                               self.d_c, self.d_e + self.gate_residual)
+        rebuild = S * G * ((n + v) * C + v * E) + T * S * H * (n + r + v)
+        return {"rebuild": rebuild, "absorbed": rebuild}  # no absorbed form: never preferred
