@@ -10,8 +10,9 @@ The OpenAI-compatible HTTP server: `python -m serve --model ...` (serve/server.p
 
 from serve.config import EngineConfig
 from serve.engine import LLMEngine
+from serve.inputs import TextPrompt, TokensPrompt
 from serve.llm import LLM, CompletionOutput, Logprob, RequestOutput
 from serve.sampling import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob", "RequestOutput",
-           "SamplingParams"]
+           "SamplingParams", "TextPrompt", "TokensPrompt"]

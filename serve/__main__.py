@@ -1,7 +1,10 @@
-"""`python -m serve --model MODEL`: the OpenAI-compatible HTTP server.
+"""`python -m serve --model MODEL` (or `python -m serve MODEL`, as `vllm serve MODEL`): the
+OpenAI-compatible HTTP server.
 
 MODEL is a training export directory (runs/<name>/export) or a known imported model name
-(SmolLM2-135M-Instruct). Try it with any OpenAI client:
+(SmolLM2-135M-Instruct). vLLM's flags that change nothing on one device at the values given
+(--tensor-parallel-size 1, --disable-log-stats, --swap-space, ...) are accepted and logged; a
+value that would need more is refused by name. Try it with any OpenAI client:
 
     python -m serve --model SmolLM2-135M-Instruct --port 8000
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
@@ -22,7 +25,7 @@ from egmla.dtypes import WEIGHT_DTYPES as DTYPES
 from egmla.quant import QUANTIZATIONS
 from egmla.units import parse_bytes
 from serve.attention import BACKENDS as ATTENTION_BACKENDS  # noqa: F401 (its old name here)
-from serve.config import EngineConfig
+from serve.config import VLLM_NO_OPS, EngineConfig, accept_vllm_no_ops
 
 
 def positive_int(text: str) -> int:
@@ -113,12 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m serve", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True,
+    p.add_argument("model_argument", nargs="?", metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it (the same as --model)")
+    p.add_argument("--model",
                    help="a training export directory or a known model name (SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", help="the name clients pass as 'model' (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default %(default)s)")
-    p.add_argument("--dtype", choices=DTYPES, help="the weights' dtype (default: the export's)")
+    p.add_argument("--dtype", choices=(*DTYPES, "auto"),
+                   help="the weights' dtype (default, or auto: the export's)")
     p.add_argument("--device", help="where the model runs: cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--quantization", choices=QUANTIZATIONS,
                    help="block-quantized weights (vLLM's flag): q8_0, q4_0 or q4_1 quantizes "
@@ -157,17 +163,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a neuron fires only above this score (|silu(gate)| for SwiGLU, the gate "
                         "for the ReLU family): one number, or one per layer separated by commas; "
                         "predicted mode takes its predictors' own; default %(default)s")
+    g = p.add_argument_group("vLLM's flags that change nothing here at these values (logged if given)")
+    for name, no_op in VLLM_NO_OPS.items():
+        flag = "--" + name.replace("_", "-")
+        if no_op.flag == "flag":
+            g.add_argument(flag, dest=name, action="store_true", default=argparse.SUPPRESS,
+                           help=no_op.why)
+        else:
+            g.add_argument(flag, dest=name, type={"int": int, "float": float}.get(no_op.flag, str),
+                           default=argparse.SUPPRESS, help=f"accepted: {no_op.what} ({no_op.why})")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model and args.model_argument and args.model != args.model_argument:
+        parser.error(f"two models: {args.model_argument!r} and --model {args.model!r}; give one")
+    args.model = args.model or args.model_argument
+    if not args.model:
+        parser.error("a model is needed: python -m serve MODEL, or --model MODEL")
+    if args.dtype == "auto":
+        args.dtype = None
     if args.max_queued_requests < 0:
         print(f"error: --max-queued-requests={args.max_queued_requests}: must be >= 0", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:  # vLLM's no-op flags: logged, or refused by name before anything loads
+        accept_vllm_no_ops({name: getattr(args, name) for name in VLLM_NO_OPS if hasattr(args, name)})
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     # The server's imports after argument parsing, so usage errors come before they load.
     import torch
     import uvicorn

@@ -17,6 +17,8 @@ how the command line spells it where that is not `--field-name`:
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +30,70 @@ from serve import attention
 from serve.sampling import SEED_RANGE, is_int
 
 DEFAULT_KV_CACHE_MEMORY = 512 * 2**20  # bytes
+log = logging.getLogger("serve")
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class NoOp:
+    """A vLLM argument that asks nothing of this engine at the values `accepts` takes (`what`
+    says which), for the reason `why`; `flag`: how the command line reads it ("int", "float",
+    "flag" for a switch, "str")."""
+
+    accepts: Callable[[Any], bool]
+    what: str
+    why: str
+    flag: str
+
+
+# vLLM's arguments that scripts pass with values meaning "nothing to do" here: accepted with one
+# log line each; any other value would need what this engine does not do, and is refused by
+# name. (dtype "auto", kv_cache_dtype "auto", enforce_eager and gpu_memory_utilization are
+# settings of their own.)
+VLLM_NO_OPS: dict[str, NoOp] = {
+    "tensor_parallel_size": NoOp(lambda v: v == 1 and is_int(v), "1",
+                                 "one device: the weights are not split", "int"),
+    "pipeline_parallel_size": NoOp(lambda v: v == 1 and is_int(v), "1",
+                                   "one device: the layers are not split", "int"),
+    "data_parallel_size": NoOp(lambda v: v == 1 and is_int(v), "1", "one engine", "int"),
+    "disable_log_stats": NoOp(lambda v: isinstance(v, bool), "true or false",
+                              "no periodic statistics are logged (the server's /metrics has them)",
+                              "flag"),
+    "disable_log_requests": NoOp(lambda v: isinstance(v, bool), "true or false",
+                                 "requests are not logged", "flag"),
+    "swap_space": NoOp(lambda v: _number(v) and v >= 0, "a number of GiB >= 0",
+                       "a preempted request is recomputed, never swapped to CPU memory", "float"),
+    "cpu_offload_gb": NoOp(lambda v: _number(v) and v == 0, "0",
+                           "the weights stay where the model runs", "float"),
+    "disable_custom_all_reduce": NoOp(lambda v: isinstance(v, bool), "true or false",
+                                      "one device: nothing to reduce across", "flag"),
+    "tokenizer_mode": NoOp(lambda v: v == "auto", '"auto"', "the model's own tokenizer", "str"),
+    "load_format": NoOp(lambda v: v == "auto", '"auto"',
+                        "the format is read from the model's files", "str"),
+}
+
+
+def accept_vllm_no_ops(args: dict[str, Any]) -> dict[str, Any]:
+    """`args` without vLLM's no-op arguments (VLLM_NO_OPS), each logged as accepted; a value
+    that would need something this engine does not do is a ValueError naming the argument.
+    vLLM's `kv_cache_dtype` is read as `cache_dtype` (the same setting)."""
+    rest = dict(args)
+    for name, no_op in VLLM_NO_OPS.items():
+        if name not in rest:
+            continue
+        value = rest.pop(name)
+        if not no_op.accepts(value):
+            raise ValueError(f"{name}={value!r}: this engine accepts only {no_op.what} "
+                             f"({no_op.why})")
+        log.info("%s=%r accepted; it changes nothing here: %s", name, value, no_op.why)
+    if "kv_cache_dtype" in rest:
+        if "cache_dtype" in rest:
+            raise ValueError("kv_cache_dtype and cache_dtype name one setting: give one")
+        rest["cache_dtype"] = rest.pop("kv_cache_dtype")
+    return rest
 
 
 def setting(default: Any, help: str, **cli: Any) -> Any:
@@ -120,12 +186,16 @@ def kv_memory_for_share(share: float, total: int, used: int, reserve: int) -> in
     return left
 
 
-def kv_memory_on_gpu(model: Transformer, c: EngineConfig) -> int:
-    """The KV pool's bytes under `c.gpu_memory_utilization` on the model's CUDA device."""
+def kv_memory_on_gpu(model: Transformer, c: EngineConfig) -> int | None:
+    """The KV pool's bytes under `c.gpu_memory_utilization` on the model's CUDA device; None
+    (logged: kv_cache_memory sizes the pool) on any other device, where a vLLM script's share
+    of GPU memory means nothing."""
     device = model.tok_emb.weight.device
     if device.type != "cuda":
-        raise ValueError(f"gpu_memory_utilization applies to a CUDA device (this engine is on "
-                         f"{device}): size the KV pool with kv_cache_memory")
+        log.info("gpu_memory_utilization=%s accepted on %s, where it changes nothing: the KV pool "
+                 "is sized by kv_cache_memory (%d MiB)", c.gpu_memory_utilization, device,
+                 c.kv_cache_memory // 2**20)
+        return None
     total = torch.cuda.get_device_properties(device).total_memory
     cfg = model.config
     # A step's activations, roughly: hidden states, MLP and attention scratch and fp32 logits
@@ -141,7 +211,9 @@ def sized(config: EngineConfig, model: Transformer, dtype: torch.dtype) -> Engin
     KV cache in `dtype`) and checked against the model: ValueError naming the setting."""
     c, spec = config, model.cache_spec()
     if c.gpu_memory_utilization is not None and c.num_blocks is None:
-        c = dataclasses.replace(c, kv_cache_memory=kv_memory_on_gpu(model, c))
+        on_gpu = kv_memory_on_gpu(model, c)
+        if on_gpu is not None:
+            c = dataclasses.replace(c, kv_cache_memory=on_gpu)
     if c.num_blocks is None:
         block_bytes = spec.bytes_per_token(dtype) * c.block_size
         if c.kv_cache_memory < block_bytes:

@@ -28,7 +28,7 @@ from egmla.models import Transformer
 from egmla.models.sparse_ffn import check_settings as check_sparsity
 from egmla.models.sparse_ffn import layer_thresholds, predictors_from_tensors, sparsify
 from egmla.quant import QUANTIZATIONS, load_gguf_weights, quantize_model
-from serve.config import EngineConfig
+from serve.config import EngineConfig, accept_vllm_no_ops
 from serve.engine import LLMEngine, StepFailed
 from serve.sampling import InvalidRequest, SamplingParams
 from serve.outputs import OutputProcessor
@@ -85,6 +85,35 @@ def check_text(text: object, field: str, param: str | None = None) -> None:
     except UnicodeEncodeError as error:
         raise InvalidRequest(f"{field}: not valid Unicode text ({error.reason} at character "
                              f"{error.start})", param or field) from None
+
+
+def resolve_tokenizer(tokenizer: Any) -> Any:
+    """`tokenizer=` as vLLM takes it: a tokenizer object (kept), None (the model's own), or a
+    name or path to load one from: a directory with tokenizer files (an export, a transformers
+    model), a known model name (egmla.imports.KNOWN_MODELS), else a hub id through transformers
+    (which needs the network). ValueError, naming the value, when none of these has one."""
+    if tokenizer is None or not isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer
+    from egmla.checkpoint import tokenizer_or_none
+    from egmla.imports import _known_name
+
+    path = Path(tokenizer)
+    if path.is_dir():
+        found = tokenizer_or_none(path)
+        if found is None:
+            raise ValueError(f"tokenizer={str(tokenizer)!r}: that directory holds no tokenizer "
+                             "files")
+        return found
+    if _known_name(tokenizer):
+        return load_pretrained(str(tokenizer))[1]
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(tokenizer))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"tokenizer={str(tokenizer)!r}: not a directory with tokenizer files, "
+                         f"not a known model name ({', '.join(KNOWN_MODELS)}), and not loadable "
+                         f"from the hub ({str(error).splitlines()[0]})") from None
 
 
 class LLM:
@@ -157,8 +186,10 @@ class LLM:
                              "the sparse MLP decodes float weights only, choose one")
         if ffn_predictors is not None:  # a missing or unreadable file fails before loading
             predictor_file = (read_weights(Path(ffn_predictors)), read_metadata(Path(ffn_predictors)))
+        engine_args = accept_vllm_no_ops(engine_args)  # tensor_parallel_size=1 and the like
         if "cache_dtype" in engine_args:
             engine_args["cache_dtype"] = parse_model_dtype(engine_args["cache_dtype"])
+        tokenizer = resolve_tokenizer(tokenizer)  # a name or directory: loaded before the model
         if not isinstance(trust_remote_code, bool):
             raise ValueError(f"trust_remote_code={trust_remote_code!r}: must be true or false")
         config = EngineConfig.from_args(max_model_len=max_model_len, seed=seed, **engine_args)
@@ -204,18 +235,49 @@ class LLM:
                                  f"{type(prompt).__name__}", "prompt")
         return list(prompt)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], **template: Any) -> list[int]:
         """A conversation -> token ids, through the tokenizer's chat template with the assistant
-        turn opened."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        turn opened (`template`: render_chat's arguments)."""
+        return self.render_chat(messages, **template)[1]
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    chat_template: str | None = None, continue_final_message: bool = False,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+        """A conversation -> (the rendered prompt, its token ids), through the tokenizer's chat
+        template or `chat_template`, as vLLM's `LLM.chat` takes them: the assistant turn opened
+        (`add_generation_prompt`), or the last message left open to be continued
+        (`continue_final_message`; not both), `chat_template_kwargs` passed to the template."""
+        if not isinstance(add_generation_prompt, bool) or not isinstance(continue_final_message, bool):
+            raise InvalidRequest("add_generation_prompt and continue_final_message: must be true "
+                                 "or false", "messages")
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequest("add_generation_prompt and continue_final_message: choose one "
+                                 "(a new assistant turn, or the last message continued)", "messages")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise InvalidRequest("chat_template_kwargs: expected a dict", "chat_template_kwargs")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise InvalidRequest("chat_template: expected the template's text", "chat_template")
+        if self.tokenizer is None or not (chat_template or getattr(self.tokenizer, "chat_template", None)):
             raise InvalidRequest(f"{self.name}: its tokenizer has no chat template", "messages")
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("content"), str):
                 raise InvalidRequest(f"messages[{i}]: expected a dict with a string 'content'",
                                      "messages")
             check_text(message["content"], f"messages[{i}].content", param="messages")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        options = {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
+                   "continue_final_message": continue_final_message, "chat_template": chat_template}
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
+            ids = self.tokenizer.apply_chat_template(messages, tokenize=True, **options)
+        except Exception as error:  # a template's own error (jinja2's), a bad final message
+            raise InvalidRequest(f"the chat template failed: {error}", "messages") from None
+        return text, list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def get_tokenizer(self) -> Any:
+        """The tokenizer this LLM encodes and decodes with, as vLLM's `get_tokenizer()`: a
+        transformers tokenizer (`encode`, `decode`, `apply_chat_template`, `eos_token_id`), or
+        None for a model that came without one."""
+        return self.tokenizer
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return (self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -327,8 +389,17 @@ class LLM:
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template (with the assistant prompt) and generate."""
+             use_tqdm: bool = True, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the chat template (the tokenizer's, or `chat_template`) to each conversation and
+        generate, as vLLM's `LLM.chat` (its template arguments: render_chat); each output's
+        `prompt` is the rendered conversation."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.encode_chat(c) for c in conversations], sampling_params,
-                             use_tqdm)
+        rendered = [self.render_chat(c, add_generation_prompt, chat_template,
+                                     continue_final_message, chat_template_kwargs)
+                    for c in conversations]
+        outputs = self.generate([ids for _, ids in rendered], sampling_params, use_tqdm)
+        for output, (text, _) in zip(outputs, rendered):
+            output.prompt = text
+        return outputs

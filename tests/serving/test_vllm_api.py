@@ -201,7 +201,7 @@ def test_the_llm_seed_makes_unseeded_sampling_reproducible(export):
 def test_what_is_not_implemented_is_refused_by_name(export):
     with pytest.raises(InvalidRequest, match="use_beam_search: vLLM's or OpenAI's, not implemented"):
         SamplingParams(use_beam_search=True)
-    with pytest.raises(ValueError, match="unknown engine argument.*tensor_parallel_size"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: this engine accepts only 1"):
         LLM(model=str(export), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="max_model_len=1000"):
         LLM(model=str(export), max_model_len=1000)
@@ -247,9 +247,10 @@ def test_on_a_gpu_greedy_tokens_and_seeded_draws_match_the_cpus(export):
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
 
 
-def test_gpu_memory_utilization_sizes_the_pool_on_a_gpu_and_is_refused_elsewhere(export):
+def test_gpu_memory_utilization_sizes_the_pool_on_a_gpu_and_changes_nothing_elsewhere(export, caplog):
     """vLLM's share of device memory: the pool gets the share less what is held and an
-    activation reserve; on a CPU (no share to take) it is refused, naming kv_cache_memory."""
+    activation reserve; on a CPU (no share to take) a vLLM script's value is accepted, logged,
+    and the pool is kv_cache_memory's as without it."""
     from serve.engine import kv_memory_for_share
 
     assert kv_memory_for_share(0.5, 80 * 2**30, 2**30, 2**29) == 40 * 2**30 - 2**30 - 2**29
@@ -259,6 +260,66 @@ def test_gpu_memory_utilization_sizes_the_pool_on_a_gpu_and_is_refused_elsewhere
         with pytest.raises(ValueError, match=f"gpu_memory_utilization={bad!r}: must be a number"):
             LLM(model=str(export), gpu_memory_utilization=bad)
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="applies to a CUDA device.*kv_cache_memory"):
-            LLM(model=str(export), gpu_memory_utilization=0.9)
+        with caplog.at_level("INFO", logger="serve"):
+            shared = LLM(model=str(export), gpu_memory_utilization=0.9, kv_cache_memory=2**20)
+        plain = LLM(model=str(export), kv_cache_memory=2**20)
+        assert shared.engine.config.num_blocks == plain.engine.config.num_blocks
+        assert "gpu_memory_utilization=0.9 accepted on cpu" in caplog.text
+
+
+def test_vllm_arguments_that_mean_nothing_here_are_accepted_and_others_refused_by_name(export, caplog):
+    """tensor_parallel_size=1, pipeline_parallel_size=1, disable_log_stats, swap_space,
+    enforce_eager, dtype="auto" and kv_cache_dtype="auto" (vLLM's spelling of cache_dtype) run as
+    without them, each no-op logged once; a value that would need more than one device is a
+    ValueError naming the argument; kv_cache_dtype="bfloat16" sets the cache's dtype."""
+    with caplog.at_level("INFO", logger="serve"):
+        llm = LLM(model=str(export), tensor_parallel_size=1, pipeline_parallel_size=1,
+                  disable_log_stats=True, swap_space=4, enforce_eager=True, dtype="auto",
+                  kv_cache_dtype="auto", num_blocks=16)
+    for name in ("tensor_parallel_size=1", "pipeline_parallel_size=1", "disable_log_stats=True",
+                 "swap_space=4"):
+        assert caplog.text.count(f"{name} accepted") == 1, name
+    out = llm.generate("The king said", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    for bad, message in (({"tensor_parallel_size": 2}, "tensor_parallel_size=2: this engine accepts only 1"),
+                         ({"swap_space": -1}, "swap_space=-1"),
+                         ({"kv_cache_dtype": "auto", "cache_dtype": "auto"}, "give one")):
+        with pytest.raises(ValueError, match=message):
+            LLM(model=str(export), **bad)
+    bf16 = LLM(model=str(export), kv_cache_dtype="bfloat16", num_blocks=16)
+    assert bf16.engine.cache.dtype == torch.bfloat16
+
+
+def test_the_tokenizer_the_prompt_forms_and_chat_as_vllm_takes_them(export, llm):
+    """get_tokenizer() has vLLM's common methods; tokenizer= takes a directory (or a known
+    name) and is honoured, an unknown one refused by name (it was read as an encoding and
+    raised LookupError at generate); TokensPrompt and TextPrompt (vllm.inputs' names) are
+    prompts; chat takes vLLM's template arguments and returns the rendered prompt."""
+    from serve import TextPrompt, TokensPrompt
+
+    tok = llm.get_tokenizer()
+    ids = tok.encode("The king said")
+    assert tok.decode(ids) == "The king said" and isinstance(tok.eos_token_id, int)
+    by_path = LLM(model=str(export), tokenizer=str(export), num_blocks=16)
+    assert by_path.get_tokenizer().encode("The king said") == ids
+    with pytest.raises(ValueError, match="tokenizer='no-such-tokenizer'"):
+        LLM(model=str(export), tokenizer="no-such-tokenizer")
+    greedy = SamplingParams(temperature=0, max_tokens=5)
+    text, tokens = llm.generate([TextPrompt(prompt="The king said"),
+                                 TokensPrompt(prompt_token_ids=ids)], greedy, use_tqdm=False)
+    assert text.outputs[0].token_ids == tokens.outputs[0].token_ids
+    assert text.prompt == "The king said" and tokens.prompt_token_ids == ids
+    messages = [{"role": "user", "content": "Who art thou?"}]
+    plain = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+             "{% if add_generation_prompt %}{{ greeting }}{% endif %}")
+    [own] = llm.chat(messages, greedy, use_tqdm=False, chat_template=plain,
+                     chat_template_kwargs={"greeting": "bot:"})
+    assert own.prompt == "user: Who art thou?\nbot:" and own.outputs[0].token_ids
+    assert own.prompt_token_ids == tok.encode(own.prompt, add_special_tokens=False)
+    continued = messages + [{"role": "assistant", "content": "I am"}]
+    [more] = llm.chat(continued, greedy, use_tqdm=False, chat_template=plain,
+                      add_generation_prompt=False, continue_final_message=True)
+    assert more.prompt == "user: Who art thou?\nassistant: I am"  # left open, not closed
+    with pytest.raises(InvalidRequest, match="choose one"):
+        llm.chat(messages, greedy, chat_template=plain, continue_final_message=True)
 
