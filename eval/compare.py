@@ -1,16 +1,18 @@
 """Compare training runs: a quality metric against KV-cache bytes per token, one row per run.
 
-    python -m eval.compare runs/                       # every run directory under runs/
+    python -m eval.compare runs/                       # every run under runs/, sweeps' too
     python -m eval.compare runs/mha-s0 runs/mla-s0 --metric corpus_perplexity/word_perplexity
     python -m eval.compare runs/study/seeds --x d_e    # against another axis; seeds aggregated
     python -m eval.compare runs/study/long --x tokens  # the periodic validations, as curves
 
 A row holds the run's attention variant, seed, parameters, KV-cache elements and bytes per token,
-validation loss, tokens trained and every metric found in the run: MQAR accuracy by slice
-(`mqar_acc/kv16`) and lm-eval results (`task/metric`). KV sizes are analytic, computed from the
-run's model config with `egmla.models.cache_spec_for`, as `python -m eval.kv_bytes` does. Runs
-whose configs differ only in the seed form one group: the plot shows its mean with a 95%
-Student-t interval over the seeds. Writes comparison.{md,csv,png,json} into --out, all or none.
+validation loss, tokens trained, every metric found in the run: MQAR accuracy by slice
+(`mqar_acc/kv16`) and lm-eval results (`task/metric`), and the config keys whose values differ
+between the runs compared (`optim.lr=0.003` across a learning-rate sweep). KV sizes are
+analytic, computed from the run's model config with `egmla.models.cache_spec_for`, as
+`python -m eval.kv_bytes` does. Runs whose configs differ only in the seed form one group: the
+plot shows its mean with a 95% Student-t interval over the seeds. Writes
+comparison.{md,csv,png,json} into --out, all or none.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import csv
 import io
 import json
 import math
+import os
 import re
 import shlex
 import sys
@@ -36,14 +39,16 @@ from eval.kv_bytes import UsageError, parse_dtype
 from eval.stats import difference_interval, interval, paired  # noqa: F401 - re-exported
 
 RUN_FILES = ("config.json", "run_info.json", "summary.json")
-COLUMNS = ["run", "group", "variant", "seed", "params", "params_without_gate_tables", "kv_dtype",
-           "kv_elements_per_token", "kv_bytes_per_token", "d_e", "steps", "tokens", "val_loss"]
+COLUMNS = ["run", "group", "variant", "seed", "differs", "params", "params_without_gate_tables",
+           "kv_dtype", "kv_elements_per_token", "kv_bytes_per_token", "d_e", "steps", "tokens", "val_loss"]
 # --x: the row field plotted along x, and its axis label
 X_AXES = {"kv_bytes": ("kv_bytes_per_token", "KV-cache bytes per token ({dtype})"),
           "params": ("params", "parameters (lookup tables included)"),
           "d_e": ("d_e", "gate embedding width d_e"),
           "tokens": ("tokens", "training tokens")}
-# Config keys that do not make two runs different arms: seeds of one arm form a group.
+# Config keys that do not make two runs different arms: seeds of one arm form a group. Nor are
+# they shown among the keys that differ (the seed has its own column; wandb.name, set per job of a
+# sweep, names the run, as name does).
 NOT_THE_ARM = ("name", "seed", "wandb", "export", "sample_prompt", "tokenizer_fingerprint")
 VARIANTS = ["mha", "gqa", "mqa", "mla", "egmla-kv", "egmla-latent"]  # fixes each one's colour
 
@@ -56,28 +61,40 @@ class CompareError(ValueError):
 
 
 def find_runs(paths: list[str | Path]) -> list[Path]:
-    """Run directories from paths that are runs or hold runs as immediate subdirectories.
+    """Run directories from paths that are runs or hold runs at any depth.
 
     A directory holding any of config.json, run_info.json and summary.json is a run and must
-    hold all three; any other directory is searched one level down, subdirectories sorted.
+    hold all three; it is not searched further (its checkpoints/, export/ and wandb/ hold no
+    runs). Any other directory is searched, hidden ones (.hydra/) left out, subdirectories in
+    sorted order with Hydra's job numbers as numbers: a `train.py -m` sweep puts its jobs two
+    levels below runs/, as runs/<name>-multirun/0/, 1/, ..., 10/ (configs/train.yaml).
     """
     found: list[Path] = []
     for path in map(Path, paths):
         if not path.is_dir():
             raise CompareError(f"{path}: {'not a directory' if path.exists() else 'no such path'}")
-        if any((path / f).exists() for f in RUN_FILES):
-            candidates = [path]
-        else:
-            candidates = [p for p in sorted(path.iterdir())
-                          if p.is_dir() and any((p / f).exists() for f in RUN_FILES)]
-            if not candidates:
-                raise CompareError(f"{path}: no run directory in it (a run holds {', '.join(RUN_FILES)})")
+        candidates = _runs_under(path)
+        if not candidates:
+            raise CompareError(f"{path}: no run directory in it (a run holds {', '.join(RUN_FILES)})")
         for run in candidates:
             missing = [f for f in RUN_FILES if not (run / f).is_file()]
             if missing:
                 raise CompareError(f"{run}: not a finished run, missing {', '.join(missing)}")
         found += [c.resolve() for c in candidates]
     return list(dict.fromkeys(found))
+
+
+def _runs_under(path: Path) -> list[Path]:
+    """The run directories at or below `path`, depth first; each directory is listed once."""
+    runs = []
+    for top, subdirs, files in os.walk(path):
+        if any(f in files for f in RUN_FILES):
+            runs.append(Path(top))
+            subdirs.clear()  # not into a run's own folders
+        else:
+            subdirs[:] = sorted((d for d in subdirs if not d.startswith(".")),
+                                key=lambda d: (not d.isdecimal(), int(d) if d.isdecimal() else 0, d))
+    return runs
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -132,6 +149,34 @@ def tokens_trained(config: dict[str, Any], steps: int | None) -> int | None:
     return math.prod(factors)
 
 
+def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested sections as dotted keys, lists kept as values: {"optim": {"lr": 0.003, "betas":
+    [0.9, 0.95]}} -> {"optim.lr": 0.003, "optim.betas": [0.9, 0.95]}."""
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+_ABSENT = object()
+
+
+def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
+    """The dotted keys whose values are not the same in every config (a key one config lacks
+    differs), in the order the configs hold them."""
+    keys = dict.fromkeys(k for c in configs for k in c)
+    first = configs[0] if configs else {}
+    return [k for k in keys if any(c.get(k, _ABSENT) != first.get(k, _ABSENT) for c in configs)]
+
+
+def _setting(key: str, value: Any) -> str:
+    """`optim.lr=0.003`: a string as it is, any other value as JSON (1e-05, null, [4, 8])."""
+    return f"{key}={value if isinstance(value, str) else json.dumps(value)}"
+
+
 def load_row(run_dir: Path, dtype_name: str = "bf16") -> dict[str, Any]:
     """One run's row: description, sizes, validation loss and every metric found."""
     config, info, summary = (_read_json(run_dir / f) for f in RUN_FILES)
@@ -147,6 +192,7 @@ def load_row(run_dir: Path, dtype_name: str = "bf16") -> dict[str, Any]:
         "group": json.dumps(arm, sort_keys=True),  # replaced by a readable label in load_rows
         "variant": variant(model),
         "seed": config.get("seed"),
+        "differs": flatten(arm),  # replaced by the keys that differ between runs in load_rows
         "params": info.get("params"),
         "params_without_gate_tables": info.get("params_without_gate_tables"),
         "kv_dtype": short_name(dtype),
@@ -164,8 +210,14 @@ def load_row(run_dir: Path, dtype_name: str = "bf16") -> dict[str, Any]:
 
 def load_rows(paths: list[str | Path], dtype_name: str = "bf16") -> list[dict[str, Any]]:
     """Rows of every run found under `paths`; a name shared by runs gains its directory name.
-    Each row's `group` names the runs that differ from it only in the seed."""
+    Each row's `group` names the runs that differ from it only in the seed; its `differs` lists,
+    as `key=value, ...`, the config keys whose values are not the same in every run (the seed,
+    the name and the other NOT_THE_ARM keys left out), each that the run's config holds."""
     rows = [load_row(run, dtype_name) for run in find_runs(paths)]
+    keys = differing_keys([r["differs"] for r in rows])
+    for row in rows:
+        arm = row["differs"]
+        row["differs"] = ", ".join(_setting(k, arm[k]) for k in keys if k in arm)
     names = [r["run"] for r in rows]
     for row in rows:
         if names.count(row["run"]) > 1:
@@ -249,20 +301,24 @@ def _fmt(value: Any) -> str:
 
 
 def render_table(rows: list[dict[str, Any]]) -> str:
-    """One markdown row per run; a metric with a standard error is shown as `value ± stderr`."""
+    """One markdown row per run; a metric with a standard error is shown as `value ± stderr`;
+    a `differs` column (the config keys that differ between the runs) where any key does."""
     shown = [m for m in metric_names(rows) if not m.partition(",")[0].endswith("_stderr")]
-    headers = ["run", "variant", "seed", "params (w/o gate tables)", "KV elements/token",
+    differs = any(r.get("differs") for r in rows)
+    headers = ["run", "variant", "seed", *(["differs"] if differs else []),
+               "params (w/o gate tables)", "KV elements/token",
                f"KV bytes/token ({rows[0]['kv_dtype']})", "tokens", *shown]
     body = []
     for r in rows:
-        cells = [r["run"], r["variant"], _fmt(r["seed"]),
+        cells = [r["run"], r["variant"], _fmt(r["seed"]), *([r["differs"] or "-"] if differs else []),
                  f"{_fmt(r['params'])} ({_fmt(r['params_without_gate_tables'])})",
                  _fmt(r["kv_elements_per_token"]), _fmt(r["kv_bytes_per_token"]), _fmt(r["tokens"])]
         for m in shown:  # task/acc -> task/acc_stderr; task/em,flex -> task/em_stderr,flex
             err = r.get(m.replace(",", "_stderr,", 1) if "," in m else f"{m}_stderr")
             cells.append(_fmt(r.get(m)) + (f" ± {_fmt(err)}" if err is not None else ""))
         body.append([c.replace("|", "\\|") for c in cells])
-    rule = ["---"] * 2 + ["---:"] * (len(headers) - 2)
+    rule = ["---", "---", "---:", *(["---"] if differs else [])]
+    rule += ["---:"] * (len(headers) - len(rule))
     return "\n".join("| " + " | ".join(c) + " |" for c in [headers, rule, *body])
 
 
@@ -294,6 +350,7 @@ config: every cached tensor of every layer, plus per-sequence token ids where ca
 parameters (without the gate tables in parentheses). Tokens: optimizer steps x batch x sequence
 length x accumulation x processes. lm-eval metrics: the newest results file per task, ± stderr.
 Groups: runs whose configs differ only in the seed; mean and 95% Student-t interval over seeds.
+Differs: the keys of the runs' config.json whose values are not the same in every run.
 {not_plotted}
 {render_groups(rows, x)}
 
@@ -521,7 +578,8 @@ def log_to_wandb(project: str, rows: list[dict[str, Any]], png: Path, meta: dict
 
 EPILOG = """\
 examples:
-  python -m eval.compare runs/                              # every run in runs/, val_loss
+  python -m eval.compare runs/                              # every run under runs/, val_loss
+  python -m eval.compare runs/mqar-multirun                 # one sweep's jobs
   python -m eval.compare runs/a runs/b --out cmp/ --dtype fp8
   python -m eval.compare runs/ --metric corpus_perplexity/word_perplexity
   python -m eval.compare runs/ --wandb-project egmla        # also log table + plot to wandb
@@ -548,7 +606,8 @@ def build_parser() -> argparse.ArgumentParser:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="+", metavar="RUN_DIR",
                    help="a run directory (summary.json, config.json, run_info.json) or a "
-                        "directory whose immediate subdirectories are runs")
+                        "directory holding runs at any depth (a -m sweep's "
+                        "runs/NAME-multirun/JOB/)")
     p.add_argument("--out", default="comparison", metavar="DIR",
                    help="where comparison.{md,csv,png,json} go (default: comparison/)")
     p.add_argument("--metric", default="val_loss",

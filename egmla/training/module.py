@@ -50,6 +50,20 @@ def lr_lambda(optim: OptimConfig, max_steps: int):
     return multiplier
 
 
+def warmup_note(optim: OptimConfig, max_steps: int) -> str | None:
+    """The line a run that ends inside its warmup prints at start, else None.
+
+    Its last step is step max_steps - 1, at lr_lambda's max_steps / warmup_steps of the peak:
+    max_steps=5, warmup_steps=50 -> 10%. A run of warmup_steps steps reaches the peak at its last.
+    """
+    if max_steps >= optim.warmup_steps:
+        return None
+    last = lr_lambda(optim, max_steps)(max_steps - 1)
+    return (f"note: trainer.max_steps={max_steps} ends inside the warmup (optim.warmup_steps="
+            f"{optim.warmup_steps}): the learning rate never reaches its peak, it rises to "
+            f"{100 * last:.3g}% of optim.lr={optim.lr:g} at the last step")
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """AdamW groups: decay matrices of linear layers only; never norms, biases, embeddings."""
     no_decay_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}

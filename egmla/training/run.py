@@ -47,7 +47,7 @@ from egmla.training.checkpoints import (
 )
 from egmla.training.config import TrainConfig
 from egmla.training.data import build_datamodule
-from egmla.training.module import LanguageModel
+from egmla.training.module import LanguageModel, warmup_note
 from egmla.training.rundir import RunError, check_run_dir, write_atomic
 
 # Sections that define what is being trained: a resumed run must not change them.
@@ -303,6 +303,9 @@ def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = (),
                        loggers)
 
     if _is_rank_zero():  # the start is checked: from here on the run directory is written
+        note = warmup_note(config.optim, config.trainer.max_steps)
+        if note:
+            print(note, file=sys.stderr)
         _record_start(run_dir, config, tokenizer_id, resume_from, stats, wandb_id)
         if on_start is not None:
             on_start()

@@ -262,6 +262,84 @@ def test_seeds_of_one_arm_form_a_group_with_a_t_interval(runs, tmp_path):
     assert [p["mean"] for p in curve["points"]] == [pytest.approx(5.2), pytest.approx(4.3)]
 
 
+def sweep_copies(runs: Path, sweep: Path, lrs: list[float]) -> Path:
+    """The real mha run as the jobs of `train.py -m name=mha optim.lr=...`, laid out as Hydra's
+    multirun puts them (configs/train.yaml: runs/<name>-multirun/<job number>/, multirun.yaml
+    beside them): each job's config.json differs in optim.lr and in the wandb name and group that
+    train.py gives a sweep's jobs. The runs keep their export/ (its own config.json) and .hydra/."""
+    sweep.mkdir(parents=True)
+    (sweep / "multirun.yaml").write_text("hydra:\n  mode: MULTIRUN\n")
+    for job, lr in enumerate(lrs):
+        run = sweep / str(job)
+        shutil.copytree(runs / "mha", run, ignore=shutil.ignore_patterns("eval", "checkpoints"))
+        config = run_json(run, "config.json")
+        wandb = {**config["wandb"], "group": sweep.name, "name": f"mha[optim.lr={lr}]"}
+        (run / "config.json").write_text(json.dumps(
+            {**config, "optim": {**config["optim"], "lr": lr}, "wandb": wandb}, indent=2))
+    return sweep
+
+
+def test_a_sweep_is_found_at_any_depth_and_its_rows_show_the_keys_that_differ(runs, tmp_path,
+                                                                               capsys):
+    parent = tmp_path / "runs"
+    lrs = [round(1e-3 * (job + 1), 4) for job in range(11)]
+    sweep = sweep_copies(runs, parent / "mha-multirun", lrs)
+    shutil.copytree(runs / "mla", parent / "mla", ignore=shutil.ignore_patterns("checkpoints"))
+
+    found = compare.find_runs([parent])  # two levels down; never into a run's export/ or .hydra/
+    assert found == [*(sweep / str(job) for job in range(11)), parent / "mla"]  # 0, 1, ..., 10
+
+    rows = compare.load_rows([sweep])
+    assert [r["run"] for r in rows] == [f"mha/{job}" for job in range(11)]  # one name, 11 jobs
+    assert [r["differs"] for r in rows] == [f"optim.lr={lr}" for lr in lrs]  # nothing equal
+    assert len({r["group"] for r in rows}) == len(lrs)  # an arm per learning rate
+
+    out = tmp_path / "out"
+    assert compare.main([str(parent), "--out", str(out)]) == 0
+    capsys.readouterr()
+    table = read_csv(out / "comparison.csv")
+    assert table["mha/10"]["differs"].startswith("model.attention.type=mha, ")
+    assert table["mha/10"]["differs"].endswith(", optim.lr=0.011")
+    assert table["mla"]["differs"].startswith("model.attention.type=mla, ")
+    assert "optim.lr=0.001" in table["mla"]["differs"]  # the mla run's own rate, 1e-3
+    assert not any(k in table["mla"]["differs"] for k in ("seed=", "name=", "wandb."))
+    md = (out / "comparison.md").read_text()
+    assert "| run | variant | seed | differs | params (w/o gate tables) |" in md
+    assert "| mha/10 | mha | 0 | model.attention.type=mha, " in md
+
+    alone = compare.render_table(compare.load_rows([sweep / "0"]))  # nothing to differ from
+    assert "differs" not in alone.splitlines()[0]
+
+
+@pytest.mark.slow
+def test_the_command_on_a_real_sweep_shows_its_learning_rates(tmp_path):
+    """`train.py -m` launched in a fresh folder, as its configs lay the jobs out, then
+    `python -m eval.compare runs/` there: the table's rows name each job's learning rate. The
+    jobs' 2 steps end inside the default warmup (optim.warmup_steps=100): each job says so."""
+    short = [a for a in TINY if not a.startswith("optim.warmup_steps=")]
+    cache = {**os.environ, "EGMLA_CACHE": str(tmp_path / "cache")}
+    sweep = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "-m", *short, f"data.batch_size={BATCH}",
+         f"data.val_fraction={HELD_OUT}", f"trainer.max_steps={STEPS}", "name=lrs",
+         "optim.lr=1e-3,2e-3"], cwd=tmp_path, env=cache, capture_output=True, text=True,
+        timeout=300, check=False)
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    note = ("note: trainer.max_steps=2 ends inside the warmup (optim.warmup_steps=100): the "
+            "learning rate never reaches its peak, it rises to 2% of optim.lr={} at the last step")
+    lines = sweep.stderr.splitlines()
+    assert [note.format(lr) in lines for lr in ("0.001", "0.002")] == [True, True]
+
+    done = run_compare("runs/", "--out", "cmp", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    md = (tmp_path / "cmp" / "comparison.md").read_text()
+    assert "| lrs/0 | egmla-kv | 0 | optim.lr=0.001 |" in md
+    assert "| lrs/1 | egmla-kv | 0 | optim.lr=0.002 |" in md
+    rows = read_csv(tmp_path / "cmp" / "comparison.csv")
+    assert {n: r["run_dir"] for n, r in rows.items()} == {
+        f"lrs/{job}": str((tmp_path / "runs" / "lrs-multirun" / str(job)).resolve())
+        for job in (0, 1)}
+
+
 def test_other_x_axes_and_curves_from_the_command(runs, tmp_path, capsys):
     """The command's main() in this process (the subprocess path is tested above)."""
     parent = seeded_copies(runs, tmp_path / "seeds", [4.0, 4.2, 4.4])

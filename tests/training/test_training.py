@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from egmla.training.config import TrainConfig
 from egmla.training.data import build_datamodule
-from egmla.training.module import LanguageModel, lr_lambda
+from egmla.training.module import LanguageModel, lr_lambda, warmup_note
 from egmla.training.run import train
 from support.training import TINY, compose_config, run_train
 
@@ -110,6 +110,34 @@ def test_lr_schedules():
     wsd = lr_lambda(OptimConfig(schedule="wsd", warmup_steps=10, min_lr_ratio=0.0,
                                 decay_fraction=0.2), max_steps=100)
     assert wsd(50) == 1.0 and wsd(79) == 1.0 and wsd(90) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd", "constant"])
+def test_a_run_that_ends_inside_the_warmup_says_so(schedule):
+    """The note's share of the peak is the highest rate the optimizer uses, stepped as Lightning
+    steps the module's scheduler (once per optimizer step); a run as long as its warmup or
+    longer reaches the peak and says nothing."""
+    from egmla.training.config import OptimConfig
+
+    optim = OptimConfig(lr=2e-3, warmup_steps=50, schedule=schedule)
+    assert warmup_note(optim, 5) == (
+        "note: trainer.max_steps=5 ends inside the warmup (optim.warmup_steps=50): the learning "
+        "rate never reaches its peak, it rises to 10% of optim.lr=0.002 at the last step")
+    for max_steps, share in ((1, "2%"), (49, "98%")):
+        assert f"rises to {share} of" in warmup_note(optim, max_steps)
+    assert warmup_note(optim, 50) is None and warmup_note(optim, 51) is None
+    assert warmup_note(OptimConfig(warmup_steps=0), 1) is None
+
+    for max_steps in (5, 50):
+        weight = torch.zeros(1, requires_grad=True)
+        optimizer = torch.optim.AdamW([weight], lr=optim.lr)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, max_steps))
+        used = []
+        for _ in range(max_steps):
+            used.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        assert max(used) == pytest.approx(optim.lr * (0.1 if max_steps == 5 else 1.0))
 
 
 def test_no_weight_decay_on_norms_biases_embeddings():
