@@ -478,7 +478,8 @@ class LLMEngine:
         return self.stats.metrics(
             running=len(self.running), waiting=len(self.waiting),
             kv_blocks_used=self.blocks.num_used(), kv_blocks_total=self.config.num_blocks,
-            prefix_cache_hit_rate=self.blocks.hit_rate, pool=pool)
+            prefix_cache_queries=self.blocks.prefix_query_tokens,
+            prefix_cache_hits=self.blocks.prefix_hit_tokens, pool=pool)
 
     def metrics(self) -> dict[str, float | int | None]:
         """Run statistics as a dict (`snapshot()`'s fields): latency of finished requests,

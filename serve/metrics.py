@@ -43,9 +43,10 @@ class EngineStats:
     used_slot_steps: int = 0  # sum over steps of the slots those sequences filled
 
     def metrics(self, *, running: int, waiting: int, kv_blocks_used: int, kv_blocks_total: int,
-                prefix_cache_hit_rate: float, pool: PoolNow | None) -> EngineMetrics:
+                prefix_cache_queries: int, prefix_cache_hits: int,
+                pool: PoolNow | None) -> EngineMetrics:
         """These sums as the reported record, with the engine's state at this moment (`pool`
-        None: the `*_now` fields are None)."""
+        None: the `*_now` fields are None) and the block manager's prefix-cache counters."""
         span = (self.last_finish - self.first_arrival) if self.finished else 0.0
         return EngineMetrics(
             running=running, waiting=waiting,
@@ -61,7 +62,9 @@ class EngineStats:
             fragmentation_now=None if pool is None else pool.fragmentation,
             fragmentation_mean=(1 - self.used_slot_steps / self.reserved_slot_steps
                                 if self.reserved_slot_steps else 0.0),
-            prefix_cache_hit_rate=prefix_cache_hit_rate,
+            prefix_cache_queries=prefix_cache_queries, prefix_cache_hits=prefix_cache_hits,
+            prefix_cache_hit_rate=(prefix_cache_hits / prefix_cache_queries
+                                   if prefix_cache_queries else 0.0),
         )
 
 
@@ -79,7 +82,7 @@ class EngineMetrics:
     ttft_mean_s: float | None
     tpot_mean_s: float | None
     steps: int
-    preemptions: int
+    preemptions: int  # running sequences preempted (freed, to be recomputed) to make room
     peak_running: int
     prompt_tokens: int  # prompt (and recomputed) tokens run through a forward
     generation_tokens: int  # tokens sampled, finished or not
@@ -91,4 +94,9 @@ class EngineMetrics:
     kv_bytes_used_now: int | None
     fragmentation_now: float | None
     fragmentation_mean: float  # unused / reserved KV slots, summed over every step of the run
-    prefix_cache_hit_rate: float  # prompt tokens found in the prefix cache / looked up
+    # Prompt tokens looked up in the prefix cache (each admission attempt of a sequence that
+    # reads the cache; none with caching off) and, of those, found computed: vLLM's
+    # prefix_cache_queries and prefix_cache_hits.
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float  # prefix_cache_hits / prefix_cache_queries

@@ -2,6 +2,10 @@
 engine's counters and gauges (serve/metrics.py's `EngineMetrics`) read from its latest snapshot
 at scrape time; each under our name (egmla_*) and under vLLM's (vllm:*, labelled with
 model_name), so vLLM's dashboards and alerts read this server.
+
+vLLM's names, types and label as its v1 `PrometheusStatLogger` declares them
+(vllm/v1/metrics/loggers.py): a Counter declared as `vllm:num_preemptions` is exposed as
+`vllm:num_preemptions_total` (prometheus_client adds the suffix, here as there).
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ def metrics_registry(engine: AsyncEngine, model_name: str) -> CollectorRegistry:
                 ("time_to_first_token_seconds", "Time to first token"),
                 ("inter_token_latency_seconds", "Time between tokens (each request's mean gap, "
                                                 "once per gap)"),
+                # vLLM's older name for the same observations, still read by its dashboards
+                ("time_per_output_token_seconds", "Time per output token after the first (the "
+                                                  "observations of inter_token_latency_seconds)"),
                 ("e2e_request_latency_seconds", "Request latency, arrival to last token"),
                 ("request_queue_time_seconds", "Time waiting before first scheduled"))}
     success = Counter("vllm:request_success", "Finished requests by finish reason",
@@ -43,6 +50,7 @@ def metrics_registry(engine: AsyncEngine, model_name: str) -> CollectorRegistry:
                 tpot.observe(out.tpot)
                 for _ in range(len(out.token_ids) - 1):
                     vllm["inter_token_latency_seconds"].observe(out.tpot)
+                    vllm["time_per_output_token_seconds"].observe(out.tpot)
             for name, value in (("e2e_request_latency_seconds", out.e2e),
                                 ("request_queue_time_seconds", out.queue_time)):
                 if value is not None:
@@ -53,42 +61,43 @@ def metrics_registry(engine: AsyncEngine, model_name: str) -> CollectorRegistry:
 
 
 class EngineCollector:
-    """Gauges and counters read from the engine's latest snapshot at scrape time, under our
-    names and vLLM's."""
+    """Gauges and counters read from the engine's latest snapshot at scrape time, each under our
+    name, vLLM's (labelled with model_name), or both."""
 
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self._engine, self._model = engine, model_name
 
     def collect(self):
         s = self._engine.snapshot
-        gauges = {
-            "egmla_num_requests_running": ("Sequences in the running batch", s.running),
-            "egmla_num_requests_waiting": ("Sequences waiting to be scheduled", s.waiting),
-            "egmla_kv_blocks_used": ("KV-cache blocks held by sequences", s.kv_blocks_used),
-            "egmla_kv_blocks_total": ("KV-cache blocks in the pool", s.kv_blocks_total),
-            "egmla_prefix_cache_hit_rate": ("Prompt blocks found in the prefix cache / looked up",
-                                            s.prefix_cache_hit_rate),
-        }
-        for name, (help_text, value) in gauges.items():
-            yield GaugeMetricFamily(name, help_text, value=value)
-        counters = {
-            "egmla_preemptions": ("Sequences preempted (recomputed later)", s.preemptions),
-            "egmla_prompt_tokens": ("Prompt tokens computed", s.prompt_tokens),
-            "egmla_generation_tokens": ("Tokens generated", s.generation_tokens),
-        }
-        for name, (help_text, value) in counters.items():
-            yield CounterMetricFamily(name, help_text, value=value)
         usage = s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0
-        for name, help_text, value in (
-                ("vllm:num_requests_running", "Sequences in the running batch", s.running),
-                ("vllm:num_requests_waiting", "Sequences waiting to be scheduled", s.waiting),
-                ("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means every block is held", usage)):
-            family = GaugeMetricFamily(name, help_text, labels=["model_name"])
-            family.add_metric([self._model], value)
-            yield family
-        for name, help_text, value in (
-                ("vllm:prompt_tokens", "Prompt tokens computed", s.prompt_tokens),
-                ("vllm:generation_tokens", "Tokens generated", s.generation_tokens)):
-            family = CounterMetricFamily(name, help_text, labels=["model_name"])
-            family.add_metric([self._model], value)
-            yield family
+        # (our name, vLLM's, help, value); None where one side has no such figure
+        gauges = (
+            ("egmla_num_requests_running", "vllm:num_requests_running",
+             "Sequences in the running batch", s.running),
+            ("egmla_num_requests_waiting", "vllm:num_requests_waiting",
+             "Sequences waiting to be scheduled", s.waiting),
+            ("egmla_kv_blocks_used", None, "KV-cache blocks held by sequences", s.kv_blocks_used),
+            ("egmla_kv_blocks_total", None, "KV-cache blocks in the pool", s.kv_blocks_total),
+            (None, "vllm:kv_cache_usage_perc", "KV-cache usage: 1 means every block is held", usage),
+            ("egmla_prefix_cache_hit_rate", None,
+             "Prompt tokens found in the prefix cache / looked up", s.prefix_cache_hit_rate),
+        )
+        counters = (
+            ("egmla_preemptions", "vllm:num_preemptions",
+             "Sequences preempted (freed, recomputed later)", s.preemptions),
+            ("egmla_prompt_tokens", "vllm:prompt_tokens", "Prompt tokens computed", s.prompt_tokens),
+            ("egmla_generation_tokens", "vllm:generation_tokens", "Tokens generated",
+             s.generation_tokens),
+            ("egmla_prefix_cache_queries", "vllm:prefix_cache_queries",
+             "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries),
+            ("egmla_prefix_cache_hits", "vllm:prefix_cache_hits",
+             "Prompt tokens found in the prefix cache", s.prefix_cache_hits),
+        )
+        for family, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for ours, vllms, help_text, value in rows:
+                if ours is not None:
+                    yield family(ours, help_text, value=value)
+                if vllms is not None:
+                    labelled = family(vllms, help_text, labels=["model_name"])
+                    labelled.add_metric([self._model], value)
+                    yield labelled

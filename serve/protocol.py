@@ -186,13 +186,15 @@ class ChatRequest(SamplingRequest):
 
 
 class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a prompt, or messages through the chat template."""
+    """vLLM's /tokenize: a prompt, or messages through the chat template; `return_token_strs`
+    adds each token's string (null is false, as vLLM's `bool | None`)."""
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool | None = False
 
 
 class DetokenizeRequest(BaseModel):

@@ -3,10 +3,10 @@ the app's state (`Served`, set by serve/server.py's `build_app`), checks its req
 (`Admission`), turns it into SamplingParams (serve/protocol.py), submits it to the engine, and
 answers through serve/responses.py.
 
-    GET  /v1/models              the served model
+    GET  /v1/models              the served model, with vLLM's fields (root, permission, ...)
     POST /v1/completions         text completion; "stream": true for server-sent events
     POST /v1/chat/completions    chat through the tokenizer's template; streams the same way
-    POST /tokenize               vLLM's: a prompt (or messages) -> token ids
+    POST /tokenize               vLLM's: a prompt (or messages) -> token ids (and their strings)
     POST /detokenize             vLLM's: token ids -> text
     GET  /tokenizer_info         vLLM's: the tokenizer's special tokens and chat template
     GET  /version                the server's version
@@ -17,6 +17,7 @@ answers through serve/responses.py.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,8 +154,10 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict:
             ids = await off_the_loop(llm.encode_chat, [m.model_dump() for m in req.messages])
     except InvalidRequest as error:
         raise APIError(400, str(error), param=error.param) from None
+    # vLLM's: the tokenizer's own pieces (convert_ids_to_tokens: "Ġlord", not " lord")
+    strs = llm.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return {"count": len(ids), "max_model_len": s.engine.max_request_tokens, "tokens": ids,
-            "token_strs": None}
+            "token_strs": strs}
 
 
 @router.post("/detokenize")
@@ -195,10 +198,21 @@ async def version() -> dict:
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
+    """One model card with vLLM's fields (its `ModelCard` and `ModelPermission`, in
+    vllm/entrypoints/openai/engine/protocol.py): `root` is the model as loaded (the path or name
+    given to --model), `parent` null (vLLM sets it only for a LoRA adapter), and one
+    permission object with vLLM's default values."""
     s = served(request)
+    created = int(s.started)
+    permission = {
+        "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+        "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+        "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+        "organization": "*", "group": None, "is_blocking": False}
     return {"object": "list", "data": [{
-        "id": s.name, "object": "model", "created": int(s.started),
-        "owned_by": "egmla", "max_model_len": s.engine.max_request_tokens}]}
+        "id": s.name, "object": "model", "created": created, "owned_by": "egmla",
+        "root": s.engine.llm.name, "parent": None, "max_model_len": s.engine.max_request_tokens,
+        "permission": [permission]}]}
 
 
 @router.post("/v1/completions")

@@ -9,6 +9,7 @@ The routes and what each serves are listed in serve/routes.py.
 from __future__ import annotations
 
 import hmac
+import logging
 import time
 from typing import Any
 
@@ -21,6 +22,8 @@ from serve.async_engine import AsyncEngine
 from serve.prometheus import metrics_registry
 from serve.protocol import APIError
 from serve.routes import Served, router
+
+log = logging.getLogger("serve")
 
 # 100,000 stop strings of 40 characters are 4.4 MB of JSON
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20

@@ -438,6 +438,23 @@ def test_every_error_is_openai_shaped_404_405_413(tiny_llm):
         assert httpx.get(url + "/health", timeout=60).status_code == 200
 
 
+def test_an_unexpected_error_in_a_handler_is_an_openai_shaped_500(tiny_llm):
+    """A handler that raises what no route expects still answers with the error body (the
+    handler once named an undefined logger, so the client got a plain-text 500)."""
+
+    class Broken:
+        def encode(self, text, add_special_tokens=True):
+            raise RuntimeError("the tokenizer broke")
+
+    tiny_llm.tokenizer = Broken()
+    with serving(tiny_llm, "tiny") as url:
+        reply = httpx.post(url + "/tokenize", json={"prompt": "hello"}, timeout=60)
+        assert reply.status_code == 500
+        assert error_of(reply)["message"] == "internal error: RuntimeError: the tokenizer broke"
+        assert error_of(reply)["type"] == "server_error"
+        assert httpx.get(url + "/health", timeout=60).status_code == 200
+
+
 def test_a_refused_large_body_is_answered_413_every_time(tiny_llm):
     """The client sends its whole body before reading; were the refused body left unread, the
     closing socket's reset could destroy the 413 (it did: 11 of 30 such posts failed)."""

@@ -1,17 +1,19 @@
 """What vLLM's OpenAI server offers, offered here (a tiny model with a real BPE tokenizer, a
 real uvicorn server, the `openai` client and lm-eval's API models over loopback): logprobs,
-echo, the penalties, /tokenize and friends, --api-key, and vLLM's metric names."""
+echo, the penalties, /tokenize and friends, /v1/models' model card, --api-key, and vLLM's metric
+names (a list of them kept here, each checked on a running server)."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from serve import LLM, SamplingParams
 from support import ROOT
@@ -165,18 +167,138 @@ def test_tokenize_detokenize_tokenizer_info_and_version(llm, url):
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
 
 
-def test_metrics_under_vllms_names_with_the_model_name(url, client):
-    client.completions.create(model=NAME, prompt=PROMPT, max_tokens=3, temperature=0)
+# vLLM's metric names that this server claims, with their Prometheus types, as vLLM v1's
+# PrometheusStatLogger declares them (vllm/v1/metrics/loggers.py), each labelled with
+# model_name. Exposed, a counter gains _total and a histogram _bucket, _count and _sum.
+VLLM_METRICS = {
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:num_preemptions": "counter",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+    "vllm:request_success": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:time_per_output_token_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+}
+EXPOSED_AS = {"gauge": "", "counter": "_total", "histogram": "_count"}
+
+
+def scrape(url: str) -> dict:
+    """/metrics read by prometheus_client's own parser: family name -> family."""
     text = httpx.get(url + "/metrics").text
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",
-                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
-                 "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count",
-                 "vllm:request_queue_time_seconds_count"):
-        assert re.search(rf'^{name}{{model_name="{NAME}"}} ', text, re.MULTILINE), name
-    done = re.search(r'^vllm:request_success_total{.*finished_reason="length".*} (\S+)$', text,
-                     re.MULTILINE)
-    assert done and float(done.group(1)) >= 1
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def value(families: dict, name: str, suffix: str = "_total") -> float:
+    """A counter's (or, with suffix "", a gauge's) one value."""
+    [sample] = [s for s in families[name].samples if s.name == name + suffix]
+    return sample.value
+
+
+def test_every_vllm_metric_name_is_exported_with_its_type(url, client):
+    client.completions.create(model=NAME, prompt=PROMPT, max_tokens=3, temperature=0)
+    families = scrape(url)
+    missing = sorted(set(VLLM_METRICS) - set(families))
+    assert not missing, f"not exported: {missing}"
+    for name, kind in VLLM_METRICS.items():
+        assert families[name].type == kind, (name, families[name].type)
+        exposed = [s for s in families[name].samples if s.name == name + EXPOSED_AS[kind]]
+        assert exposed and all(s.labels["model_name"] == NAME for s in exposed), name
+    done = [s.value for s in families["vllm:request_success"].samples
+            if s.name.endswith("_total") and s.labels["finished_reason"] == "length"]
+    assert done and done[0] >= 1
+    gaps = value(families, "vllm:inter_token_latency_seconds", "_count")
+    assert gaps >= 2 and value(families, "vllm:time_per_output_token_seconds", "_count") == gaps
+
+
+def test_prefix_cache_queries_and_hits_count_prompt_tokens(llm, url, client):
+    """Two prompts share a long prefix: the second finds its full blocks cached. Queries count
+    every prompt token looked up, hits the ones found (vLLM counts both in tokens)."""
+    shared = "Whoso keepeth the law is a wise son, but a companion of riotous men " * 2
+    prompts = [shared + "shameth his father.", shared + "getteth honour."]
+    ids = [llm.encode(p) for p in prompts]
+    common = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
+    block = llm.engine.config.block_size
+    before = scrape(url)
+    for prompt in prompts:  # one after the other: the first one's blocks are cached by then
+        client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0)
+    after = scrape(url)
+    counted = {name: value(after, name) - value(before, name)
+               for name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")}
+    assert counted["vllm:prefix_cache_queries"] == len(ids[0]) + len(ids[1])
+    assert counted["vllm:prefix_cache_hits"] == common // block * block >= 2 * block
+    assert value(after, "egmla_prefix_cache_hits") == value(after, "vllm:prefix_cache_hits")
+
+
+@pytest.fixture(scope="module")
+def small_pool(export):
+    """A server over the export loaded from its path (as `python -m serve PATH` loads it), with a
+    KV pool of 8 blocks of 16 tokens: two 100-token requests cannot run side by side in it."""
+    llm = LLM(str(export), dtype="float32", num_blocks=8, block_size=16)
+    with serving(llm, NAME) as base:
+        yield base, llm
+
+
+def test_preemptions_are_counted(small_pool):
+    base, llm = small_pool
+    body = {"model": NAME, "prompt": ["And the lord spake", "In the beginning God"],
+            "max_tokens": 100, "ignore_eos": True, "temperature": 0}
+    reply = httpx.post(base + "/v1/completions", json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    assert [c["finish_reason"] for c in reply.json()["choices"]] == ["length", "length"]
+    preempted = llm.engine.stats.preemptions  # the engine is idle: its reply has come
+    assert preempted > 0
+    families = scrape(base)
+    assert value(families, "vllm:num_preemptions") == preempted
+    assert value(families, "egmla_preemptions") == preempted
+
+
+def test_models_carry_vllms_model_card_fields(export, small_pool):
+    base, llm = small_pool
+    card = httpx.get(base + "/v1/models").json()["data"][0]
+    assert (card["id"], card["object"], card["owned_by"]) == (NAME, "model", "egmla")
+    assert card["root"] == str(export) and card["parent"] is None
+    assert card["max_model_len"] == 8 * 16  # the KV pool's, under the model's 256 positions
+    assert isinstance(card["created"], int) and card["created"] <= time.time()
+    [permission] = card["permission"]
+    assert permission.pop("id").startswith("modelperm-")
+    assert permission.pop("created") == card["created"]
+    assert permission == {  # vLLM's ModelPermission defaults
+        "object": "model_permission", "allow_create_engine": False, "allow_sampling": True,
+        "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+        "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
+    listed = openai.OpenAI(base_url=base + "/v1", api_key="unused").models.list().data
+    assert [(m.id, m.root, m.max_model_len) for m in listed] == [(NAME, str(export), 128)]
+
+
+def test_tokenize_returns_the_token_strings_when_asked(llm, url):
+    plain = httpx.post(url + "/tokenize", json={"prompt": PROMPT}).json()
+    assert plain["token_strs"] is None
+    asked = httpx.post(url + "/tokenize", json={"prompt": PROMPT, "return_token_strs": True})
+    assert asked.status_code == 200, asked.text
+    strs = asked.json()["token_strs"]
+    assert asked.json()["tokens"] == plain["tokens"]
+    assert strs == llm.tokenizer.convert_ids_to_tokens(plain["tokens"])
+    # the tokenizer's pieces (a space as the BPE's marker), not each token decoded to text
+    assert strs != [llm.decode([t], skip_special_tokens=False) for t in plain["tokens"]]
+    assert llm.tokenizer.convert_tokens_to_string(strs).endswith(PROMPT)
+    chat = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": PROMPT}],
+                                               "return_token_strs": True}).json()
+    assert chat["token_strs"] == llm.tokenizer.convert_ids_to_tokens(chat["tokens"])
+    unset = httpx.post(url + "/tokenize", json={"prompt": PROMPT, "return_token_strs": None})
+    assert unset.status_code == 200 and unset.json()["token_strs"] is None  # vLLM's bool | None
+    for bad in ("yes", 1, [True]):
+        reply = httpx.post(url + "/tokenize", json={"prompt": PROMPT, "return_token_strs": bad})
+        assert reply.status_code == 400, (bad, reply.text)
+        error = reply.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["param"] == "return_token_strs" and "return_token_strs" in error["message"]
 
 
 def test_an_api_key_is_required_on_v1_only(llm):
