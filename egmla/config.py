@@ -14,6 +14,7 @@ are checked when a config is constructed, so an impossible model fails before an
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -173,6 +174,11 @@ class MHAConfig(AttentionConfig):
         _check(hd >= 2 and hd % 2 == 0, f"attention.head_dim={hd}: must be even (RoPE) and >= 2")
 
 
+# transformers' DeepSeek-V3 builds its latent norms (kv_a_layernorm, q_a_layernorm) with this eps,
+# not config.rms_norm_eps; DeepSeek's own checkpoints set rms_norm_eps to it as well.
+DEEPSEEK_LATENT_NORM_EPS = 1e-6
+
+
 @dataclass
 class MLAConfig(AttentionConfig):
     """Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, section 2.1).
@@ -192,6 +198,11 @@ class MLAConfig(AttentionConfig):
     d_rope: int = 64  # decoupled RoPE width (per-head query part and the shared key)
     d_v: int = 64  # per-head value width
     impl: Literal["auto", "naive", "absorbed"] = "auto"
+    # eps of the latent RMSNorms (on c, and on the low-rank query when d_q is set); None: the
+    # model's norm_eps, as every config written before this field computes. The shipped
+    # mla/egmla configs set DeepSeek's 1e-6, which transformers' DeepSeek-V3 fixes for these two
+    # norms whatever rms_norm_eps says, so such a model exports natively (docs/training.md).
+    latent_norm_eps: float | None = None
     # The forms a converted GQA/MHA model takes (egmla.upcycle; docs/attention.md, "Converted
     # models"). The defaults are DeepSeek's MLA.
     latent_norm: bool = True  # RMSNorm on c; false: c = W_DKV h as it is
@@ -214,6 +225,11 @@ class MLAConfig(AttentionConfig):
             f"attention.d_rope={self.d_rope}: must be even (RoPE) and >= 2",
         )
         _check(self.d_q is None or self.d_q >= 1, f"attention.d_q={self.d_q}: must be >= 1 or null")
+        eps = self.latent_norm_eps
+        _check(eps is None or (isinstance(eps, (int, float)) and not isinstance(eps, bool)
+                               and 0 < eps < math.inf),
+               f"attention.latent_norm_eps={eps!r}: must be a positive finite number, or null "
+               "(the model's norm_eps)")
         for name, heads in (("n_kv_heads", self.kv_heads(model)), ("rope_heads", self.rope_heads)):
             _check(isinstance(heads, int) and heads >= 1 and model.n_heads % heads == 0,
                    f"attention.{name}={heads}: must be >= 1 and divide n_heads={model.n_heads}")
@@ -239,6 +255,10 @@ class MLAConfig(AttentionConfig):
     def kv_heads(self, model: ModelConfig) -> int:
         """Up-projected K/V heads (n_kv_heads, or n_heads when None)."""
         return self.n_kv_heads if self.n_kv_heads is not None else model.n_heads
+
+    def latent_eps(self, model: ModelConfig) -> float:
+        """The eps the latent norms compute with: latent_norm_eps, or the model's norm_eps."""
+        return self.latent_norm_eps if self.latent_norm_eps is not None else model.norm_eps
 
     def layer_freqs(self, layer: int) -> tuple[tuple[int, ...], ...] | None:
         """Layer `layer`'s RoPE frequency indices per RoPE key, or None (the standard ones)."""
@@ -267,6 +287,18 @@ class MLAConfig(AttentionConfig):
             if is_refused:
                 return (f"attention.{option}: {why}; this converted form exports with "
                         "--format hf (remote code) only")
+        if self.latent_eps(model) != DEEPSEEK_LATENT_NORM_EPS:
+            # A null comes from a config that does not name the key (the study's small_*.yaml,
+            # a run from before it existed): Hydra adds a key with "+".
+            if self.latent_norm_eps is None:
+                setting, plus = f"null (so norm_eps={model.norm_eps:g} applies)", "+"
+            else:
+                setting, plus = f"{self.latent_norm_eps:g}", ""
+            return (f"attention.latent_norm_eps={setting}: transformers' DeepSeek-V3 computes its "
+                    f"latent norms (kv_a_layernorm, q_a_layernorm) with eps "
+                    f"{DEEPSEEK_LATENT_NORM_EPS:g} whatever rms_norm_eps says; train with "
+                    f"{plus}model.attention.latent_norm_eps={DEEPSEEK_LATENT_NORM_EPS:g} (as "
+                    "mla.yaml sets it), or export with --format hf")
         return None
 
     def layer_params(self, model: ModelConfig) -> int:

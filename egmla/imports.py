@@ -4,10 +4,10 @@
     model = from_llama(hf_llama)                                   # any transformers Llama
     model = from_deepseek_v3(hf_deepseek)                          # dense MLA, no MoE
 
-A conversion is exact or refused: a feature egmla does not implement (biases, RoPE scaling, MoE,
-a norm epsilon it cannot reproduce) raises `ConversionError` naming it, never a silently
-different model. `transformers` is imported inside the functions that need it, so egmla itself
-imports without it (install it with `pip install 'egmla[hf]'`).
+A conversion is exact or refused: a feature egmla does not implement (biases, RoPE scaling,
+MoE) raises `ConversionError` naming it, never a silently different model. `transformers` is
+imported inside the functions that need it, so egmla itself imports without it (install it with
+`pip install 'egmla[hf]'`).
 
 RoPE layouts. egmla rotates the half-split pairs (i, i + D/2) like Llama. Hugging Face Llama
 weights already use that layout (transformers undoes GGUF's permutation when it loads a GGUF
@@ -35,7 +35,7 @@ from egmla.checkpoint import (
     save_export,
     tokenizer_or_none,
 )
-from egmla.config import FFN_HIDDEN_ACT, MHAConfig, MLAConfig, ModelConfig
+from egmla.config import DEEPSEEK_LATENT_NORM_EPS, FFN_HIDDEN_ACT, MHAConfig, MLAConfig, ModelConfig
 from egmla.devices import parse_device
 from egmla.models.transformer import Transformer
 from egmla.paths import cache_dir
@@ -139,11 +139,6 @@ def from_llama(hf_model: Any) -> Transformer:
 # --------------------------------------------------------------------------------------------
 # DeepSeek-V3 (MLA, dense MLP)
 
-# transformers' DeepSeek-V3 builds q_a_layernorm and kv_a_layernorm with its default eps, not
-# config.rms_norm_eps; egmla uses one norm_eps for every RMSNorm.
-DEEPSEEK_LATENT_NORM_EPS = 1e-6
-
-
 def config_from_deepseek_v3(hf_config: Any) -> ModelConfig:
     """A dense DeepseekV3Config (every layer a plain MLP) -> ModelConfig with MLA."""
     _expect_type(hf_config, "deepseek_v3")
@@ -155,12 +150,6 @@ def config_from_deepseek_v3(hf_config: Any) -> ModelConfig:
         "are mixture-of-experts, which egmla does not implement",
     )
     fields = _common_fields(hf_config)
-    _reject(
-        fields["norm_eps"] != DEEPSEEK_LATENT_NORM_EPS,
-        f"rms_norm_eps={fields['norm_eps']}: DeepSeek-V3's latent norms always use eps="
-        f"{DEEPSEEK_LATENT_NORM_EPS} and egmla has one norm_eps, so only rms_norm_eps="
-        f"{DEEPSEEK_LATENT_NORM_EPS} converts exactly",
-    )
     n_kv = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     _reject(
         n_kv != hf_config.num_attention_heads,
@@ -173,6 +162,9 @@ def config_from_deepseek_v3(hf_config: Any) -> ModelConfig:
         d_nope=hf_config.qk_nope_head_dim,
         d_rope=hf_config.qk_rope_head_dim,
         d_v=hf_config.v_head_dim,
+        # transformers builds q_a_layernorm and kv_a_layernorm with this eps whatever
+        # rms_norm_eps says (which the block norms use), so it is what the checkpoint computes
+        latent_norm_eps=DEEPSEEK_LATENT_NORM_EPS,
     )
     return ModelConfig(**fields, attention=attention)
 

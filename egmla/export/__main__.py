@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     from egmla.checkpoint import CheckpointError
-    from egmla.config import ConfigError
+    from egmla.config import DEEPSEEK_LATENT_NORM_EPS, ConfigError
     from egmla.dtypes import dtype_name, parse_dtype
     from egmla.export import export, load_source
     from egmla.export.hf import transformers_cache_spec
@@ -83,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{str(out)!r}, trust_remote_code=True)")
     elif args.format == "native":
         print(f"  load with      AutoModelForCausalLM.from_pretrained({str(out)!r}) or vllm serve")
+        latent = DEEPSEEK_LATENT_NORM_EPS  # what transformers computes and the model trained at
+        if config.attention.native_architecture == "deepseek_v3" and config.norm_eps != latent:
+            # vLLM's DeepSeek model builds the latent norms with rms_norm_eps, the block norms' eps
+            print(f"  note           vLLM computes the latent norms with rms_norm_eps="
+                  f"{config.norm_eps:g}, not the trained {latent:g} (docs/export.md)")
     return 0
 
 

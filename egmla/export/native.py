@@ -24,9 +24,12 @@ What has no counterpart is refused with NativeExportError naming it, never appro
 - MLA in a converted GQA model's form (no latent norm, grouped K/V heads, several RoPE keys,
   chosen RoPE frequencies, d_nope 0): DeepSeek-V3 holds none of them; the attention config
   names the option (`native_refusal_reason`). Use `--format hf`.
-- MLA with norm_eps != 1e-6: DeepSeek-V3's latent norms (q_a / kv_a_layernorm) use eps 1e-6 in
-  transformers whatever rms_norm_eps says (vLLM uses rms_norm_eps), while egmla has one
-  norm_eps; only 1e-6 means the same model everywhere.
+- MLA whose latent norms' eps is not 1e-6: DeepSeek-V3's latent norms (q_a / kv_a_layernorm)
+  use eps 1e-6 in transformers whatever rms_norm_eps says. egmla gives them their own
+  `attention.latent_norm_eps` (the shipped mla/egmla configs: 1e-6; null: norm_eps), so the
+  block norms' norm_eps is written as rms_norm_eps and the latent one must be 1e-6. vLLM's
+  DeepSeek model builds the latent norms with rms_norm_eps instead: with norm_eps != 1e-6 it
+  computes the latent norms with that eps (docs/export.md says what that changes).
 - MHA with d_model not divisible by n_heads: LlamaConfig rejects such a config even when
   head_dim is given.
 - An MLP other than SwiGLU or ReGLU: Llama's and DeepSeek-V3's MLP is down(act(gate) * up),
@@ -47,7 +50,7 @@ from egmla.checkpoint import CheckpointError
 from egmla.config import FFN_HIDDEN_ACT, ModelConfig
 from egmla.dtypes import dtype_name
 from egmla.export.hf import rename_to_hf
-from egmla.imports import DEEPSEEK_LATENT_NORM_EPS, deinterleave_order
+from egmla.imports import deinterleave_order
 from egmla.models.transformer import Transformer
 from egmla.weight_names import DEEPSEEK_ATTENTION, LLAMA_ATTENTION
 
@@ -66,16 +69,11 @@ def native_architecture(config: ModelConfig) -> str:
     Raises NativeExportError for EG-MLA and for anything else the architecture cannot hold.
     """
     a = config.attention
-    reason = a.native_refusal_reason(config)  # the variant knows what its architecture holds
+    # The variant knows what its architecture holds (MLA: also the latent norms' eps)
+    reason = a.native_refusal_reason(config)
     if reason:
         raise NativeExportError(reason)
     arch = a.native_architecture
-    if arch == "deepseek_v3" and config.norm_eps != DEEPSEEK_LATENT_NORM_EPS:
-        raise NativeExportError(
-            f"norm_eps={config.norm_eps}: DeepSeek-V3's latent norms always use eps="
-            f"{DEEPSEEK_LATENT_NORM_EPS} in transformers, and egmla has one norm_eps, so "
-            f"only norm_eps={DEEPSEEK_LATENT_NORM_EPS} exports exactly"
-        )
     if config.ffn not in FFN_HIDDEN_ACT:
         raise NativeExportError(
             f"ffn={config.ffn!r}: Llama's and DeepSeek-V3's MLP is down(act(gate) * up), which "

@@ -112,6 +112,25 @@ def test_impossible_shapes_fail_at_construction(change, message):
         ModelConfig.from_dict({**BASE, **change})
 
 
+@pytest.mark.parametrize("value", [0, -1e-6, float("inf"), float("nan"), "1e-6", True])
+def test_latent_norm_eps_must_be_a_positive_finite_number_or_null(value):
+    for kind in ("mla", "egmla"):
+        with pytest.raises(ConfigError, match=re.escape(f"attention.latent_norm_eps={value!r}: must")):
+            ModelConfig.from_dict({**BASE, "attention": {"type": kind, "latent_norm_eps": value}})
+
+
+def test_latent_norm_eps_round_trips_and_is_null_when_absent():
+    """A config written before the key (a run, an export, the study's records) reads it as null:
+    the latent norms at the model's norm_eps, as they were."""
+    old = ModelConfig.from_dict({**BASE, "attention": {"type": "mla"}})
+    assert old.attention.latent_norm_eps is None
+    assert old.attention.latent_eps(old) == old.norm_eps == 1e-5
+    new = ModelConfig.from_dict({**BASE, "attention": {"type": "egmla", "latent_norm_eps": 1e-6}})
+    assert new.attention.latent_eps(new) == 1e-6 and new.norm_eps == 1e-5
+    back = ModelConfig.from_dict(json.loads(json.dumps(new.to_dict())))
+    assert back == new and back.to_dict()["attention"]["latent_norm_eps"] == 1e-6
+
+
 def test_defaults_are_filled():
     cfg = ModelConfig(**BASE)
     assert isinstance(cfg.attention, MHAConfig)

@@ -439,6 +439,41 @@ def test_an_export_from_before_the_converted_forms_reads_them_at_their_defaults(
     assert (ours - theirs).abs().max().item() < 1e-4
 
 
+# EG-MLA's gate norm undoes the scale that the norm on c gives each token, so there the eps
+# shows through the low-rank query's norm
+@pytest.mark.parametrize("attention", [VARIANTS["mla"], {**VARIANTS["egmla-kv"], "d_q": 24}],
+                         ids=["mla", "egmla-kv-lora-q"])
+def test_the_latent_norms_eps_reaches_the_remote_code(attention, tmp_path):
+    """latent_norm_eps goes into config.json and the remote code builds kv_a_layernorm and
+    q_a_layernorm with it; an export from before the key computes them at rms_norm_eps, as
+    egmla's null does. The latent norms' inputs scaled down to where the eps matters, so the
+    controls are off by whole units."""
+    model = tiny_model({**attention, "latent_norm_eps": 1e-6})
+    d_c = model.config.attention.d_c
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attn.wkv_a.weight[:d_c].mul_(1e-3)  # the latent rows
+            layer.attn.wq_a.weight.mul_(1e-3)
+    directory = save_hf(model, tmp_path / "hf")
+    back, _ = load_pretrained(directory)
+    assert back.config == model.config and back.config.attention.latent_norm_eps == 1e-6
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        theirs = load_transformers(directory)(ids).logits
+        assert theirs.abs().max() > 1.0
+        assert (model(ids) - theirs).abs().max().item() < 1e-4
+    config = json.loads((directory / "config.json").read_text())
+    del config["attention"]["latent_norm_eps"]
+    (directory / "config.json").write_text(json.dumps(config))
+    before = Transformer(load_pretrained(directory)[0].config).eval()
+    assert before.config.attention.latent_norm_eps is None
+    before.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        theirs = load_transformers(directory)(ids).logits
+        assert (model(ids) - theirs).abs().max().item() > 0.5
+        assert (before(ids) - theirs).abs().max().item() < 1e-4
+
+
 INITS = {
     "gqa": {"type": "mha", "n_kv_heads": 2},
     "mla": {"type": "mla", **MLA},

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from egmla.config import MLAConfig
+from egmla.config import MLAConfig, ModelConfig
 from egmla.models import RMSNorm, Rotary, Transformer, apply_rope
 from egmla.models.positions import Positions
 from egmla.presets import PRESETS, preset
@@ -181,6 +181,37 @@ def test_cache_overflow_is_a_clear_error():
     cache = model.new_cache(1, 4)
     with pytest.raises(ValueError, match="cache full"):
         model(torch.zeros(1, 5, dtype=torch.long), cache=cache)
+
+
+@pytest.mark.parametrize("kind", ["mla", "egmla"])
+def test_a_config_without_latent_norm_eps_computes_what_it_did(kind):
+    """A config dict from before latent_norm_eps builds its latent norms (on c and on the
+    low-rank query) at the model's norm_eps, as they were built then: the same logits, bit for
+    bit, as the same weights with latent_norm_eps spelled as norm_eps. Set, the field reaches
+    the latent norms and no other."""
+    data = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "norm_eps": 3e-5,
+            "attention": {"type": kind, "d_c": 16, "d_q": 24, "d_nope": 8, "d_rope": 8, "d_v": 8}}
+    old = ModelConfig.from_dict(data)
+    torch.manual_seed(0)
+    model = Transformer(old).eval()
+
+    def same_weights(cfg: ModelConfig) -> Transformer:
+        other = Transformer(cfg).eval()
+        other.load_state_dict(model.state_dict())
+        return other
+
+    def eps(m: Transformer) -> set[tuple[str, float]]:
+        return {(name.rpartition(".")[2], mod.eps) for name, mod in m.named_modules()
+                if isinstance(mod, RMSNorm)}
+
+    assert old.attention.latent_norm_eps is None
+    blocks = {("attn_norm", 3e-5), ("mlp_norm", 3e-5), ("norm", 3e-5)}
+    assert eps(model) == blocks | {("q_norm", 3e-5), ("kv_norm", 3e-5)}
+    ids = random_ids(old, 2, 12)
+    with torch.no_grad():
+        assert torch.equal(same_weights(with_attention(old, latent_norm_eps=3e-5))(ids), model(ids))
+    deepseek = same_weights(with_attention(old, latent_norm_eps=1e-6))
+    assert eps(deepseek) == blocks | {("q_norm", 1e-6), ("kv_norm", 1e-6)}
 
 
 def test_rmsnorm_matches_formula():

@@ -108,6 +108,31 @@ def test_config_fields_are_carried_over():
     assert (a.type, a.d_c, a.d_q, a.d_nope, a.d_rope, a.d_v) == ("mla", 16, 24, 8, 8, 12)
     assert (config.d_model, config.n_layers, config.n_heads, config.d_ff) == (64, 2, 4, 96)
     assert (config.norm_eps, config.tie_embeddings, config.eos_token_id) == (1e-6, False, 1)
+    assert a.latent_norm_eps == 1e-6  # what transformers computes its latent norms with
+
+
+def test_another_rms_norm_eps_converts_with_the_latent_norms_at_1e_6():
+    """transformers' DeepSeek-V3 builds its block norms with rms_norm_eps and its latent norms
+    (q_a_layernorm, kv_a_layernorm) with 1e-6 whatever it says; egmla's config spells both.
+    Inputs scaled down to where the eps matters: the latent norms at rms_norm_eps (a config
+    without latent_norm_eps) would be off by whole units."""
+    hf = tiny_deepseek(24, rms_norm_eps=1e-4)
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.mul_(0.01)
+        for layer in hf.model.layers:
+            layer.self_attn.q_a_proj.weight.mul_(1e-3)
+            layer.self_attn.kv_a_proj_with_mqa.weight[:16].mul_(1e-3)  # the latent rows
+    ours = from_deepseek_v3(hf)
+    assert (ours.config.norm_eps, ours.config.attention.latent_norm_eps) == (1e-4, 1e-6)
+    without = dataclasses.replace(ours.config.attention, latent_norm_eps=None)
+    control = Transformer(dataclasses.replace(ours.config, attention=without)).eval()
+    control.load_state_dict(ours.state_dict())
+    ids = input_ids()
+    with torch.no_grad():
+        theirs = hf(ids).logits
+        assert theirs.abs().max() > 1.0
+        assert (ours(ids) - theirs).abs().max().item() < TOL
+        assert (control(ids) - theirs).abs().max().item() > 0.5
 
 
 @pytest.mark.parametrize(
@@ -115,7 +140,6 @@ def test_config_fields_are_carried_over():
     [
         ({"first_k_dense_replace": 1}, "mixture-of-experts"),
         ({"attention_bias": True}, "attention_bias"),
-        ({"rms_norm_eps": 1e-5}, "rms_norm_eps"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                               "original_max_position_embeddings": 32}}, "rope scaling 'yarn'"),
     ],

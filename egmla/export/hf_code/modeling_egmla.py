@@ -262,14 +262,16 @@ class EgmlaMLA(nn.Module):
         self.rope_freqs = None if freqs is None else freqs[layer_idx]  # per RoPE key
         self.scaling = (self.d_nope + self.d_rope) ** -0.5
         q_width = H * (self.d_nope + self.d_rope)
+        # The latent norms' eps: latent_norm_eps where set (absent or null: rms_norm_eps)
+        latent_eps = a.get("latent_norm_eps") or config.rms_norm_eps
         if self.d_q is None:
             self.q_proj = nn.Linear(d, q_width, bias=False)
         else:
             self.q_a_proj = nn.Linear(d, self.d_q, bias=False)
-            self.q_a_layernorm = EgmlaRMSNorm(self.d_q, config.rms_norm_eps)
+            self.q_a_layernorm = EgmlaRMSNorm(self.d_q, latent_eps)
             self.q_b_proj = nn.Linear(self.d_q, q_width, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(d, self.d_c + self.rope_heads * self.d_rope, bias=False)
-        self.kv_a_layernorm = (EgmlaRMSNorm(self.d_c, config.rms_norm_eps)
+        self.kv_a_layernorm = (EgmlaRMSNorm(self.d_c, latent_eps)
                                if a.get("latent_norm", True) else nn.Identity())
         kv_width = self.n_kv * (self.d_nope + self.d_v)
         self.kv_b_proj = nn.Linear(self.d_c, kv_width, bias=False)

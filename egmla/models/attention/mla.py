@@ -51,14 +51,15 @@ class MLA(AttentionLayer):
         self.impl, self.d_q = a.impl, a.d_q
         self.n_kv, self.rope_heads = a.kv_heads(config), a.rope_heads  # G, Hr
         q_width = H * (a.d_nope + a.d_rope)
+        eps = a.latent_eps(config)  # the latent norms' own (DeepSeek: 1e-6), else norm_eps
         if a.d_q is None:
             self.wq = Linear(d, q_width, bias=False)
         else:
             self.wq_a = Linear(d, a.d_q, bias=False)  # W_DQ
-            self.q_norm = RMSNorm(a.d_q, config.norm_eps)
+            self.q_norm = RMSNorm(a.d_q, eps)
             self.wq_b = Linear(a.d_q, q_width, bias=False)  # W_UQ (and W_QR)
         self.wkv_a = Linear(d, a.d_c + self.rope_heads * a.d_rope, bias=False)  # [W_DKV; W_KR]
-        self.kv_norm = RMSNorm(a.d_c, config.norm_eps) if a.latent_norm else nn.Identity()
+        self.kv_norm = RMSNorm(a.d_c, eps) if a.latent_norm else nn.Identity()
         self.wkv_b = Linear(a.d_c, self.n_kv * (a.d_nope + a.d_v), bias=False)  # [W_UK; W_UV] per KV head
         self.wo = Linear(H * a.d_v, d, bias=False)
         freqs = a.layer_freqs(layer)
