@@ -71,15 +71,22 @@ def test_the_constant_gate_on_the_latent_ignores_the_token_ids_and_decodes_as_it
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-10)
 
 
-def test_the_value_embedding_adds_a_term_of_the_token_id_alone():
-    model, attn = layer("tiny-mla-value-embed")
-    g = torch.Generator().manual_seed(3)
+def expansions(name: str, seed: int):
+    """The layer's K/V expanded from two random latents, each under the token ids and under
+    other ids: the layer, ((k1, v1), (k1o, v1o)), ((k2, v2), (k2o, v2o)) and the ids."""
+    model, attn = layer(name)
+    g = torch.Generator().manual_seed(seed)
     c1, c2 = (torch.randn(2, 10, attn.d_c, generator=g, dtype=torch.float64) for _ in range(2))
     _, _, ids = inputs(model)
     other = (ids + 7) % model.config.vocab_size
     with torch.no_grad():
-        (k1, v1), (k1o, v1o) = attn.expand(c1, ids), attn.expand(c1, other)
-        (k2, v2), (k2o, v2o) = attn.expand(c2, ids), attn.expand(c2, other)
+        return (attn, (attn.expand(c1, ids), attn.expand(c1, other)),
+                (attn.expand(c2, ids), attn.expand(c2, other)), ids, other, g)
+
+
+def test_the_value_embedding_adds_a_term_of_the_token_id_alone():
+    _, ((k1, v1), (k1o, v1o)), ((k2, v2), (k2o, v2o)), ids, other, g = expansions(
+        "tiny-mla-value-embed", 3)
     assert torch.equal(k1, k1o) and torch.equal(k2, k2o)  # keys carry no token identity
     assert not torch.allclose(v1, v1o)
     # additive: what the ids change in V does not depend on the latent
@@ -97,18 +104,12 @@ def test_the_kv_embedding_adds_to_keys_and_values_and_absorbs_exactly():
     """`mla_kv_embed`: what the ids change in K and in V does not depend on the latent (added,
     not multiplied), and its absorbed decode ([c, e, k_rope] against [W_UK^T q, W_KE^T q,
     q_rope]) equals the rebuild over a prefill and decode steps."""
-    model, attn = layer("tiny-mla-kv-embed")
-    g = torch.Generator().manual_seed(5)
-    c1, c2 = (torch.randn(2, 10, attn.d_c, generator=g, dtype=torch.float64) for _ in range(2))
-    _, _, ids = inputs(model)
-    other = (ids + 7) % model.config.vocab_size
-    with torch.no_grad():
-        (k1, v1), (k1o, v1o) = attn.expand(c1, ids), attn.expand(c1, other)
-        (k2, v2), (k2o, v2o) = attn.expand(c2, ids), attn.expand(c2, other)
+    _, ((k1, v1), (k1o, v1o)), ((k2, v2), (k2o, v2o)), _, _, _ = expansions("tiny-mla-kv-embed", 5)
     assert not torch.allclose(k1, k1o) and not torch.allclose(v1, v1o)
     torch.testing.assert_close(k1 - k1o, k2 - k2o, rtol=0, atol=1e-12)
     torch.testing.assert_close(v1 - v1o, v2 - v2o, rtol=0, atol=1e-12)
     assert_decode_equals_forward("tiny-mla-kv-embed", "absorbed")
+    assert_decode_equals_forward("tiny-mla-value-embed", "absorbed")  # the form it extends
 
 
 def test_the_value_gate_multiplies_values_only():

@@ -105,12 +105,17 @@ class MLAValueEmbed(MLA):
         B, S, _ = c.shape
         return k_nope, v + self.w_value(self._key_rows(key_ids)).view(B, S, self.n_heads, self.d_v)
 
+    def _absorbed_scores(self, q_nope, q_rope, c, e, k_rope, w_uk):
+        """The absorbed query and key: [W_UK^T q, q_rope] against [c, k_rope] (the keys carry no
+        token identity here), (B, T, H, .) and (B, S, 1, .)."""
+        q = torch.cat((torch.einsum("bthn,hnc->bthc", q_nope, w_uk), q_rope), dim=-1)
+        return q, torch.cat((c, k_rope), dim=-1)[:, :, None]
+
     def _absorbed(self, q_nope, q_rope, fields, key_ids, positions, key_positions):
         c, k_rope, e = fields["c"], fields["k_rope"], self._key_rows(key_ids).to(fields["c"].dtype)
         H, n, v, C = self.n_heads, self.d_nope, self.d_v, self.d_c
         w_uk, w_uv = self.wkv_b.weight.view(H, n + v, C).split([n, v], dim=1)
-        q = torch.cat((torch.einsum("bthn,hnc->bthc", q_nope, w_uk), q_rope), dim=-1)
-        k = torch.cat((c, k_rope), dim=-1)[:, :, None]  # (B, S, 1, C + r)
+        q, k = self._absorbed_scores(q_nope, q_rope, c, e, k_rope, w_uk)
         value = torch.cat((c, e), dim=-1)[:, :, None]  # (B, S, 1, C + E)
         o_c, o_e = attend(q, k, value, self.scale, positions, key_positions).split([C, self.d_e], -1)
         w_ve = self.w_value.weight.view(H, v, self.d_e)
@@ -131,7 +136,7 @@ class MLAValueEmbed(MLA):
 class MLAKVEmbed(MLAValueEmbed):
     """`mla_kv_embed`: k_j = W_UK c_j + W_KE E[id_j] and v_j = W_UV c_j + W_VE E[id_j], one table
     E per layer. Absorbed, the key is [c_j, e_j, k_rope_j] against the query [W_UK^T q, W_KE^T q,
-    q_rope], and the value [c_j, e_j] as for `mla_value_embed`."""
+    q_rope] (`_absorbed_scores`), and the value [c_j, e_j] as for `mla_value_embed`."""
 
     config_class = MLAKVEmbedConfig
 
@@ -145,19 +150,12 @@ class MLAKVEmbed(MLAValueEmbed):
         added = self.w_key(self._key_rows(key_ids)).view(B, S, self.n_heads, self.d_nope)
         return k_nope + added, v
 
-    def _absorbed(self, q_nope, q_rope, fields, key_ids, positions, key_positions):
-        c, k_rope, e = fields["c"], fields["k_rope"], self._key_rows(key_ids).to(fields["c"].dtype)
-        H, n, v, C = self.n_heads, self.d_nope, self.d_v, self.d_c
-        w_uk, w_uv = self.wkv_b.weight.view(H, n + v, C).split([n, v], dim=1)
-        w_ke = self.w_key.weight.view(H, n, self.d_e)
+    def _absorbed_scores(self, q_nope, q_rope, c, e, k_rope, w_uk):
+        """[W_UK^T q, W_KE^T q, q_rope] against [c, e, k_rope]."""
+        w_ke = self.w_key.weight.view(self.n_heads, self.d_nope, self.d_e)
         q = torch.cat((torch.einsum("bthn,hnc->bthc", q_nope, w_uk),
                        torch.einsum("bthn,hne->bthe", q_nope, w_ke), q_rope), dim=-1)
-        k = torch.cat((c, e, k_rope), dim=-1)[:, :, None]  # (B, S, 1, C + E + r)
-        value = torch.cat((c, e), dim=-1)[:, :, None]  # (B, S, 1, C + E)
-        o_c, o_e = attend(q, k, value, self.scale, positions, key_positions).split([C, self.d_e], -1)
-        w_ve = self.w_value.weight.view(H, v, self.d_e)
-        return (torch.einsum("bthc,hvc->bthv", o_c, w_uv)
-                + torch.einsum("bthe,hve->bthv", o_e, w_ve))
+        return q, torch.cat((c, e, k_rope), dim=-1)[:, :, None]  # (B, S, 1, C + E + r)
 
     def decode_cost(self, context: int, dtype: torch.dtype = torch.float32) -> dict[str, int]:
         cost = super().decode_cost(context, dtype)
