@@ -7,6 +7,7 @@ records alone."""
 from __future__ import annotations
 
 import json
+import statistics
 import shutil
 import subprocess
 import sys
@@ -121,7 +122,8 @@ def test_the_loss_table_gives_each_activations_difference_from_swiglu_with_welch
 def test_the_docs_give_the_committed_records_figures():
     """docs/activation_locality.md (and the README) state the loss table and the acceptance
     figures as the committed records hold them: every row of losses.md, and drelu's batch-1
-    speedups and perplexity (default predictors; the leaner ones) at the precision given."""
+    speedups (the median of the per-repeat paired ratios, and each ratio) and perplexity
+    (default predictors; the leaner ones) at the precision given."""
     docs = (ROOT / "docs" / "activation_locality.md").read_text()
     results = ROOT / "benchmarks" / "results"
     table = [line for line in (results / "locality" / "losses.md").read_text().splitlines()
@@ -140,19 +142,26 @@ def test_the_docs_give_the_committed_records_figures():
     assert drelu["low"] <= 0
 
     def batch1(record, mode):
+        """The mode's per-repeat paired ratios to dense at batch 1, their median, and its
+        perplexity increase (%)."""
         model = next(m for m in json.loads(record.read_text())["models"]
                      if m["ffn"] == "drelu")
-        speed = next(s for s in model["speed"] if s["mode"] == mode and s["batch"] == 1)
+        runs = {s["mode"]: s["runs"] for s in model["speed"] if s["batch"] == 1}
+        ratios = [a / b for a, b in zip(runs[mode], runs["dense"])]
         quality = next(q for q in model["quality"] if q["mode"] == mode)
-        return speed["speedup_vs_dense"], 100 * quality["perplexity_increase"]
+        return statistics.median(ratios), ratios, 100 * quality["perplexity_increase"]
 
     default = batch1(results / "locality" / "activation_locality.json", "predicted")
     lean = batch1(results / "locality_lean_predictors" / "activation_locality.json",
                   "predicted")
-    assert f"**{default[0]:.2f}x**, with held-out perplexity {default[1]:+.2f}%" in docs
-    assert f"is **{lean[0]:.2f}x** dense at batch 1" in docs
-    assert f"held-out perplexity **{lean[1]:+.2f}%**" in docs
+    each = [f"{r:.2f}" for r in default[1]]
+    assert (f"paired per repeat {', '.join(each[:-1])} and {each[-1]}, median "
+            f"**{default[0]:.2f}x**, with held-out perplexity {default[2]:+.2f}%") in flat
+    assert (f"is **{lean[0]:.2f}x** dense by the median of the per-repeat paired ratios "
+            f"({', '.join(f'{r:.2f}' for r in lean[1])}: every repeat above 1.5x") in flat
+    assert f"held-out perplexity **{lean[2]:+.2f}%**" in docs
     readme = " ".join((ROOT / "README.md").read_text().split())
-    assert (f"predicted decoding is {lean[0]:.2f}x dense at batch 1 at {lean[1]:+.2f}% "
-            "perplexity") in readme
-    assert lean[0] >= 1.5 and lean[1] < 1.0  # the issue's acceptance, as recorded
+    assert (f"predicted decoding is {lean[0]:.2f}x dense at batch 1 (the median of {len(lean[1])} "
+            f"paired repeats, each above 1.5x) at {lean[2]:+.2f}% perplexity") in readme
+    assert f"{default[0]:.2f}x with the default predictors" in readme
+    assert lean[0] >= 1.5 and min(lean[1]) > 1.5 and lean[2] < 1.0  # the acceptance, as recorded
