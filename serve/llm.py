@@ -268,10 +268,11 @@ class LLM:
                    "continue_final_message": continue_final_message, "chat_template": chat_template}
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
-            ids = self.tokenizer.apply_chat_template(messages, tokenize=True, **options)
         except Exception as error:  # a template's own error (jinja2's), a bad final message
             raise InvalidRequest(f"the chat template failed: {error}", "messages") from None
-        return text, list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        # rendered once: its tokens as apply_chat_template(tokenize=True) makes them (the text,
+        # no special tokens added: the template writes its own)
+        return text, list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def get_tokenizer(self) -> Any:
         """The tokenizer this LLM encodes and decodes with, as vLLM's `get_tokenizer()`: a
