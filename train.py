@@ -94,5 +94,18 @@ def _name_sweep_job(raw: dict) -> None:
         w["name"] = f"{raw.get('name')}[{label}]"
 
 
+def _check_plain_overrides() -> None:
+    """A misspelled key given without `+` (`optim.lrr=1e-3`) is the typed config's one line and
+    exit 2 (`optim: unknown key 'lrr'; allowed keys: ...`), as with `+`, not Hydra's hint."""
+    from egmla.training.compose import check_plain_overrides
+    from egmla.training.rundir import exit_with_error
+
+    try:
+        check_plain_overrides(sys.argv[1:])
+    except ValueError as err:
+        exit_with_error(err)
+
+
 if __name__ == "__main__":
+    _check_plain_overrides()
     main()

@@ -304,12 +304,32 @@ def _load_pretrained(name_or_path: str | os.PathLike, dtype: torch.dtype | None
     name = str(name_or_path)
     if (known := _known_name(name)) is not None:
         return _load_known(known, dtype)
-    if "/" not in name or path.is_absolute() or name.startswith("."):
+    if path.exists():
+        raise CheckpointError(f"{name!r} is a file, not a model directory: give the directory "
+                              "holding an export or a transformers model")
+    if not _could_be_hub_id(name):
+        missing = _missing_part(path)
         raise CheckpointError(
-            f"{name!r}: not a directory and not a known model; known names: "
-            f"{', '.join(KNOWN_MODELS)} (or pass an export directory or a hub id 'org/name')"
+            f"{name!r}: no such directory{missing}, and not a known model name "
+            f"({', '.join(KNOWN_MODELS)}); a hub id has the form 'org/name'"
         )
     return _from_transformers(name, dtype)
+
+
+def _could_be_hub_id(name: str) -> bool:
+    """'org/name' whose 'org' is not a local directory: a path that does not exist (two or more
+    levels, absolute, relative to . or ~, or below an existing folder) is a missing directory."""
+    parts = name.split("/")
+    return (len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
+            and not Path(parts[0]).is_dir())
+
+
+def _missing_part(path: Path) -> str:
+    """' (runs/ has no 'nonexistent')': the first component of `path` that does not exist."""
+    path = path.expanduser()
+    missing = next(p for p in (*reversed(path.parents), path) if not p.exists())
+    above = missing.parent
+    return "" if str(above) == "." else f" ({str(above).rstrip('/')}/ has no {missing.name!r})"
 
 
 def _export_with_tokenizer(path: Path, dtype: torch.dtype | None) -> tuple[Transformer, Any]:
@@ -363,8 +383,8 @@ def _from_transformers(name_or_path: str, dtype: torch.dtype | None) -> tuple[Tr
         hf_config = tf.AutoConfig.from_pretrained(name_or_path)
     except (OSError, ValueError) as err:  # not on the hub, offline, or an unknown config
         raise CheckpointError(
-            f"{name_or_path!r}: transformers cannot load its config ({err}); known names: "
-            f"{', '.join(KNOWN_MODELS)}"
+            f"{name_or_path!r}: not a local directory nor a known model name "
+            f"({', '.join(KNOWN_MODELS)}), and transformers cannot load it as a hub id ({err})"
         ) from err
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in CONVERTERS:

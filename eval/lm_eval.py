@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     import lm_eval.models  # noqa: F401 - and lm-eval's own (local-completions, hf, ...): its
     # registry imports them only while it is empty, which egmla's registration ends
     from egmla.checkpoint import CheckpointError
+    from egmla.data.corpus import CorpusError
     from eval.local_tasks import install
     from lm_eval.__main__ import cli_evaluate
 
@@ -42,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.argv = ["lm_eval", *default_device(sys.argv[1:] if argv is None else argv)]
     try:
         cli_evaluate()
-    except (CheckpointError, ValueError, OSError, ImportError) as error:
-        # A missing checkpoint, an unknown task, data or a package not available offline: one line
-        # naming it, not a traceback (EGMLA_DEBUG=1 shows the traceback).
+    except (CheckpointError, CorpusError, ValueError, OSError, ImportError) as error:
+        # A missing checkpoint, an unknown task, data or a package not available offline (the
+        # corpus or model packages among them): one line naming it, not a traceback
+        # (EGMLA_DEBUG=1 shows the traceback).
         if os.environ.get("EGMLA_DEBUG"):
             raise
         print(f"error: {type(error).__name__}: {error}", file=sys.stderr)

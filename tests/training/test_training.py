@@ -358,6 +358,22 @@ def test_bad_input_fails_cleanly(tmp_path, args, needles):
     assert_clean_failure(result, *needles)
 
 
+@pytest.mark.parametrize("args, key", [
+    (["trainer.max_step=3"], "trainer: unknown key 'max_step'; allowed keys: "),
+    (["model.attention.dc=16"], "unknown key 'dc'; allowed keys: "),
+    (["-m", "optim.lrr=1e-3,3e-3"], "optim: unknown key 'lrr'; allowed keys: "),
+])
+def test_a_misspelled_plain_override_is_the_projects_one_line(tmp_path, args, key):
+    """Without `+` Hydra refuses the key itself, hinting at `+` (which would not help: the typed
+    config refuses the key); train.py answers as for `+key=...`: one line, exit 2."""
+    result = run_train([*TINY, *args, f"hydra.run.dir={tmp_path / 'run'}",
+                        f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0] and "To append" not in result.stderr, lines
+    assert not (tmp_path / "run").exists() and not (tmp_path / "sweep").exists()
+
+
 @pytest.mark.slow
 def test_resuming_with_another_model_or_tokenizer_is_refused(tmp_path):
     run_dir = tmp_path / "run"
