@@ -25,6 +25,25 @@ def test_readme_opens_with_two_commands_and_ci_runs_the_second():
     assert first[1] in ci
 
 
+def test_readme_commands_name_files_that_exist():
+    """No placeholders: every Python file a command names is in the repository."""
+    named = {token for block in code_blocks("bash") for line in commands(block)
+             for token in line.split() if token.endswith(".py")}
+    assert "train.py" in named and "examples/sandbox/solution.py" in named
+    assert [name for name in sorted(named) if not (ROOT / name).is_file()] == []
+
+
+def test_readme_sandbox_example_runs_as_written():
+    import subprocess
+    import sys
+
+    line = next(line for block in code_blocks("bash") for line in commands(block.replace("\\\n", " "))
+                if " -m sandbox " in line)
+    run = subprocess.run([sys.executable, *line.split()[1:]], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and '"status": "passed"' in run.stdout, run.stdout + run.stderr
+
+
 def test_readme_python_example_runs(capsys):
     exec(compile(code_blocks("python")[0], "README.md", "exec"), {})
     assert capsys.readouterr().out.strip()
