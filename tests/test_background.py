@@ -1,6 +1,6 @@
-"""scripts/background.sh, the restart command of the long computations: it runs the study, the
-locality runs and the upcycling runs from a detached worktree of HEAD, writing records where it
-is told."""
+"""scripts/background.sh, the restart command of the long computations: it runs the upcycling
+runs, the lean locality re-run, the study and the locality runs from a detached worktree of HEAD,
+in the order JOBS names them, writing records where it is told."""
 
 from __future__ import annotations
 
@@ -15,18 +15,31 @@ def test_the_background_script_runs_the_jobs_from_a_worktree_of_head(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "PY": sys.executable, "WORKTREE": str(worktree),
            "RUNS": str(tmp_path / "runs"), "RESULTS": str(tmp_path / "results"),
            "STUDY_ARGS": "--dry-run", "LOCALITY_ARGS": "--steps losses",
-           "UPCYCLE_ARGS": "--phases summary"}
+           "UPCYCLE_ARGS": "--phases summary", "LEAN_ARGS": "--dry-run"}
     try:
         run = subprocess.run(["bash", "scripts/background.sh"], capture_output=True, text=True,
                              cwd=ROOT, env=env, timeout=300)
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, cwd=ROOT).stdout.strip()
-        assert f"study locality upcycle, at {head}" in run.stdout
-        assert "the upcycling runs" in run.stdout and "background: done" in run.stdout
+        assert f"upcycle lean study locality, at {head}" in run.stdout
+        # the upcycling runs first (hours, under way), the lean re-run before the study
+        jobs = ["the upcycling runs", "the leaner locality predictors", "the study",
+                "the activation-locality runs", "background: done"]
+        assert [run.stdout.index(job) for job in jobs] == sorted(run.stdout.index(j) for j in jobs)
+        assert "todo  search: " in run.stdout  # the lean step's dry run: nothing recorded there
         assert (tmp_path / "results" / "upcycle" / "summary.md").is_file()
         assert "lr" in run.stdout  # the study's dry run lists its phases' runs
         assert (worktree / "studies" / "gating" / "__main__.py").is_file()
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT,
                        capture_output=True)
+
+
+def test_an_unknown_job_stops_the_script_before_anything_starts(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "PY": sys.executable, "WORKTREE": str(tmp_path / "worktree"),
+           "JOBS": "upcycle fly"}
+    run = subprocess.run(["bash", "scripts/background.sh"], capture_output=True, text=True,
+                         cwd=ROOT, env=env, timeout=60)
+    assert run.returncode == 2 and "unknown job 'fly'" in run.stderr
+    assert not (tmp_path / "worktree").exists()

@@ -37,7 +37,8 @@ The package: sources (the texts, tokenized into windows), firing (what fires, pe
 profile (the report and its plot; per-layer thresholds for a target sparsity), sweep,
 predictors (eval's PowerInfer-style predictors, trained and chosen), cli (this command line),
 and runs (`python -m studies.locality.runs`, the issue-19 pipeline: train, profile,
-predictors and benchmark, resumable).
+predictors and benchmark, resumable; with `--steps lean`, issue 42's re-run of the leaner
+predictors beside the defaults).
 """
 
 from studies.locality.cli import build_parser, default_out, main

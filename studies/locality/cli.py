@@ -123,9 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def recorded_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed arguments as a report's meta.config holds them (paths as text): what a
+    pipeline compares to tell whether a report was made with the settings it would use."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    config = recorded_config(args)
     from egmla.checkpoint import CheckpointError
     from egmla.imports import load_pretrained
     from egmla.provenance import provenance

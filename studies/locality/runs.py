@@ -20,22 +20,51 @@ then train the two more seeds of swiglu and drelu (only the loss table needs the
    seeds it has, the difference unpaired (Welch) and paired by seed (a seed is the data order),
    written to `<results>/losses.{json,md}`.
 
+One more step, asked for by name (`--steps lean`), not by default: issue 42's re-run of drelu's
+leaner predictors (docs/activation_locality.md, "Leaner predictors reach it"), whose figure was
+measured with predictors made by hand, with no hash in the record, for a model whose run
+directory is gone. Into `--lean-results` (`<lean>`, default
+benchmarks/results/locality_lean_predictors), each file named by its hash:
+
+5. lean: (a) locality-drelu-s0 trained again if its export is missing (train(), the same
+   command), its record in `<lean>/runs/` (issue 19's record of the first run, from which the
+   loss table is built, stays as it is); (b) the default predictors, where the predictors step
+   writes them (`<export>/locality`); (c) the search, as documented: `python -m studies.locality
+   predictors --model <export> --ranks 32 --hot 0.1 0.05 0.03 --recall 0.95 0.9 0.85 --out
+   <export>/locality-search`, which keeps the predictors of the setting it chooses (the fewest
+   neurons computed within the tolerance) in predictors.safetensors there and the nine
+   settings' table in predictors.{json,md}; (d) the benchmark (`--repeats 5 --skip-lm-eval
+   --fresh`) with the search's predictors into `<lean>`, replacing the record there, then with
+   the defaults into `<lean>/defaults`, one right after the other; each predictors report (its
+   file's sha256 in it) is copied beside the record that measured the file.
+   The benchmarks are done when both records were made with these settings and each holds the
+   hash its report beside it names, the report made with these settings; if either is not,
+   both are measured again, so the pair always comes from one session. A predictors file is
+   made again unless the one there comes with a report of these settings and its hash; the
+   model is trained again only when something is to be measured and it is missing.
+   `--dry-run` lists the step's commands, todo or done.
+
 Re-running skips what is done. A run known only from its record (a new machine: run
 directories are not committed) is not trained again unless a later step needs its model: a
 seed-0 model is, until the benchmark's record holds it.
 
     python -m studies.locality.runs                       # everything, in the background
     python -m studies.locality.runs --steps train losses  # only some steps
+    python -m studies.locality.runs --steps lean --dry-run  # what the lean step would run
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
+import importlib.util
 import json
 import shlex
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +80,7 @@ SMOLLM2 = "SmolLM2-135M-Instruct"
 # 40-50%)
 SWIGLU_SPARSITY = 0.5
 STEPS = ("train", "losses", "profile", "predictors", "benchmark")
+LEAN = "lean"  # a one-off re-measurement (issue 42): asked for by name, never by default
 
 
 def run_name(ffn: str, seed: int) -> str:
@@ -64,15 +94,22 @@ def train_command(ffn: str, seed: int, runs_dir: Path, extra: list[str]) -> list
             f"hydra.run.dir={runs_dir / run_name(ffn, seed)}", *extra]
 
 
-def train(ffn: str, seed: int, args, log, need_model: bool) -> dict[str, Any]:
-    """The run's record, training it first unless the record exists and its model is not
-    needed (or is there)."""
+def trained_model(directory: Path) -> bool:
+    """Whether the run in `directory` finished and exported its model."""
+    return (directory / "summary.json").is_file() and (directory / "export" / "config.json").is_file()
+
+
+def train(ffn: str, seed: int, args, log, need_model: bool,
+          record_file: Path | None = None) -> dict[str, Any]:
+    """The run's record (at `record_file`, default `<results>/runs/<name>.json`), training it
+    first unless the record exists and its model is not needed (or is there)."""
     name = run_name(ffn, seed)
-    record_file, directory = args.results / "runs" / f"{name}.json", args.runs_dir / name
+    record_file = record_file or args.results / "runs" / f"{name}.json"
+    directory = args.runs_dir / name
     export = directory / "export"
     if record_file.is_file() and (not need_model or (export / "config.json").is_file()):
         return json.loads(record_file.read_text())
-    if not (directory / "summary.json").is_file() or not (export / "config.json").is_file():
+    if not trained_model(directory):
         run_logged(train_command(ffn, seed, args.runs_dir, args.overrides), args.runs_dir / f"{name}.log",
              log)
         shutil.rmtree(directory / "checkpoints", ignore_errors=True)  # only a resume needs them
@@ -162,6 +199,13 @@ def firing_args(sparsity: float | None) -> list[str]:
     return ["--threshold", "0.0"] if sparsity is None else ["--sparsity", str(sparsity)]
 
 
+def locality_command(command: str, model: str, work: Path, sparsity: float | None,
+                     extra: list[str]) -> list[str]:
+    """`python -m studies.locality <command>` for `model`, writing into `work`."""
+    return [sys.executable, "-m", "studies.locality", command, "--model", model, "--out", str(work),
+            *firing_args(sparsity), *extra]
+
+
 def locality(command: str, model: str, name: str, args, log,
              sparsity: float | None = None) -> None:
     """`python -m studies.locality <command>` for `model`, its reports copied to results/<name>.
@@ -180,8 +224,7 @@ def locality(command: str, model: str, name: str, args, log,
     config = (report or {}).get("meta", {}).get("config", {})
     if report is not None and not missing and config.get("sparsity") == sparsity:
         return
-    cmd = [sys.executable, "-m", "studies.locality", command, "--model", model, "--out", str(work),
-           *firing_args(sparsity), *getattr(args, f"{command}_args")]
+    cmd = locality_command(command, model, work, sparsity, getattr(args, f"{command}_args"))
     run_logged(cmd, args.runs_dir / f"{name}-{command}.log", log)
     out.mkdir(parents=True, exist_ok=True)
     for file in (f"{command}.json", f"{command}.md", "profile.png"):
@@ -189,11 +232,174 @@ def locality(command: str, model: str, name: str, args, log,
             shutil.copyfile(work / file, out / file)
 
 
+# ---- the lean step (issue 42; the module's doc, step 5) --------------------------------------
+
+LEAN_RUN = ("drelu", 0)
+LEAN_NAME = run_name(*LEAN_RUN)
+LEAN_SEARCH = ["--ranks", "32", "--hot", "0.1", "0.05", "0.03", "--recall", "0.95", "0.9", "0.85"]
+# --fresh: never a model kept from an interrupted run's partial record (made with other files)
+LEAN_BENCHMARK = ["--repeats", "5", "--skip-lm-eval", "--fresh"]
+BENCHMARK_SCRIPT = ROOT / "benchmarks" / "activation_locality.py"
+PREDICTORS_REPORTS = ("predictors.json", "predictors.md")
+REPORT_PLACE = ("model", "out")  # where a report was made, not how: its directory says that
+
+
+@dataclass(frozen=True)
+class Predictors:
+    """A predictors set: the command that makes it in `work` (predictors.safetensors and its
+    report), and `results`, where its report and the benchmark's record of it go."""
+    what: str
+    cmd: list[str]
+    work: Path
+    results: Path
+
+    @property
+    def file(self) -> Path:
+        return self.work / "predictors.safetensors"
+
+
+@dataclass(frozen=True)
+class LeanPart:
+    """One command of the lean step, its log, and whether it is to run; `reports`: for a
+    predictors command, the set whose report is copied beside its record after it (run or
+    done before: the report must be the one the benchmark that follows measures)."""
+    what: str
+    cmd: list[str]
+    log: Path
+    todo: bool
+    reports: Predictors | None = None
+
+
+def lean_predictors(export: Path, results: Path, extra: list[str]) -> list[Predictors]:
+    """The default predictors and the search's, in the order they are made."""
+    defaults = export / "locality"  # where the predictors step writes (studies.locality.default_out)
+    search = export / "locality-search"
+    return [Predictors("default predictors",
+                       locality_command("predictors", str(export), defaults, None, extra),
+                       defaults, results / "defaults"),
+            Predictors("search", [sys.executable, "-m", "studies.locality", "predictors", "--model",
+                                  str(export), *LEAN_SEARCH, "--out", str(search), *extra],
+                       search, results)]
+
+
+def benchmark_command(p: Predictors, export: Path, extra: list[str]) -> list[str]:
+    return [sys.executable, str(BENCHMARK_SCRIPT), "--out", str(p.results), "--model", str(export),
+            "--predictors", str(p.file), *LEAN_BENCHMARK, *extra]
+
+
+def predictors_settings(cmd: list[str]) -> dict[str, Any]:
+    """The settings a predictors report made by `cmd` records (its meta.config, less
+    REPORT_PLACE)."""
+    from studies.locality.cli import build_parser, recorded_config
+
+    config = json.loads(json.dumps(recorded_config(build_parser().parse_args(cmd[3:]))))
+    return {k: v for k, v in config.items() if k not in REPORT_PLACE}
+
+
+def made_by(report: Path, cmd: list[str]) -> str | None:
+    """The sha256 of the predictors file the report describes, if `cmd`'s settings made it."""
+    if not report.is_file():
+        return None
+    meta = json.loads(report.read_text()).get("meta", {})
+    config = {k: v for k, v in meta.get("config", {}).items() if k not in REPORT_PLACE}
+    return meta.get("predictors_sha256") if config == predictors_settings(cmd) else None
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def predictors_ready(p: Predictors) -> bool:
+    """Whether p's file is there with a report of p's settings naming its hash."""
+    made = made_by(p.work / "predictors.json", p.cmd)
+    return made is not None and p.file.is_file() and sha256(p.file) == made
+
+
+@functools.cache
+def benchmark_module():
+    """benchmarks/activation_locality.py (a script, not a package): its arguments and record."""
+    spec = importlib.util.spec_from_file_location("activation_locality", BENCHMARK_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def lean_measured(p: Predictors, cmd: list[str]) -> bool:
+    """Whether p's results hold a record of the benchmark `cmd` runs (its settings) that
+    measured the predictors its report there names, the report made with p's settings."""
+    bench = benchmark_module()
+    args = bench.parse_args(cmd[2:])
+    record = p.results / f"activation_locality{'_quick' if args.quick else ''}.json"
+    made = made_by(p.results / "predictors.json", p.cmd)
+    if made is None or not record.is_file():
+        return False
+    old = json.loads(record.read_text())
+    want = json.loads(json.dumps({k: v for k, v in vars(args).items() if k not in bench.PER_MODEL}))
+    return old.get("settings") == want and any(
+        (m.get("predictors_provenance") or {}).get("sha256") == made for m in old.get("models", []))
+
+
+def lean_plan(args) -> list[LeanPart]:
+    """The step's commands in order, each marked todo or done from the files there before
+    anything runs: the benchmarks both or neither; the model if they are to run and it is not
+    there; predictors if they are to run and the model is to be trained (older files of a run
+    trained anew do not count) or their file is not there with its report."""
+    directory = args.runs_dir / LEAN_NAME
+    export = directory / "export"
+    sets = lean_predictors(export, args.lean_results, args.predictors_args)
+    benchmarks = [benchmark_command(p, export, args.benchmark_args) for p in sets]
+    todo = not all(lean_measured(p, cmd) for p, cmd in zip(sets, benchmarks))
+
+    def log(what: str) -> Path:
+        return args.runs_dir / f"{LEAN_NAME}-lean-{what}.log"
+    model = todo and not trained_model(directory)  # and predictors of a model trained anew
+    return [LeanPart("train", train_command(*LEAN_RUN, args.runs_dir, args.overrides),
+                     args.runs_dir / f"{LEAN_NAME}.log", model),
+            *(LeanPart(p.what, p.cmd, log(p.work.name),
+                       model or (todo and not predictors_ready(p)), p) for p in sets),
+            # the search's first: the figure the docs quote, then the defaults beside it
+            *(LeanPart(f"benchmark, {p.what}", cmd, log(f"benchmark-{p.work.name}"), todo)
+              for p, cmd in reversed(list(zip(sets, benchmarks))))]
+
+
+def describe_plan(parts: list[LeanPart]) -> str:
+    """The plan as `--dry-run` prints it: one line a command, todo or done."""
+    return "\n".join(f"{'todo' if p.todo else 'done'}  {p.what}: {shlex.join(p.cmd)}"
+                     for p in parts)
+
+
+def keep_reports(p: Predictors) -> None:
+    """p's report copied beside its record; PipelineError if it made no predictors file."""
+    if not p.file.is_file():
+        raise PipelineError(f"{p.what}: no {p.file} (no setting within the tolerance?); see "
+                            f"{p.work / 'predictors.md'}")
+    p.results.mkdir(parents=True, exist_ok=True)
+    for name in PREDICTORS_REPORTS:
+        shutil.copyfile(p.work / name, p.results / name)
+
+
+def lean(args, log) -> None:
+    """The lean step (the module's doc, step 5): the plan's todo commands, in order."""
+    parts = lean_plan(args)
+    if not any(part.todo for part in parts):
+        log(f"lean: done ({args.lean_results} holds both benchmarks of these predictors)")
+        return
+    # the model's record beside the figures (trained first if the export is missing)
+    train(*LEAN_RUN, args, log, need_model=True,
+          record_file=args.lean_results / "runs" / f"{LEAN_NAME}.json")
+    for part in parts[1:]:
+        if part.todo:
+            run_logged(part.cmd, part.log, log)
+        if part.reports is not None:
+            keep_reports(part.reports)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m studies.locality.runs", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS),
-                   help="which steps to run (default: all, in the order above)")
+    p.add_argument("--steps", nargs="+", choices=(*STEPS, LEAN), default=list(STEPS),
+                   help="which steps to run (default: all but lean, in the order above; lean "
+                        "comes last)")
     p.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "locality-runs",
                    help="where the runs train (default runs/locality-runs)")
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "locality",
@@ -207,9 +413,22 @@ def main(argv: list[str] | None = None) -> int:
                        help=f"extra arguments for {what}, one quoted string (e.g. '--quick')")
     p.add_argument("--no-smollm2", action="store_true",
                    help="leave SmolLM2 out of the profile, predictors and benchmark steps")
+    p.add_argument("--lean-results", type=Path,
+                   default=ROOT / "benchmarks" / "results" / "locality_lean_predictors",
+                   help="where the lean step's records go (default "
+                        "benchmarks/results/locality_lean_predictors)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="with --steps lean: list the lean step's commands, todo or done, and "
+                        "run nothing")
     args = p.parse_args(argv)
+    if args.dry_run and args.steps != [LEAN]:
+        p.error("--dry-run: only the lean step lists its plan (--steps lean --dry-run)")
     args.runs_dir, args.results = args.runs_dir.resolve(), args.results.resolve()
+    args.lean_results = args.lean_results.resolve()
     log = lambda message: print(time.strftime("%H:%M:%S"), message, flush=True)  # noqa: E731
+    if args.dry_run:
+        print(describe_plan(lean_plan(args)))
+        return 0
     steps = set(args.steps)
     later = steps & {"profile", "predictors", "benchmark"}
 
@@ -250,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         records += trained([run for run in RUNS if run[1] != 0])
         if "losses" in steps and records:
             print((args.results / "losses.md").read_text() if losses(records, args.results) else "")
+        if LEAN in steps:
+            lean(args, log)
     except PipelineError as error:
         print(f"locality_runs: error: {error}", file=sys.stderr)
         return 1
