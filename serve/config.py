@@ -73,6 +73,8 @@ VLLM_NO_OPS: dict[str, NoOp] = {
     "tokenizer_mode": NoOp(lambda v: v == "auto", '"auto"', "the model's own tokenizer", "str"),
     "load_format": NoOp(lambda v: v == "auto", '"auto"',
                         "the format is read from the model's files", "str"),
+    "trust_remote_code": NoOp(lambda v: isinstance(v, bool), "true or false",
+                              "no code from a checkpoint is ever run", "flag"),
 }
 
 

@@ -130,7 +130,6 @@ class LLM:
         device: str | torch.device | None = None,
         max_model_len: int | None = None,
         seed: int | None = None,
-        trust_remote_code: bool = False,
         **engine_args: Any,
     ) -> None:
         """`model`: a Transformer (with `tokenizer`), an export directory or a known name, loaded
@@ -146,8 +145,9 @@ class LLM:
         "cuda:N"; default: where the model is, the CPU for a loaded one),
         `max_model_len` caps a request's prompt + output (default: the model's context),
         `seed` seeds the sampling of every request that brings no seed of its own (one
-        generator for the engine, so a run is reproducible), and `trust_remote_code` is
-        accepted and changes nothing (no code from a checkpoint is ever run here).
+        generator for the engine, so a run is reproducible). vLLM's arguments that change
+        nothing here at the values given (`trust_remote_code`, `tensor_parallel_size=1`, ...:
+        serve.config.VLLM_NO_OPS) are accepted with a log line each, other values refused.
 
         `ffn_sparsity` decodes the MLPs over only the neurons that fire
         (egmla.models.sparse_ffn): "gate" (exact for ReLU-family MLPs; SwiGLU needs
@@ -190,8 +190,6 @@ class LLM:
         if "cache_dtype" in engine_args:
             engine_args["cache_dtype"] = parse_model_dtype(engine_args["cache_dtype"])
         tokenizer = resolve_tokenizer(tokenizer)  # a name or directory: loaded before the model
-        if not isinstance(trust_remote_code, bool):
-            raise ValueError(f"trust_remote_code={trust_remote_code!r}: must be true or false")
         config = EngineConfig.from_args(max_model_len=max_model_len, seed=seed, **engine_args)
         if isinstance(model, Transformer):
             self.model, self.tokenizer = model, tokenizer

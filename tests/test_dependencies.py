@@ -100,7 +100,8 @@ else:  # pytest brings tomli there; dev declares it for this file
     import tomli as tomllib
 
 STDLIB = frozenset(sys.stdlib_module_names) | {"tomllib"}  # tomllib: this file's, on 3.10 too
-SCANNED = ("egmla", "eval", "serve", "sandbox", "studies", "train.py", "benchmarks", "tests", "notebooks")
+SCANNED = ("egmla", "eval", "serve", "sandbox", "studies", "train.py", "benchmarks", "tests", "notebooks",
+           "examples")
 CORE_GROUP = "core"  # [project] dependencies: every extra includes them
 ANY = "any"
 # Where code lives -> the groups its imports must be declared in (the longest prefix wins; an
@@ -120,6 +121,7 @@ NEEDS = {
     "benchmarks/": ("dev", "bench"),
     "tests/": ("dev",),
     "notebooks/": ("dev",),
+    "examples/": ("dev",),  # scripts the tests run (examples/vllm: serve and the openai client)
 }
 # Imported, deliberately declared nowhere.
 UNDECLARED = {

@@ -269,20 +269,23 @@ def test_gpu_memory_utilization_sizes_the_pool_on_a_gpu_and_changes_nothing_else
 
 def test_vllm_arguments_that_mean_nothing_here_are_accepted_and_others_refused_by_name(export, caplog):
     """tensor_parallel_size=1, pipeline_parallel_size=1, disable_log_stats, swap_space,
-    enforce_eager, dtype="auto" and kv_cache_dtype="auto" (vLLM's spelling of cache_dtype) run as
-    without them, each no-op logged once; a value that would need more than one device is a
-    ValueError naming the argument; kv_cache_dtype="bfloat16" sets the cache's dtype."""
+    trust_remote_code, enforce_eager, dtype="auto" and kv_cache_dtype="auto" (vLLM's spelling of
+    cache_dtype) run as without them, each no-op logged once; a value that would need more than
+    one device is a ValueError naming the argument; kv_cache_dtype="bfloat16" sets the cache's
+    dtype."""
     with caplog.at_level("INFO", logger="serve"):
         llm = LLM(model=str(export), tensor_parallel_size=1, pipeline_parallel_size=1,
                   disable_log_stats=True, swap_space=4, enforce_eager=True, dtype="auto",
-                  kv_cache_dtype="auto", num_blocks=16)
+                  kv_cache_dtype="auto", trust_remote_code=True, num_blocks=16)
     for name in ("tensor_parallel_size=1", "pipeline_parallel_size=1", "disable_log_stats=True",
-                 "swap_space=4"):
+                 "swap_space=4", "trust_remote_code=True"):
         assert caplog.text.count(f"{name} accepted") == 1, name
     out = llm.generate("The king said", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
     for bad, message in (({"tensor_parallel_size": 2}, "tensor_parallel_size=2: this engine accepts only 1"),
                          ({"swap_space": -1}, "swap_space=-1"),
+                         ({"trust_remote_code": "yes"}, "trust_remote_code='yes': this engine "
+                                                        "accepts only true or false"),
                          ({"kv_cache_dtype": "auto", "cache_dtype": "auto"}, "give one")):
         with pytest.raises(ValueError, match=message):
             LLM(model=str(export), **bad)
