@@ -21,11 +21,15 @@ import sys
 import time
 from pathlib import Path
 
+from egmla.dtypes import VLLM_NAMES
 from egmla.dtypes import WEIGHT_DTYPES as DTYPES
 from egmla.quant import QUANTIZATIONS
 from egmla.units import parse_bytes
 from serve.attention import BACKENDS as ATTENTION_BACKENDS  # noqa: F401 (its old name here)
 from serve.config import VLLM_NO_OPS, EngineConfig, accept_vllm_no_ops
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def positive_int(text: str) -> int:
@@ -92,7 +96,11 @@ def add_engine_arguments(group: argparse._ArgumentGroup) -> None:
     field's name (`engine_args`)."""
     for f in dataclasses.fields(EngineConfig):
         meta = f.metadata
-        if "off" in meta:  # a True default that a flag turns off
+        if "off" in meta:  # on by default: vLLM's --enable-x / --no-enable-x, and our --no-x
+            on = "--" + f.name.replace("_", "-")
+            group.add_argument(on, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=True, help=f"on by default (vLLM's flag; "
+                               f"--no-{on[2:]} is {meta['off']})")
             group.add_argument(meta["off"], dest=f.name, action="store_false", help=meta["help"])
             continue
         flag = meta.get("flag", "--" + f.name.replace("_", "-"))
@@ -113,18 +121,22 @@ def engine_args(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m serve", description=__doc__,
+    p = argparse.ArgumentParser(  # no abbreviations: --tokenizer must not mean --tokenizer-mode
+        prog="python -m serve", description=__doc__, allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_argument", nargs="?", metavar="MODEL",
                    help="the model, as `vllm serve MODEL` takes it (the same as --model)")
     p.add_argument("--model",
                    help="a training export directory or a known model name (SmolLM2-135M-Instruct)")
+    p.add_argument("--tokenizer",
+                   help="the tokenizer, when not the model's own: a directory with tokenizer "
+                        "files or a known model name (vLLM's flag)")
     p.add_argument("--served-model-name", help="the name clients pass as 'model' (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default %(default)s)")
-    p.add_argument("--dtype", choices=(*DTYPES, "auto"),
-                   help="the weights' dtype (default, or auto: the export's)")
+    p.add_argument("--dtype", choices=(*DTYPES, "auto", *VLLM_NAMES),
+                   help="the weights' dtype (default, or auto: the export's; vLLM's half, float, "
+                        "bf16, ... name the same dtypes)")
     p.add_argument("--device", help="where the model runs: cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--quantization", choices=QUANTIZATIONS,
                    help="block-quantized weights (vLLM's flag): q8_0, q4_0 or q4_1 quantizes "
@@ -173,7 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
             g.add_argument(flag, dest=name, type={"int": int, "float": float}.get(no_op.flag, str),
                            default=argparse.SUPPRESS, help=f"accepted: {no_op.what} ({no_op.why})")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument("--uvicorn-log-level", choices=(*LOG_LEVELS, "critical", "trace"),
+                   help="uvicorn's own log level (vLLM's flag; default: --log-level)")
     return p
 
 
@@ -209,9 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        llm = LLM(args.model, dtype=args.dtype, ffn_sparsity=args.ffn_sparsity,
-                  ffn_threshold=args.ffn_threshold, ffn_predictors=args.ffn_predictors,
-                  device=args.device, quantization=args.quantization, **engine_args(args))
+        llm = LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype,
+                  ffn_sparsity=args.ffn_sparsity, ffn_threshold=args.ffn_threshold,
+                  ffn_predictors=args.ffn_predictors, device=args.device,
+                  quantization=args.quantization, **engine_args(args))
     except (CheckpointError, ValueError, OSError) as error:
         print(f"error: cannot load --model {args.model}: {error}", file=sys.stderr)
         return 2
@@ -232,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = AsyncEngine(llm, max_queued_requests=args.max_queued_requests).start()
     app = build_app(engine, name, max_request_bytes=args.max_request_bytes, api_key=args.api_key)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level, timeout_graceful_shutdown=5),
+                                           log_level=args.uvicorn_log_level or args.log_level,
+                                           timeout_graceful_shutdown=5),
                             engine, args.shutdown_timeout)
     try:
         server.run()

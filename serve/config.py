@@ -75,6 +75,17 @@ VLLM_NO_OPS: dict[str, NoOp] = {
                         "the format is read from the model's files", "str"),
     "trust_remote_code": NoOp(lambda v: isinstance(v, bool), "true or false",
                               "no code from a checkpoint is ever run", "flag"),
+    "generation_config": NoOp(lambda v: v in ("auto", "vllm"), '"auto" or "vllm"',
+                              "the models here carry no generation config: vLLM's sampling "
+                              "defaults apply", "str"),
+    "task": NoOp(lambda v: v in ("auto", "generate"), '"auto" or "generate"',
+                 "this engine generates text", "str"),
+    "max_seq_len_to_capture": NoOp(lambda v: is_int(v) and v >= 1, "an integer >= 1",
+                                   "no CUDA graphs are captured", "int"),
+    "disable_async_output_proc": NoOp(lambda v: isinstance(v, bool), "true or false",
+                                      "outputs are processed within each step", "flag"),
+    "response_role": NoOp(lambda v: v == "assistant", '"assistant"',
+                          "chat replies have the role assistant", "str"),
 }
 
 

@@ -30,6 +30,7 @@ from egmla.models.sparse_ffn import layer_thresholds, predictors_from_tensors, s
 from egmla.quant import QUANTIZATIONS, load_gguf_weights, quantize_model
 from serve.config import EngineConfig, accept_vllm_no_ops
 from serve.engine import LLMEngine, StepFailed
+from serve.inputs import content_text
 from serve.sampling import InvalidRequest, SamplingParams
 from serve.outputs import OutputProcessor
 
@@ -257,11 +258,7 @@ class LLM:
             raise InvalidRequest("chat_template: expected the template's text", "chat_template")
         if self.tokenizer is None or not (chat_template or getattr(self.tokenizer, "chat_template", None)):
             raise InvalidRequest(f"{self.name}: its tokenizer has no chat template", "messages")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-                raise InvalidRequest(f"messages[{i}]: expected a dict with a string 'content'",
-                                     "messages")
-            check_text(message["content"], f"messages[{i}].content", param="messages")
+        messages = [self._message(i, message) for i, message in enumerate(messages)]
         options = {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
                    "continue_final_message": continue_final_message, "chat_template": chat_template}
         try:
@@ -272,11 +269,31 @@ class LLM:
         # no special tokens added: the template writes its own)
         return text, list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    @staticmethod
+    def _message(i: int, message: object) -> dict[str, Any]:
+        """One chat message checked, its content as text (OpenAI's content parts joined by
+        newlines, as vLLM's string content format)."""
+        if isinstance(message, dict):
+            try:
+                content = content_text(message.get("content"), f"messages[{i}].content")
+            except ValueError as error:
+                raise InvalidRequest(str(error), "messages") from None
+            if isinstance(content, str):
+                check_text(content, f"messages[{i}].content", param="messages")
+                return {**message, "content": content}
+        raise InvalidRequest(f"messages[{i}]: expected a dict with a string 'content' (or a list "
+                             "of text parts)", "messages")
+
     def get_tokenizer(self) -> Any:
         """The tokenizer this LLM encodes and decodes with, as vLLM's `get_tokenizer()`: a
         transformers tokenizer (`encode`, `decode`, `apply_chat_template`, `eos_token_id`), or
         None for a model that came without one."""
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams `generate` uses when given none, as vLLM's method of this name:
+        vLLM's defaults (temperature 1.0; the models here carry no generation config)."""
+        return SamplingParams()
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return (self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -314,6 +331,7 @@ class LLM:
         prompts: object,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt, as vLLM's `LLM.generate`: `prompts` is one prompt or a
         list (text, {"prompt": text}, {"prompt_token_ids": ids}, or a list of token ids);
@@ -324,7 +342,8 @@ class LLM:
         If computing a request fails (an exception in its forward or its sampling), that request
         alone ends: the others run to the end, then `StepFailed` is raised naming the failed
         ones (`reasons`), with `outputs` holding every prompt's RequestOutput in order, None for
-        a failed one."""
+        a failed one. `lora_request` is vLLM's, accepted as None only (no adapters here)."""
+        _no_lora(lora_request)
         single = (isinstance(prompts, (str, dict))
                   or (isinstance(prompts, (list, tuple)) and prompts and _is_token(prompts[0])))
         prompts = [prompts] if single else list(prompts)
@@ -334,7 +353,8 @@ class LLM:
                                      "prompts", "sampling_params")
             per_prompt = [self.with_eos(p) for p in sampling_params]
         else:
-            per_prompt = [self.with_eos(sampling_params or SamplingParams())] * len(prompts)
+            per_prompt = [self.with_eos(sampling_params or self.get_default_sampling_params())
+                          ] * len(prompts)
         for p in per_prompt:
             for i, text in enumerate(p.stop):
                 check_text(text, f"stop[{i}]", "stop")
@@ -390,10 +410,21 @@ class LLM:
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, *, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None, lora_request: None = None,
+             chat_template_content_format: str = "auto", tools: list | None = None
+             ) -> list[RequestOutput]:
         """Apply the chat template (the tokenizer's, or `chat_template`) to each conversation and
         generate, as vLLM's `LLM.chat` (its template arguments: render_chat); each output's
-        `prompt` is the rendered conversation."""
+        `prompt` is the rendered conversation. A message's content is text, or OpenAI's list of
+        text parts, joined by newlines (vLLM's "string" content format, which "auto" means
+        here); vLLM's `lora_request` and `tools` are accepted when they ask for nothing."""
+        _no_lora(lora_request)
+        if chat_template_content_format not in ("auto", "string"):
+            raise InvalidRequest(f"chat_template_content_format={chat_template_content_format!r}: "
+                                 "only 'auto' or 'string' (the template gets each message's "
+                                 "content as text)", "chat_template_content_format")
+        if tools:
+            raise InvalidRequest("tools: tool calling is not supported by this engine", "tools")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         rendered = [self.render_chat(c, add_generation_prompt, chat_template,
                                      continue_final_message, chat_template_kwargs)
@@ -402,3 +433,9 @@ class LLM:
         for output, (text, _) in zip(outputs, rendered):
             output.prompt = text
         return outputs
+
+
+def _no_lora(lora_request: object) -> None:
+    if lora_request is not None:
+        raise InvalidRequest("lora_request: LoRA adapters are not supported by this engine",
+                             "lora_request")

@@ -25,7 +25,10 @@ from typing import Any, ClassVar, Literal
 from fastapi import Response
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-from serve.sampling import MAX_LOGPROBS, NOT_IMPLEMENTED, InvalidRequest, SamplingParams
+from serve.inputs import content_text
+from serve.sampling import (
+    MAX_LOGPROBS, NOT_IMPLEMENTED, InvalidRequest, SamplingParams, is_neutral,
+)
 
 log = logging.getLogger("serve")
 
@@ -140,21 +143,9 @@ class ChatMessage(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_of_parts(cls, content: Any) -> Any:
-        """OpenAI's list of content parts -> their text; parts of other types are refused."""
-        if not isinstance(content, list):
-            return content
-        texts = []
-        for i, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
-                raise ValueError(f"content[{i}]: only parts of type 'text' are supported, got "
-                                 f"{kind!r}" if kind else f"content[{i}]: expected a content part "
-                                 f"object with a 'type'")
-            if not isinstance(part.get("text"), str):
-                raise ValueError(f"content[{i}].text: expected a string, got "
-                                 f"{type(part.get('text')).__name__}")
-            texts.append(part["text"])
-        return "".join(texts)
+        """OpenAI's list of content parts -> their text, joined by newlines as vLLM does; parts
+        of other types are refused."""
+        return content_text(content)
 
 
 class ChatRequest(SamplingRequest):
@@ -214,14 +205,6 @@ def refused(kind: type[SamplingRequest]) -> dict[str, tuple[Any, ...]]:
 
 for _kind in (CompletionRequest, ChatRequest):
     _kind.REFUSED = refused(_kind)
-
-
-def is_neutral(value: Any, neutral: Any) -> bool:
-    if isinstance(value, bool) or isinstance(neutral, bool):
-        return value is neutral
-    if isinstance(value, (int, float)) and isinstance(neutral, (int, float)):
-        return value == neutral
-    return type(value) is type(neutral) and value == neutral
 
 
 def refuse_unsupported(req: SamplingRequest) -> None:

@@ -15,6 +15,8 @@ rows (`greedy_tokens`). Adding a sampling parameter touches this module, the HTT
 
 from __future__ import annotations
 
+import copy
+
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -90,6 +92,21 @@ NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
 }
 
 
+def is_neutral(value: object, neutral: object) -> bool:
+    """Whether `value` is the "off" value `neutral` (a bool only as itself; 1 and 1.0 alike)."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    if isinstance(value, (int, float)) and isinstance(neutral, (int, float)):
+        return value == neutral
+    return type(value) is type(neutral) and value == neutral
+
+
+def _asks_nothing(name: str, value: object) -> bool:
+    """Whether `name` is a field of NOT_IMPLEMENTED at null or one of its "off" values."""
+    return name in NOT_IMPLEMENTED and (
+        value is None or any(is_neutral(value, off) for off in NOT_IMPLEMENTED[name]))
+
+
 @dataclass
 class SamplingParams:
     """How one request samples, with vLLM's names and defaults (temperature 1.0: pass
@@ -128,6 +145,9 @@ class SamplingParams:
     eos_token_id: int | None = None  # set by LLM from the tokenizer: stops unless ignore_eos
 
     def __init__(self, **fields: object) -> None:
+        # vLLM's fields this engine lacks, at a value that asks for nothing (detokenize=True):
+        # accepted, as the HTTP server accepts them
+        fields = {k: v for k, v in fields.items() if not _asks_nothing(k, v)}
         unknown = sorted(set(fields) - set(_FIELDS))
         if unknown:
             known = [k for k in unknown if k in NOT_IMPLEMENTED]
@@ -139,6 +159,10 @@ class SamplingParams:
         for name, f in _FIELDS.items():
             setattr(self, name, fields[name] if name in fields else f.default)
         self.__post_init__()
+
+    def clone(self) -> SamplingParams:
+        """A deep copy, as vLLM's `SamplingParams.clone()`."""
+        return copy.deepcopy(self)
 
     def __post_init__(self) -> None:
         if self.top_p is None:  # as vLLM: None is the default, no cut

@@ -55,3 +55,10 @@ def test_the_rules_that_shape_a_request_live_with_its_schema():
                                              "echo": True, "logprobs": 1})
     params = echo.to_sampling_params()
     assert echo.score_prompt and params.max_tokens == 1 and params.prompt_logprobs == 1
+
+
+def test_content_parts_are_joined_by_newlines_as_vllm_does():
+    """The server reads OpenAI's text parts as LLM.chat does (serve.inputs.content_text)."""
+    chat = ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "first"}, {"type": "text", "text": "second"}]}]})
+    assert chat.messages[0].content == "first\nsecond"

@@ -292,9 +292,20 @@ def test_the_cli_takes_vllm_serves_spelling():
     assert (args.tensor_parallel_size, args.disable_log_stats, args.swap_space) == (1, True, 4.0)
     assert args.trust_remote_code is True
     assert not hasattr(build_parser().parse_args(["m"]), "tensor_parallel_size")  # not given
+    more = build_parser().parse_args(["m", "--tokenizer", "t", "--dtype", "half",
+                                      "--enable-prefix-caching", "--no-enable-chunked-prefill",
+                                      "--generation-config", "vllm", "--task", "generate",
+                                      "--uvicorn-log-level", "warning"])
+    assert more.tokenizer == "t" and not hasattr(more, "tokenizer_mode")  # not an abbreviation
+    assert (more.dtype, more.enable_prefix_caching, more.enable_chunked_prefill) == ("half", True, False)
+    assert (more.generation_config, more.task, more.uvicorn_log_level) == ("vllm", "generate", "warning")
+    for off in (["--no-prefix-caching"], ["--no-enable-prefix-caching"]):
+        assert build_parser().parse_args(["m", *off]).enable_prefix_caching is False
+    assert build_parser().parse_args(["m"]).enable_prefix_caching is True
     for argv, message in ((["m", "--tensor-parallel-size", "2"], "tensor_parallel_size=2: this "
                                                                   "engine accepts only 1"),
                           (["a", "--model", "b"], "two models"),
+                          (["m", "--generation-config", "my-dir"], "generation_config='my-dir'"),
                           ([], "a model is needed")):
         run = run_cli(*argv)
         assert run.returncode == 2 and message in run.stderr, run.stderr[-500:]

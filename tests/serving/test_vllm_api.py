@@ -326,3 +326,40 @@ def test_the_tokenizer_the_prompt_forms_and_chat_as_vllm_takes_them(export, llm)
     with pytest.raises(InvalidRequest, match="choose one"):
         llm.chat(messages, greedy, chat_template=plain, continue_final_message=True)
 
+
+
+def test_more_of_vllms_signatures_run_and_what_asks_for_more_is_refused(llm):
+    """vLLM's fields and arguments at values that ask for nothing are accepted (a script passes
+    them by habit); other values are refused by name. OpenAI's content parts reach the chat
+    template as their texts joined by newlines, as vLLM's string content format does."""
+    quiet = SamplingParams(temperature=0, max_tokens=4, detokenize=True,
+                           include_stop_str_in_output=False, spaces_between_special_tokens=True,
+                           length_penalty=1.0, best_of=None)
+    assert quiet == SamplingParams(temperature=0, max_tokens=4)
+    for field, value in (("include_stop_str_in_output", True), ("detokenize", False),
+                         ("length_penalty", 2.0), ("use_beam_search", 0)):
+        with pytest.raises(InvalidRequest, match=field):
+            SamplingParams(**{field: value})
+    copy = quiet.clone()
+    assert copy == quiet and copy is not quiet and copy.stop is not None
+    assert llm.get_default_sampling_params() == SamplingParams()
+    [plain] = llm.generate("The king said", quiet, use_tqdm=False)
+    [again] = llm.generate("The king said", quiet, use_tqdm=False, lora_request=None)
+    assert plain.outputs[0].token_ids == again.outputs[0].token_ids
+    with pytest.raises(InvalidRequest, match="lora_request"):
+        llm.generate("The king said", quiet, lora_request=object())
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Who art"},
+                                          {"type": "text", "text": "thou?"}]}]
+    [joined] = llm.chat(parts, quiet, use_tqdm=False, chat_template=template,
+                        chat_template_content_format="string", tools=None)
+    assert joined.prompt == "user: Who art\nthou?\n"
+    assert parts[0]["content"][0] == {"type": "text", "text": "Who art"}  # the caller's, untouched
+    for kwargs, named in (({"chat_template_content_format": "openai"}, "content_format"),
+                          ({"tools": [{"type": "function"}]}, "tools"),
+                          ({"lora_request": object()}, "lora_request")):
+        with pytest.raises(InvalidRequest, match=named):
+            llm.chat(parts, quiet, chat_template=template, **kwargs)
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(InvalidRequest, match=r"messages\[0\].content\[0\]: only parts of type 'text'"):
+        llm.chat(image, quiet, chat_template=template)
