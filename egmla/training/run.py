@@ -10,16 +10,20 @@ Run directory layout (the same path resumes the run):
     wandb/             the wandb run (offline without an API key)
     export/            the plain export: config.json, model.safetensors, tokenizer files
     summary.json       final validation loss, the unigram baseline, where the export is
+    train.log          Hydra's job log (train.py): Lightning's log lines, kept off the terminal
 
 A start writes nothing until everything it can check is checked: the run directory, the config
 against the run the directory holds, last.ckpt's bytes and contents, the model and its teacher
-(rundir.py). A start that fails leaves the directory as it was.
+(rundir.py). A start that fails leaves the directory as it was. A start on a finished run (its
+summary.json at trainer.max_steps or past it, and its export if one is asked for) passes the
+config checks, then returns that summary and writes nothing: no Trainer, no validation pass.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import sys
@@ -31,7 +35,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ModelSummary
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from egmla.checkpoint import load_export
@@ -108,6 +112,24 @@ def check_resume(run_dir: Path, config: TrainConfig, tokenizer_id: str | None) -
     return last if last.is_file() else None
 
 
+def finished_summary(run_dir: Path, config: TrainConfig) -> dict[str, Any] | None:
+    """The summary of the run that `run_dir` holds if that run is finished: its summary.json
+    reads back with a global_step of trainer.max_steps or more, and the export is there if the
+    config asks for one (a run finished without it resumes to write it). Its paths name where
+    the run directory is now (it may have been moved since); its numbers are as recorded."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        steps = int(summary["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):  # none, or damaged: resumed, rewritten
+        return None
+    export = run_dir / "export"
+    if steps < config.trainer.max_steps or (
+            config.export and not (export / "model.safetensors").is_file()):
+        return None
+    return {**summary, "run_dir": str(run_dir),
+            "export": str(export) if summary.get("export") else None}
+
+
 def _init_model(config: TrainConfig) -> dict[str, Any]:
     """A run started from an export records the model it holds, so that resuming with an
     export of another model (a conversion with other options) is refused."""
@@ -135,9 +157,11 @@ def _wandb_logger(config: TrainConfig, run_dir: Path):
         run_id = new_id = uuid.uuid4().hex[:12]  # written by _record_start
     else:
         run_id = None
+    # quiet: no run history and summary on the terminal when the run ends (metrics.csv holds
+    # them); the run's place and, online, its URL are still printed
     logger = WandbLogger(name=w.name or config.name, save_dir=str(run_dir), project=w.project,
                          entity=w.entity, group=w.group, tags=w.tags, id=run_id, resume="allow",
-                         offline=mode == "offline", mode=mode)
+                         offline=mode == "offline", mode=mode, settings={"quiet": True})
     return logger, new_id
 
 
@@ -200,6 +224,8 @@ def _callbacks(config: TrainConfig, run_dir: Path, tokenizer, extra: tuple) -> l
                    seq_len=d.seq_len, peak_flops=_peak_flops(config)),
         *extra,
     ]
+    if _is_rank_zero():  # the plain summary logs its table (to train.log); rich's prints it
+        callbacks.append(ModelSummary())
     extra_info = {"run": config.name, "run_dir": str(run_dir)}
     if config.export:
         callbacks.append(Export(run_dir / "export", tokenizer=tokenizer, extra=extra_info))
@@ -223,8 +249,18 @@ def _trainer(config: TrainConfig, run_dir: Path, callbacks: list, loggers: list)
         log_every_n_steps=t.log_every_n_steps, num_sanity_val_steps=0,
         deterministic=t.deterministic, use_distributed_sampler=False,
         default_root_dir=str(run_dir), logger=loggers, callbacks=callbacks, plugins=plugins,
-        enable_model_summary=_is_rank_zero(),
+        enable_model_summary=False,  # ours is in `callbacks`, on rank zero
     )
+
+
+def _log_once() -> None:
+    """Let the root logger's handlers alone print Lightning's log lines. Importing `lightning`
+    gives its logger a stderr handler of its own, and its lines also reach the root logger's
+    (train.py: Hydra's console and train.log), so each appeared twice on the terminal.
+    lightning.pytorch leaves its lines to the root logger where that has handlers; so here."""
+    own = getattr(L, "_console", None)
+    if own is not None and logging.getLogger().hasHandlers():
+        logging.getLogger("lightning").removeHandler(own)
 
 
 def _module(config: TrainConfig, model_config: ModelConfig, datamodule) -> LanguageModel:
@@ -271,7 +307,7 @@ def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = (),
 
     Everything is checked before anything is written (see the module's docstring); then, on
     rank zero, the start is recorded and `on_start` called (train.py writes Hydra's record
-    there)."""
+    there). A finished run is reported as recorded: nothing is written, `on_start` not called."""
     config = TrainConfig.from_dict(raw)
     model_config = config.model_config()
     run_dir = Path(run_dir)
@@ -282,6 +318,14 @@ def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = (),
     tokenizer_id = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
     datamodule.check_vocab(model_config.vocab_size)
     resume_from = check_resume(run_dir, config, tokenizer_id)
+    finished = finished_summary(run_dir, config)  # checked against the run's config just above
+    if finished is not None:
+        if _is_rank_zero():
+            print(f"note: {run_dir} holds a finished run ({finished['global_step']} steps, "
+                  f"trainer.max_steps={config.trainer.max_steps}): reporting its record, "
+                  f"{run_dir / 'summary.json'}, without training or validating again; raise "
+                  "trainer.max_steps to train further", file=sys.stderr)
+        return finished
     if resume_from is not None:  # its bytes, before the model (and a teacher's cache) is built
         checkpoint, verified = verify_checkpoint(resume_from)
     stats = _model_stats(model_config)
@@ -295,6 +339,7 @@ def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = (),
             print(f"note: {resume_from} has no checksum ({sidecar(resume_from).name}: saved "
                   "before checksums were recorded); resuming without checking its bytes",
                   file=sys.stderr)
+    _log_once()
     loggers = [ResumableCSVLogger(run_dir)]
     wandb_logger, wandb_id = _wandb_logger(config, run_dir)
     if wandb_logger is not None:
