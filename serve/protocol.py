@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from serve.inputs import content_text
 from serve.sampling import (
-    MAX_LOGPROBS, NOT_IMPLEMENTED, InvalidRequest, SamplingParams, is_neutral,
+    MAX_LOGPROBS, NOT_IMPLEMENTED, InvalidRequest, SamplingParams, asks_nothing,
 )
 
 log = logging.getLogger("serve")
@@ -213,8 +213,7 @@ def refuse_unsupported(req: SamplingRequest) -> None:
     does not stream)."""
     extra = req.model_extra or {}
     for name, neutral in req.REFUSED.items():
-        if name in extra and extra[name] is not None and not any(
-                is_neutral(extra[name], n) for n in neutral):
+        if name in extra and not asks_nothing(extra[name], neutral):
             raise APIError(400, f"{name}={extra[name]!r} is not supported by this server",
                            param=name)
     best_of = getattr(req, "best_of", None)

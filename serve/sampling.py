@@ -16,7 +16,6 @@ rows (`greedy_tokens`). Adding a sampling parameter touches this module, the HTT
 from __future__ import annotations
 
 import copy
-
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -101,10 +100,9 @@ def is_neutral(value: object, neutral: object) -> bool:
     return type(value) is type(neutral) and value == neutral
 
 
-def _asks_nothing(name: str, value: object) -> bool:
-    """Whether `name` is a field of NOT_IMPLEMENTED at null or one of its "off" values."""
-    return name in NOT_IMPLEMENTED and (
-        value is None or any(is_neutral(value, off) for off in NOT_IMPLEMENTED[name]))
+def asks_nothing(value: object, neutrals: tuple[object, ...]) -> bool:
+    """Whether `value` is null or one of a refused field's "off" values (NOT_IMPLEMENTED's)."""
+    return value is None or any(is_neutral(value, off) for off in neutrals)
 
 
 @dataclass
@@ -147,7 +145,8 @@ class SamplingParams:
     def __init__(self, **fields: object) -> None:
         # vLLM's fields this engine lacks, at a value that asks for nothing (detokenize=True):
         # accepted, as the HTTP server accepts them
-        fields = {k: v for k, v in fields.items() if not _asks_nothing(k, v)}
+        fields = {k: v for k, v in fields.items()
+                  if not (k in NOT_IMPLEMENTED and asks_nothing(v, NOT_IMPLEMENTED[k]))}
         unknown = sorted(set(fields) - set(_FIELDS))
         if unknown:
             known = [k for k in unknown if k in NOT_IMPLEMENTED]
