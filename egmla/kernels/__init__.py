@@ -44,7 +44,6 @@ huge pages, in the order a decode step reads them; the serving executor does it 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import platform
@@ -60,6 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from egmla import files
+from egmla.devices import native_bf16
 from egmla.kernels.placement import huge_zeros, hugepages, place_weights  # noqa: F401 - re-exported
 from egmla.paths import cache_dir
 
@@ -205,17 +205,6 @@ def status() -> dict[str, object]:
             "max_rows": {str(d).removeprefix("torch."): n for d, n in MAX_ROWS.items()},
             "native_bf16": native_bf16(),
             "threads": torch.get_num_threads()}
-
-
-@functools.cache
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), so that PyTorch's bf16
-    matmul is fast; read from /proc/cpuinfo's flags (False where there is none)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return False
-    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
 # Rows of x up to which the kernel takes the product, at or below where it stops being faster

@@ -231,7 +231,9 @@ class TrainerConfig:
     devices: Any = 1  # an int, a list of ids or "auto"
     num_nodes: int = 1
     strategy: str = "auto"  # auto | ddp | fsdp | ddp_spawn ...
-    precision: str = "32-true"  # bf16-mixed on GPUs
+    # Lightning's (32-true, bf16-mixed, ...) or auto: bf16-mixed where the device computes bf16
+    # natively (a CUDA GPU that supports it, a CPU with AVX512-BF16 or AMX), else 32-true
+    precision: str = "32-true"
     max_steps: int = 1000
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = 1.0

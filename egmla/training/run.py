@@ -41,6 +41,7 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from egmla.checkpoint import load_export
 from egmla.config import ModelConfig
 from egmla.data.tokenizer import tokenizer_fingerprint
+from egmla.devices import slow_precision_note, training_precision
 from egmla.models import cache_spec_for
 from egmla.provenance import provenance
 from egmla.training.callbacks import (
@@ -165,13 +166,18 @@ def _wandb_logger(config: TrainConfig, run_dir: Path):
     return logger, new_id
 
 
+def _precision(config: TrainConfig) -> str:
+    """The precision Lightning trains in: trainer.precision with "auto" resolved for this machine."""
+    return training_precision(config.trainer.precision, config.trainer.accelerator)
+
+
 def _peak_flops(config: TrainConfig) -> float | None:
     if config.trainer.peak_tflops:
         return config.trainer.peak_tflops * 1e12
     if config.trainer.accelerator in ("gpu", "cuda") and torch.cuda.is_available():
         from lightning.fabric.utilities.throughput import get_available_flops
 
-        dtype = torch.bfloat16 if "bf16" in config.trainer.precision else torch.float32
+        dtype = torch.bfloat16 if "bf16" in _precision(config) else torch.float32
         return get_available_flops(torch.device("cuda"), dtype)
     return None  # CPUs: unknown; MFU is not logged
 
@@ -199,7 +205,7 @@ def _record_start(run_dir: Path, config: TrainConfig, tokenizer_id: str | None,
         info_path = run_dir / "run_info.json"
         starts = json.loads(info_path.read_text())["starts"] if info_path.is_file() else []
         starts.append({**provenance(), "resumed_from": str(resume_from) if resume_from else None,
-                       "max_steps": config.trainer.max_steps})
+                       "max_steps": config.trainer.max_steps, "precision": _precision(config)})
         write_atomic(info_path, json.dumps({**stats, "starts": starts}, indent=2) + "\n")
         if wandb_id is not None:
             write_atomic(run_dir / "wandb_id", wandb_id)
@@ -242,7 +248,7 @@ def _trainer(config: TrainConfig, run_dir: Path, callbacks: list, loggers: list)
         plugins.append(SLURMEnvironment(auto_requeue=False))
     return L.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=t.strategy,
-        precision=t.precision, max_steps=t.max_steps, max_epochs=-1,
+        precision=_precision(config), max_steps=t.max_steps, max_epochs=-1,
         accumulate_grad_batches=t.accumulate_grad_batches, gradient_clip_val=t.gradient_clip_val,
         val_check_interval=t.val_every_n_steps * t.accumulate_grad_batches,
         check_val_every_n_epoch=None, limit_val_batches=t.limit_val_batches,
@@ -351,6 +357,9 @@ def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = (),
         note = warmup_note(config.optim, config.trainer.max_steps)
         if note:
             print(note, file=sys.stderr)
+        slow = slow_precision_note(_precision(config), config.trainer.accelerator)
+        if slow:
+            print(f"warning: {slow}", file=sys.stderr)
         _record_start(run_dir, config, tokenizer_id, resume_from, stats, wandb_id)
         if on_start is not None:
             on_start()

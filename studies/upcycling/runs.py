@@ -301,8 +301,8 @@ def train_arm(arm: Arm, runs_dir: Path, results: Path, extra: list[str], log,
     record.update({
         "conversion": conversion.get("extra", {}).get("upcycle"),
         "fit_seconds": summary.get("fit_seconds"), "val_loss": summary.get("val_loss"),
-        "starts": [{k: s.get(k) for k in ("git", "time", "hardware", "resumed_from")}
-                   for s in info.get("starts", [])],
+        "starts": [{k: s.get(k) for k in ("git", "time", "hardware", "resumed_from",
+                                          "precision")} for s in info.get("starts", [])],
         "gate_rows": table_rows_trained(run_dir / "init", run_dir / "export"),
         "context": _context(), "complete": True,
     })

@@ -60,6 +60,13 @@ def comparisons(families: dict[str, dict[int, dict[str, Any]]], step: str) -> li
     return rows
 
 
+def precisions(runs) -> list[str]:
+    """The precisions the runs trained in, over every start (the machine decides under
+    `trainer.precision: auto`; "unrecorded" for a start without the field)."""
+    return sorted({start.get("precision") or "unrecorded" for r in runs
+                   for start in r.get("starts", [])})
+
+
 def arm_table(families: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str, Any]]:
     rows = []
     for family, seeds in sorted(families.items()):
@@ -70,7 +77,8 @@ def arm_table(families: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str, 
                    "kv_elements_per_token": pts[0]["kv_elements_per_token"],
                    "kv_bytes_per_token_bf16": pts[0]["kv_bytes_per_token_bf16"],
                    "params": pts[0]["params"],
-                   "params_without_lookup_tables": pts[0]["params_without_lookup_tables"]}
+                   "params_without_lookup_tables": pts[0]["params_without_lookup_tables"],
+                   "precision": precisions(seeds.values())}
             for domain, metric in (*METRICS, ("corpus", "ppl"), ("recovery", "ppl")):
                 row[f"{domain}_{metric}"] = interval([p[domain][metric] for p in pts])
             rows.append(row)
@@ -102,14 +110,16 @@ def markdown(summary: dict[str, Any]) -> str:
              "Held-out perplexity and KL(original || model) in nats per token, on the recovery "
              "domain (unseen documents of the mixture recovered on) and the embedded corpus "
              "(a domain the recovery never sees). Mean [95% interval] over seeds where there "
-             "are several. KV: cached elements per token (30 layers).", "",
+             "are several. KV: cached elements per token (30 layers). Precision: what the "
+             "arm's runs trained in (`trainer.precision: auto` takes bf16 autocast where the "
+             "machine has native bf16, else fp32).", "",
              "| arm | tokens | seeds | KV elem. | KL corpus | KL recovery | ppl corpus "
-             "| ppl recovery |", "|---|---:|---:|---:|---|---|---|---|"]
+             "| ppl recovery | precision |", "|---|---:|---:|---:|---|---|---|---|---|"]
     for r in summary["arms"]:
         lines.append(f"| {r['arm']} | {r['tokens']:,} | {r['seeds']} | "
                      f"{r['kv_elements_per_token']:,} | {_fmt(r['corpus_kl'])} | "
                      f"{_fmt(r['recovery_kl'])} | {_fmt(r['corpus_ppl'], 1)} | "
-                     f"{_fmt(r['recovery_ppl'], 1)} |")
+                     f"{_fmt(r['recovery_ppl'], 1)} | {', '.join(r['precision'])} |")
     lines += ["", "## EG-MLA against MLA at the smallest cache, paired by seed", "",
               "Differences (arm minus MLA) at the final budget; Holm-adjusted over the two "
               "gate positions per metric.", "",
