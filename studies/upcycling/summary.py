@@ -94,6 +94,7 @@ def transfer_comparison(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]
             final = _final(r)
             label = ("transfer, then KL" if r["arm"].get("transfer_steps") else "KL alone")
             out[f"{label} ({r['name']})"] = {"fit_seconds": r.get("fit_seconds"),
+                                             "starts": len(r.get("starts", [])),
                                              "corpus_kl": final["corpus"]["kl"],
                                              "recovery_kl": final["recovery"]["kl"]}
     return out if len(out) == 2 else {}
@@ -134,9 +135,13 @@ def markdown(summary: dict[str, Any]) -> str:
     transfer = summary.get("transfer")
     if transfer:
         lines += ["", "## Attention transfer first, against KL alone (mla-dc24, seed 0)", "",
-                  "| recipe | fit seconds | KL corpus | KL recovery |", "|---|---:|---:|---:|"]
+                  "Both at the same steps and tokens (the transfer steps count in them). Fit "
+                  "seconds: the last start's training time only, comparable where each run "
+                  "trained in one start on one machine (`starts` in its record).", "",
+                  "| recipe | fit seconds | starts | KL corpus | KL recovery |",
+                  "|---|---:|---:|---:|---:|"]
         for name, t in transfer.items():
-            lines.append(f"| {name} | {t['fit_seconds']} | {t['corpus_kl']:.3f} | "
+            lines.append(f"| {name} | {t['fit_seconds']} | {t['starts']} | {t['corpus_kl']:.3f} | "
                          f"{t['recovery_kl']:.3f} |")
     if summary.get("gate_rows"):
         lines += ["", "## Gate table rows trained", ""]

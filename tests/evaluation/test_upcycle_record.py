@@ -177,3 +177,18 @@ def test_transfer_is_compared_with_kl_alone_only_when_both_ran():
     both = transfer_comparison([plain, transfer])
     assert both["transfer, then KL (mla-dc24-transfer24-s0)"]["fit_seconds"] == 90.0
     assert both["KL alone (mla-dc24-s0)"]["corpus_kl"] == pytest.approx(1.0 + 0.244)
+
+
+def test_the_summary_names_the_precisions_each_arm_trained_in(tmp_path):
+    """Under trainer.precision: auto the machine decides; an arm whose seeds (or starts) trained
+    in different precisions says so in its row."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for seed, precisions in ((0, ["bf16-mixed"]), (1, ["bf16-mixed", "32-true"]), (2, [None])):
+        record = _record(Arm("mla", 24, seed=seed), 1.0 + seed / 10)
+        record["starts"] = [{"precision": p} for p in precisions]
+        (runs / f"{record['name']}.json").write_text(json.dumps(record))
+    summary = write_summary(tmp_path, lambda m: None)
+    row = next(r for r in summary["arms"] if r["arm"] == "mla-dc24" and r["step"] == 244)
+    assert row["precision"] == ["32-true", "bf16-mixed", "unrecorded"]
+    assert "| 32-true, bf16-mixed, unrecorded |" in (tmp_path / "summary.md").read_text()
