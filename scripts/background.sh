@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The project's long computations, one after another, resumable: re-run this after a restart
 # (a new machine, a killed session) and each skips what its committed records already hold.
-# The jobs, run in the order JOBS names them (default: this order):
+# The jobs, run in the order JOBS names them (default: this order on a CPU with native bf16;
+# on one without it the study first, since the upcycling runs train in fp32 there, at under half
+# their bf16 speed, while the study's small models train in fp32 everywhere):
 #
 #   upcycle:  the upcycling runs (issue 38, many hours):  python -m studies.upcycling
 #   lean:     drelu's leaner predictors searched and benchmarked again beside the default ones,
@@ -23,7 +25,8 @@
 # directories, default runs/background), RESULTS (default benchmarks/results), UPCYCLE_ARGS,
 # LEAN_ARGS, STUDY_ARGS and LOCALITY_ARGS (more arguments for each command, e.g.
 # STUDY_ARGS=--dry-run, LEAN_ARGS=--dry-run), JOBS (which jobs to run, in order; default
-# "upcycle lean study locality").
+# "upcycle lean study locality", or "study upcycle lean locality" on a CPU without AVX512-BF16
+# or AMX).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HERE=$PWD
@@ -31,7 +34,13 @@ PY=${PY:-$HERE/.venv/bin/python}
 WORKTREE=${WORKTREE:-/tmp/egmla-background}
 RUNS=${RUNS:-$HERE/runs/background}
 RESULTS=${RESULTS:-$HERE/benchmarks/results}
-JOBS=${JOBS:-upcycle lean study locality}
+if [ -z "${JOBS:-}" ]; then
+    if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null; then
+        JOBS="upcycle lean study locality"
+    else
+        JOBS="study upcycle lean locality"
+    fi
+fi
 for job in $JOBS; do  # every name known before anything starts
     case $job in
         upcycle|lean|study|locality) ;;
