@@ -69,6 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _known(stored: dict[tuple[str, str], dict[str, Any]], records: dict[Path, dict[str, Any]],
+           runs_dir: Path) -> list[dict[str, Any]]:
+    """Every run known now: the stored record's, each replaced by this pass's where it has one."""
+    known = {runs_dir / phase / name: r for (phase, name), r in stored.items()}
+    return list({**known, **records}.values())
+
+
 def _run(args, log) -> int:
     setup = args.setup
     selected = PHASES if args.phase == "all" else (args.phase,)
@@ -99,7 +106,9 @@ def _run(args, log) -> int:
                     records[directory] = kept
                 elif phase in selected and train_here:
                     records[directory] = execute(run, args.runs_dir, log)
-                    write_results(args.results, list(records.values()), setup)
+                    # the record as it stands: what this pass has read so far, and what the
+                    # stored record holds of the phases it has not reached yet
+                    write_results(args.results, _known(stored, records, args.runs_dir), setup)
         if args.dry_run:
             try:
                 plan(phase, list(records.values()), setup)
@@ -116,14 +125,15 @@ def _run(args, log) -> int:
                 if records[directory].get("lm_eval"):  # and scored: nothing to do
                     continue
                 records[directory] = remake(run, args.runs_dir, records[directory], log)
-                write_results(args.results, list(records.values()), setup)
+                write_results(args.results, _known(stored, records, args.runs_dir), setup)
             score(run, args.runs_dir, log, args.eval_limit)
             records[directory] = {**record(run, directory), **_before(records[directory])}
-            write_results(args.results, list(records.values()), setup)  # each score as it comes
-    chosen = choose_lrs(list(records.values()), setup)
-    write_results(args.results, list(records.values()), setup)
-    figures = write_figures(args.results, chosen, list(records.values()))
-    log(f"{len(records)} runs recorded in {args.results}"
+            write_results(args.results, _known(stored, records, args.runs_dir), setup)  # as it comes
+    known = _known(stored, records, args.runs_dir)
+    chosen = choose_lrs(known, setup)
+    write_results(args.results, known, setup)
+    figures = write_figures(args.results, chosen, known)
+    log(f"{len(known)} runs recorded in {args.results}"
         + (f"; figures: {', '.join(figures)}" if figures else ""))
     return 0
 

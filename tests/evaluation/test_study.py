@@ -471,7 +471,7 @@ def test_the_docs_reading_quotes_the_record():
         assert quoted(arm) in seeds, arm
     long = section("### Longer budget", "### Ablations")
     at_4x = {n: a["long"][0]["val_loss"] for n, a in arms.items() if a["long"]}
-    seed0 = {n: a["val_loss_by_seed"]["0"] for n, a in arms.items()}
+    seed0 = {n: a["val_loss_by_seed"]["0"] for n, a in arms.items() if a["val_loss_by_seed"]}
     gain = {n: (at_4x[n] - at_4x["mla_dc32"], seed0[n] - seed0["mla_dc32"])
             for n in ("egmla_kv", "mla_value_embed")}
     assert f"({gain['egmla_kv'][0]:+.3f}, against {gain['egmla_kv'][1]:+.3f} for the same seed" in long
@@ -529,3 +529,38 @@ def test_the_docs_reading_quotes_the_record():
         assert by_bits == by_loss_diff, (base, by_bits, by_loss_diff)
     remade = json.loads((ROOT / "benchmarks/results/study/summary.json").read_text())["remakes"]
     assert f"average and {max(abs(r['difference']) for r in remade):.3f} at most" in docs
+
+
+def test_the_record_written_while_a_phase_trains_keeps_every_run_it_held(tmp_path, monkeypatch):
+    """The summary is rewritten after each run trains; the stored runs of phases the pass has
+    not reached yet (here mla_dc32's seeds, while the lr phase trains a new arm) stay in it. (It
+    once held only what the pass had read so far, so a record committed mid-study was cut.)"""
+    from studies.gating import cli
+
+    results = tmp_path / "results"
+    (results / "runs").mkdir(parents=True)
+    grid = {(1e-3, 0): 4.7, (2e-3, 0): 4.6, (4e-3, 0): 4.65}
+    def full(r):  # the fields a real record has beside the loss (runner.record)
+        return {**r, "steps": 300, "val_curve": [], "params": 1, "kv_bytes_per_token_bf16": 192,
+                "fit_seconds": 1.0, "lm_eval": {}, "git": None}
+
+    stored = rows("lr", "mla_dc32", grid) + rows("seeds", "mla_dc32", {(2e-3, 1): 4.61,
+                                                                       (2e-3, 2): 4.62})
+    for r in map(full, stored):
+        (results / "runs" / f"{r['phase']}-{r['run']}.json").write_text(json.dumps(r))
+    seen = []
+
+    def train(run, runs_dir, log):  # stands in for train.py: what the record holds is tested
+        if run.lr != 1e-3:
+            seen.append(json.loads((results / "summary.json").read_text()))
+        return full(rows(run.phase, run.arm, {(run.lr, run.seed): 4.5 + run.lr})[0])
+
+    monkeypatch.setattr(cli, "execute", train)
+    code = cli.main(["--runs-dir", str(tmp_path / "runs"), "--results", str(results),
+                     "--phase", "lr", "--arms", "mla_dc32", "mla_kv_embed", "--lr-extensions", "0"])
+    assert code == 0 and len(seen) == 2  # mla_kv_embed at 2e-3 and 4e-3 saw the record so far
+    for summary in seen:
+        assert summary["arms"]["mla_dc32"]["val_loss_by_seed"] == {"0": 4.6, "1": 4.61, "2": 4.62}
+    final = json.loads((results / "summary.json").read_text())
+    assert final["arms"]["mla_dc32"]["val_loss_by_seed"] == {"0": 4.6, "1": 4.61, "2": 4.62}
+    assert set(final["arms"]["mla_kv_embed"]["lr_grid_val_loss"]) == {"0.001", "0.002", "0.004"}
