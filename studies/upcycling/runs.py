@@ -17,6 +17,9 @@ committed record already holds:
 3. context: perplexity against context length up to 4,096 tokens, at 0 and at 1M tokens;
 4. lm_eval: the offline lm-eval tasks (corpus cloze, corpus perplexity, MQAR in words) through
    the `egmla` model, at 0 and at 1M tokens;
+   both for the original and for one run of each arm (its family's last seed), measured right
+   after that run trains, since run directories do not outlive a machine (an arm whose
+   exports are gone unmeasured is named, to be trained again);
 5. summary: tables, paired differences over seeds, plots -> <results>/summary.{json,md}, *.png
 
     python -m studies.upcycling                          # everything (hours; resumable)
@@ -268,7 +271,10 @@ def table_rows_trained(init: Path, final: Path) -> dict[str, int] | None:
 
 
 def train_arm(arm: Arm, runs_dir: Path, results: Path, extra: list[str], log,
-              measurer_box: list) -> None:
+              measurer_box: list, depth: tuple[str, ...] = ("context", "lm_eval"),
+              lm_eval_limit: int | None = None) -> None:
+    """Convert, recover, measure every point; an arm measured in depth also gets its context
+    curve and lm-eval scores (`depth`: which of them) before its record is complete."""
     path = results / "runs" / f"{arm.name}.json"
     record = _read_json(path)
     if record and record.get("complete"):
@@ -306,6 +312,12 @@ def train_arm(arm: Arm, runs_dir: Path, results: Path, extra: list[str], log,
         "gate_rows": table_rows_trained(run_dir / "init", run_dir / "export"),
         "context": _context(), "complete": True,
     })
+    if measured_in_depth(arm):  # while its exports exist; the record completes after them
+        jobs = depth_jobs([arm], runs_dir)
+        if "context" in depth:
+            context(jobs, results, log)
+        if "lm_eval" in depth:
+            lm_eval(jobs, runs_dir, results, log, lm_eval_limit)
     write_json(path, record)
     final = record["points"][str(max(map(int, record["points"])))]
     log(f"{arm.name}: ppl {final['recovery']['ppl']:.2f} / {final['corpus']['ppl']:.2f}, "
@@ -313,24 +325,37 @@ def train_arm(arm: Arm, runs_dir: Path, results: Path, extra: list[str], log,
 
 
 # --------------------------------------------------------------------------------------------
-# Phases 3 and 4: long context and lm-eval, at 0 and at the final budget (seed-0 arms, and the
-# original once)
+# Phases 3 and 4: long context and lm-eval, at 0 and at the final budget: the original once,
+# and one run of each arm, measured right after it trains (run directories, and so the
+# exports, do not outlive the machine a session ran on)
 
 
-def ends(arm: Arm, runs_dir: Path) -> dict[str, Path]:
-    found = points(runs_dir / arm.name)
-    return {"0": found[0], str(max(found)): found[max(found)]}
+def measured_in_depth(arm: Arm) -> bool:
+    """Whether the context curve and lm-eval measure this run: its family's last seed (seed 2
+    of the smallest cache's three arms, seed 0 of the others). The step-0 model does not
+    depend on the seed (an identity-start gate multiplies its tables by zero)."""
+    return arm.seed == max(a.seed for a in ARMS if a.family == arm.family)
 
 
-def context(arms: list[Arm], runs_dir: Path, results: Path, log) -> None:
+def depth_jobs(arms: list[Arm], runs_dir: Path) -> list[tuple[str, str, Path | None]]:
+    """(name, step, export) for the original (export None) and, per arm measured in depth
+    whose run directory is here, its conversion and its final export."""
+    jobs: list[tuple[str, str, Path | None]] = [("original", "0", None)]
+    for arm in arms:
+        run_dir = runs_dir / arm.name
+        if measured_in_depth(arm) and (run_dir / "config.json").is_file():
+            found = points(run_dir)
+            jobs += [(arm.name, "0", found[0]), (arm.name, str(max(found)), found[max(found)])]
+    return jobs
+
+
+def context(jobs: list[tuple[str, str, Path | None]], results: Path, log) -> None:
     from egmla.checkpoint import is_export, load_export
     from studies.upcycling.quality import LONG_WINDOW, LONG_WINDOWS, context_curve, eval_windows
 
     path = results / "context.json"
     record = _read_json(path) or {"curves": {}}
-    windows = None
-    jobs = [("original", "0", None)] + [(a.name, step, export) for a in arms if a.seed == 0
-                                       for step, export in ends(a, runs_dir).items()]
+    windows = original = None
     for name, step, export in jobs:
         key = f"{name}@{step}"
         if key in record["curves"] or (export is not None and not is_export(export)):
@@ -348,29 +373,43 @@ def context(arms: list[Arm], runs_dir: Path, results: Path, log) -> None:
         log(f"context {key}: {time.perf_counter() - started:.0f} s")
 
 
-def lm_eval(arms: list[Arm], runs_dir: Path, results: Path, log, limit: int | None = None
-            ) -> None:
+def lm_eval(jobs: list[tuple[str, str, Path | None]], runs_dir: Path, results: Path, log,
+            limit: int | None = None) -> None:
     from egmla.checkpoint import is_export
     from eval.compare import lm_eval_metrics
 
     path = results / "lm_eval.json"
     record = _read_json(path) or {"scores": {}}
-    jobs = [("original", "0", SOURCE)] + [(a.name, step, export) for a in arms if a.seed == 0
-                                          for step, export in ends(a, runs_dir).items()]
     for name, step, export in jobs:
         key = f"{name}@{step}"
-        if key in record["scores"] or (name != "original" and not is_export(export)):
+        if key in record["scores"] or (export is not None and not is_export(export)):
             continue
         out = runs_dir / "lm_eval" / key.replace("@", "-")
         cmd = [sys.executable, "-m", "eval.lm_eval", "--model", "egmla", "--model_args",
-               f"pretrained={export}", "--tasks", ",".join(LM_EVAL_TASKS), "--include_path",
-               str(ROOT / "eval" / "tasks"), "--output_path", str(out / "eval"),
-               "--batch_size", "8", *(["--limit", str(limit)] if limit else [])]
+               f"pretrained={SOURCE if export is None else export}", "--tasks",
+               ",".join(LM_EVAL_TASKS), "--include_path", str(ROOT / "eval" / "tasks"),
+               "--output_path", str(out / "eval"), "--batch_size", "8",
+               *(["--limit", str(limit)] if limit else [])]
         run_logged(cmd, out / "lm_eval.log", log)
         record["scores"][key] = lm_eval_metrics(out)
         record["tasks"], record["limit"] = list(LM_EVAL_TASKS), limit
         record["context"] = _context()
         write_json(path, record)
+
+
+def unmeasured(arms: list[Arm], results: Path) -> list[str]:
+    """The arms measured in depth whose record is complete but whose context curve or lm-eval
+    scores are missing (their exports went with an earlier machine: train them again)."""
+    curves = (_read_json(results / "context.json") or {}).get("curves", {})
+    scores = (_read_json(results / "lm_eval.json") or {}).get("scores", {})
+    missing = []
+    for arm in arms:
+        record = _read_json(results / "runs" / f"{arm.name}.json") or {}
+        if measured_in_depth(arm) and record.get("complete"):
+            final = f"{arm.name}@{max(map(int, record['points']))}"
+            if final not in curves or final not in scores:
+                missing.append(arm.name)
+    return missing
 
 
 # --------------------------------------------------------------------------------------------
@@ -406,12 +445,19 @@ def main(argv: list[str] | None = None) -> int:
             step0(args.results, log)
         if "train" in args.phases:
             box: list = []
+            depth = tuple(p for p in ("context", "lm_eval") if p in args.phases)
             for arm in arms:
-                train_arm(arm, args.runs_dir, args.results, args.train_args, log, box)
+                train_arm(arm, args.runs_dir, args.results, args.train_args, log, box, depth,
+                          args.lm_eval_limit)
         if "context" in args.phases:
-            context(arms, args.runs_dir, args.results, log)
+            context(depth_jobs(arms, args.runs_dir), args.results, log)
         if "lm_eval" in args.phases:
-            lm_eval(arms, args.runs_dir, args.results, log, args.lm_eval_limit)
+            lm_eval(depth_jobs(arms, args.runs_dir), args.runs_dir, args.results, log,
+                    args.lm_eval_limit)
+        if {"context", "lm_eval"} & set(args.phases):
+            for name in unmeasured(arms, args.results):
+                log(f"{name}: no context curve or lm-eval scores, and its exports are gone: "
+                    f"delete {args.results / 'runs' / (name + '.json')} to train it again")
         if "summary" in args.phases:
             from studies.upcycling.summary import write_summary
 

@@ -136,6 +136,39 @@ def test_the_arms_cover_the_issue():
         assert {f"mla-dc24-s{seed}", f"egmla-kv-dc24-s{seed}", f"egmla-latent-dc24-s{seed}"} <= names
 
 
+def test_one_run_of_each_arm_is_measured_in_depth_and_a_lost_one_is_named(tmp_path):
+    """Context curves and lm-eval take one run per arm (its last seed: 2 for the smallest
+    cache's three, 0 for the rest), right after it trains; a complete record of such a run
+    without them (its exports gone with an earlier machine) is named."""
+    from studies.upcycling.runs import depth_jobs, measured_in_depth, unmeasured
+
+    deep = [a for a in ARMS if measured_in_depth(a)]
+    assert sorted(a.family for a in deep) == sorted({a.family for a in ARMS})  # one per arm
+    assert {a.name for a in deep if a.d_c == 24 and a.gate_form == "identity"
+            and not a.transfer_steps} == {"mla-dc24-s2", "egmla-kv-dc24-s2",
+                                          "egmla-latent-dc24-s2"}
+    assert all(a.seed == 0 for a in deep if a.family not in
+               ("mla-dc24", "egmla-kv-dc24", "egmla-latent-dc24"))
+
+    runs_dir, results = tmp_path / "runs", tmp_path / "results"
+    arm, other = Arm("mla", 24, seed=2), Arm("mla", 24, seed=1)
+    for a in (arm, other):
+        (runs_dir / a.name).mkdir(parents=True)
+        (runs_dir / a.name / "config.json").write_text(json.dumps({"trainer": {"max_steps": 244},
+                                                                   "export_steps": [24]}))
+    assert depth_jobs([arm, other], runs_dir) == [
+        ("original", "0", None), (arm.name, "0", runs_dir / arm.name / "init"),
+        (arm.name, "244", runs_dir / arm.name / "export")]  # seed 1 is not measured in depth
+    (results / "runs").mkdir(parents=True)
+    for a in (arm, other):
+        (results / "runs" / f"{a.name}.json").write_text(json.dumps(
+            {**_record(a, 1.0), "complete": True}))
+    assert unmeasured([arm, other], results) == [arm.name]
+    (results / "context.json").write_text(json.dumps({"curves": {f"{arm.name}@244": []}}))
+    (results / "lm_eval.json").write_text(json.dumps({"scores": {f"{arm.name}@244": {}}}))
+    assert unmeasured([arm, other], results) == []
+
+
 def test_points_follow_the_run_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"trainer": {"max_steps": 10},
                                                       "export_steps": [3, 12]}))
