@@ -12,7 +12,8 @@ order rotating each repeat; the median of the repeats is reported.
         --model egmla-kv24=runs/upcycle/egmla-kv-dc24-s0/export
     python benchmarks/upcycle_serving.py --quick ...   # a smoke test: 16 MiB, 256 tokens
 
-Writes benchmarks/results/upcycle/serving.{json,md} (serving_quick.* with --quick).
+Writes benchmarks/results/upcycle/serving.{json,md} (serving_quick.* with --quick; --out
+elsewhere).
 """
 
 from __future__ import annotations
@@ -49,12 +50,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-seqs", type=int, default=32, help="concurrency cap (default 32)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-batched-tokens", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=None, help="default 3 (1 with --quick)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="16 MiB, 256-token sequences, 1 repeat")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke test: 16 MiB, 256-token sequences, 3 steps, 1 repeat")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "upcycle",
+                   help="where the record goes (default benchmarks/results/upcycle)")
     args = p.parse_args(argv)
     if args.quick:
-        args.kv_mib, args.seq_len, args.repeats, args.measure_steps = 16, 256, 1, 3
+        args.kv_mib, args.seq_len, args.measure_steps = 16, 256, 3
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: must be >= 1")
     for item in args.model:
         if "=" not in item:
             p.error(f"--model {item!r}: expected NAME=EXPORT")
@@ -93,20 +101,33 @@ def main(argv=None) -> int:
     for name in names:
         row = {**caps[name], "kv_elements_per_token": models[name].cache_spec().elements_per_token()}
         for key in ("at_fit", "at_common"):
-            tps = [r["decode_tokens_per_s"] for r in runs[name][key] if r["decode_tokens_per_s"]]
+            tps = [r["decode_tokens_per_s"] for r in runs[name][key]]
+            measured = [t for t in tps if t]
             row[key] = {"concurrency": runs[name][key][0]["concurrency"],
-                        "decode_tokens_per_s_median": statistics.median(tps) if tps else None,
-                        "decode_tokens_per_s": tps}
+                        "decode_tokens_per_s_median": statistics.median(measured) if measured
+                        else None, "decode_tokens_per_s": tps,
+                        # each repeat's tok/s over the original's in the same repeat
+                        "ratio_to_original": ratios(tps, [r["decode_tokens_per_s"]
+                                                          for r in runs["original"][key]])}
         rows.append(row)
-    meta = {**provenance(), "config": vars(args), "load_avg": os.getloadavg(),
+    meta = {**provenance(), "config": {k: str(v) if isinstance(v, Path) else v
+                                       for k, v in vars(args).items()}, "load_avg": os.getloadavg(),
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    out = HERE / "results" / "upcycle"
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
     stem = "serving_quick" if args.quick else "serving"
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     (out / f"{stem}.md").write_text(markdown(meta, rows, args))
     print((out / f"{stem}.md").read_text())
     return 0
+
+
+def ratios(mine: list, theirs: list) -> dict | None:
+    """The per-repeat paired ratio (eval.stats.paired_ratios) over the repeats both measured."""
+    from eval.stats import paired_ratios
+
+    pairs = [(a, b) for a, b in zip(mine, theirs) if a and b]
+    return paired_ratios(*map(list, zip(*pairs))) if pairs else None
 
 
 def markdown(meta: dict, rows: list[dict], args) -> str:
@@ -116,16 +137,29 @@ def markdown(meta: dict, rows: list[dict], args) -> str:
              f"load {', '.join(f'{x:.2f}' for x in meta['load_avg'])}. Sequences of "
              f"{args.seq_len} tokens ({args.seq_len - args.decode_tokens} prompt + "
              f"{args.decode_tokens} generated); decode tok/s over {args.measure_steps} steps with "
-             f"every sequence decoding, median of {args.repeats} interleaved repeats.", "",
+             f"every sequence decoding, median of {args.repeats} interleaved repeats; x "
+             "original: the median of the per-repeat ratios to the original's tok/s in the same "
+             "repeat, with the 95% interval of their mean. N: sequences decoding at once, as "
+             "many as fit (at most --max-seqs), then as many as the original fits.", "",
+             f"Machine: {meta['hardware']['cpu']}, {meta['hardware']['cpu_count']} cores.", "",
              "| model | KV elem./token | KV bytes/token | blocks | sequences fit | N | decode tok/s "
-             "| N common | decode tok/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| x original | N common | decode tok/s | x original |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    fmt = lambda x: "" if x is None else f"{x:,.1f}"  # noqa: E731
+
+    def times(r):
+        if r is None:
+            return ""
+        spread = "" if r["low"] is None else f" [{r['low']:.2f}, {r['high']:.2f}]"
+        return f"{r['median']:.2f}x{spread}"
+
     for r in rows:
         a, c = r["at_fit"], r["at_common"]
-        fmt = lambda x: "" if x is None else f"{x:,.1f}"  # noqa: E731
         lines.append(f"| {r['model']} | {r['kv_elements_per_token']:,} | "
                      f"{r['kv_bytes_per_token']:,} | {r['blocks']:,} | {r['fit_sequences']:,} | "
                      f"{a['concurrency']} | {fmt(a['decode_tokens_per_s_median'])} | "
-                     f"{c['concurrency']} | {fmt(c['decode_tokens_per_s_median'])} |")
+                     f"{times(a['ratio_to_original'])} | {c['concurrency']} | "
+                     f"{fmt(c['decode_tokens_per_s_median'])} | {times(c['ratio_to_original'])} |")
     return "\n".join(lines) + "\n"
 
 
