@@ -5,8 +5,10 @@ export (MLA and EG-MLA conversions, `studies.upcycling`), in one run, float32, t
 the blocks the budget holds (the bytes `PagedKVCache` allocates, checked against
 `cache_spec()`), how many 2,048-token sequences fit, and decode tokens/s through the engine
 with that many sequences at once (at most --max-seqs) and with the number the original fits,
-so that both the gain from capacity and the cost per token show. The models run in turn, the
-order rotating each repeat; the median of the repeats is reported.
+so that both the gain from capacity and the cost per token show. Every engine is filled first
+(the prefills, untimed), then the timed decode windows run interleaved, each repeat timing
+every engine in turn, the order rotating; the median of the repeats is reported, and each
+speed as the per-repeat ratio to the original's in the same repeat.
 
     python benchmarks/upcycle_serving.py --model mla24=runs/upcycle/mla-dc24-s0/export \\
         --model egmla-kv24=runs/upcycle/egmla-kv-dc24-s0/export
@@ -31,6 +33,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # measure the checkout this script is in
+from eval.stats import paired_ratios  # noqa: E402 - the checkout's, after the line above
 _spec = importlib.util.spec_from_file_location("serve_capacity", HERE / "serve_capacity.py")
 serve_capacity = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(serve_capacity)
@@ -44,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-mib", type=int, default=256, help="the KV budget (default 256 MiB)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--decode-tokens", type=int, default=16,
-                   help="of which generated (default 16; the rest is prompt)")
+                   help="of which at least this many generated (default 16; more where many "
+                        "sequences decode at once); the rest is prompt")
     p.add_argument("--measure-steps", type=int, default=8,
                    help="decode steps timed with every sequence decoding (default 8)")
     p.add_argument("--max-seqs", type=int, default=32, help="concurrency cap (default 32)")
@@ -85,30 +89,34 @@ def main(argv=None) -> int:
         raise SystemExit(f"--kv-mib {args.kv_mib} holds no sequence of --seq-len {args.seq_len} "
                          f"for {', '.join(short)}: give a larger budget")
     common = min(caps["original"]["fit_sequences"], args.max_seqs)
-    runs: dict[str, dict[str, list[dict]]] = {n: {"at_fit": [], "at_common": []} for n in models}
-    names = list(models)
+    # Every model's engines are filled first (the prefills, untimed: the costly part), then the
+    # decode windows run interleaved: each repeat times --measure-steps steps of every engine
+    # in turn, the order rotating each repeat.
+    engines = {}
+    for name, model in models.items():
+        for key, n in (("at_fit", min(caps[name]["fit_sequences"], args.max_seqs)),
+                       ("at_common", common)):
+            engines[name, key] = Decoding(model, args, n)
+            print(f"{name}: {n} sequences prefilled ({key})", flush=True)
+    runs: dict[str, dict[str, list[float]]] = {n: {"at_fit": [], "at_common": []} for n in models}
+    order = list(engines)
     for repeat in range(args.repeats):
-        order = names[repeat % len(names):] + names[:repeat % len(names)]
-        for name in order:
-            n_fit = min(caps[name]["fit_sequences"], args.max_seqs)
-            runs[name]["at_fit"].append(serve_capacity.decode_throughput(models[name], args, n_fit))
-            runs[name]["at_common"].append(
-                serve_capacity.decode_throughput(models[name], args, common))
-            print(f"repeat {repeat} {name}: {runs[name]['at_fit'][-1]['decode_tokens_per_s']} "
-                  f"tok/s at {n_fit}, {runs[name]['at_common'][-1]['decode_tokens_per_s']} at "
-                  f"{common}", flush=True)
+        for name, key in order[repeat % len(order):] + order[:repeat % len(order)]:
+            runs[name][key].append(engines[name, key].window(args.measure_steps))
+        print(f"repeat {repeat}: " + ", ".join(
+            f"{n} {runs[n]['at_fit'][-1]:.1f} / {runs[n]['at_common'][-1]:.1f}" for n in models)
+            + " tok/s (as many as fit / as many as the original fits)", flush=True)
     rows = []
-    for name in names:
+    for name in models:
         row = {**caps[name], "kv_elements_per_token": models[name].cache_spec().elements_per_token()}
         for key in ("at_fit", "at_common"):
-            tps = [r["decode_tokens_per_s"] for r in runs[name][key]]
-            measured = [t for t in tps if t]
-            row[key] = {"concurrency": runs[name][key][0]["concurrency"],
-                        "decode_tokens_per_s_median": statistics.median(measured) if measured
-                        else None, "decode_tokens_per_s": tps,
+            tps = runs[name][key]
+            row[key] = {"concurrency": engines[name, key].n,
+                        "prompt_tokens": engines[name, key].prompt_len,
+                        "decode_tokens_per_s_median": statistics.median(tps),
+                        "decode_tokens_per_s": tps,
                         # each repeat's tok/s over the original's in the same repeat
-                        "ratio_to_original": ratios(tps, [r["decode_tokens_per_s"]
-                                                          for r in runs["original"][key]])}
+                        "ratio_to_original": paired_ratios(tps, runs["original"][key])}
         rows.append(row)
     meta = {**provenance(), "config": {k: str(v) if isinstance(v, Path) else v
                                        for k, v in vars(args).items()}, "load_avg": os.getloadavg(),
@@ -122,21 +130,62 @@ def main(argv=None) -> int:
     return 0
 
 
-def ratios(mine: list, theirs: list) -> dict | None:
-    """The per-repeat paired ratio (eval.stats.paired_ratios) over the repeats both measured."""
-    from eval.stats import paired_ratios
+class Decoding:
+    """An engine holding n sequences of --seq-len tokens, all prefilled and decoding: enough
+    tokens are left to generate (at least --decode-tokens) for every timed window to be n
+    sequences decoding together, whatever n is (a sequence starts decoding while the later
+    ones prefill, so with few tokens to generate the first would finish before the last
+    began)."""
 
-    pairs = [(a, b) for a, b in zip(mine, theirs) if a and b]
-    return paired_ratios(*map(list, zip(*pairs))) if pairs else None
+    def __init__(self, model, args, n: int) -> None:
+        import random
+
+        from serve import SamplingParams
+
+        self.n = n
+        self.engine, _ = serve_capacity.engine_for(model, args.kv_mib * 2**20, args.block_size, n,
+                                                   args.max_batched_tokens)
+        prefill_steps = -(-n * args.seq_len // args.max_batched_tokens) + n  # chunks, boundaries
+        generate = max(args.decode_tokens,
+                       prefill_steps + args.repeats * args.measure_steps + 2)
+        if generate >= args.seq_len:
+            raise SystemExit(f"--seq-len {args.seq_len}: too short to decode {n} sequences for "
+                             f"{args.repeats} x {args.measure_steps} steps")
+        self.prompt_len = args.seq_len - generate
+        rng = random.Random(args.seed)
+        for _ in range(n):
+            self.engine.add_request(
+                [rng.randrange(model.config.vocab_size) for _ in range(self.prompt_len)],
+                SamplingParams(max_tokens=generate, temperature=0))
+        while not self._decoding():
+            if not self.engine.has_unfinished():
+                raise SystemExit(f"{n} sequences finished before all of them were decoding")
+            self.engine.step()
+
+    def _decoding(self) -> bool:
+        e = self.engine
+        return not e.waiting and len(e.running) == self.n and all(s.output for s in e.running)
+
+    def window(self, steps: int) -> float:
+        """Decode tokens/s over `steps` steps in which all n sequences decode."""
+        started = time.perf_counter()
+        for _ in range(steps):
+            if not self._decoding():
+                raise SystemExit(f"{self.n} sequences: one stopped decoding inside a window")
+            self.engine.step()
+        return self.n * steps / (time.perf_counter() - started)
 
 
 def markdown(meta: dict, rows: list[dict], args) -> str:
+    lengths = sorted({r[k]["prompt_tokens"] for r in rows for k in ("at_fit", "at_common")})
+    prompts = f"{lengths[0]:,}" if len(lengths) == 1 else f"{lengths[0]:,}-{lengths[-1]:,}"
     lines = [f"# Converted SmolLM2 served at a fixed KV budget ({args.kv_mib} MiB, float32)", "",
              f"{meta['time_utc']}; git {meta['git']['sha'][:10]}"
              f"{' (dirty tree)' if meta['git']['dirty'] else ''}; "
              f"load {', '.join(f'{x:.2f}' for x in meta['load_avg'])}. Sequences of "
-             f"{args.seq_len} tokens ({args.seq_len - args.decode_tokens} prompt + "
-             f"{args.decode_tokens} generated); decode tok/s over {args.measure_steps} steps with "
+             f"{args.seq_len} tokens, prompt and generated ({prompts}-token prompts: the more "
+             "sequences, the more tokens each is left to generate, so that every timed step "
+             f"has all of them decoding); decode tok/s over {args.measure_steps} steps with "
              f"every sequence decoding, median of {args.repeats} interleaved repeats; x "
              "original: the median of the per-repeat ratios to the original's tok/s in the same "
              "repeat, with the 95% interval of their mean. N: sequences decoding at once, as "

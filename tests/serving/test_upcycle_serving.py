@@ -41,6 +41,11 @@ def test_the_serving_benchmark_records_capacity_and_paired_speed(tmp_path):
                                           original[key]["decode_tokens_per_s"])]
         assert theirs["ratios"] == pytest.approx(expected)
     assert eg["at_common"]["concurrency"] == original["at_fit"]["concurrency"]
+    # every timed step had all sequences decoding: left enough tokens to generate for that
+    n = eg["at_fit"]["concurrency"]
+    assert 256 - eg["at_fit"]["prompt_tokens"] >= -(-n * 256 // 2048) + n + 2 * 3
+    assert all(t > 0 for r in rows.values() for k in ("at_fit", "at_common")
+               for t in r[k]["decode_tokens_per_s"])
     table = (tmp_path / "results" / "serving_quick.md").read_text()
     assert "| eg24 | 1,440 |" in table and "| original | 11,520 |" in table
     assert record["meta"]["git"]["sha"] and record["meta"]["hardware"]["cpu"]
