@@ -120,6 +120,8 @@ def main(argv=None) -> int:
         rows.append(row)
     meta = {**provenance(), "config": {k: str(v) if isinstance(v, Path) else v
                                        for k, v in vars(args).items()}, "load_avg": os.getloadavg(),
+            "exports": {name: export_identity(path) for name, path in
+                        (item.split("=", 1) for item in args.model)},
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -128,6 +130,22 @@ def main(argv=None) -> int:
     (out / f"{stem}.md").write_text(markdown(meta, rows, args))
     print((out / f"{stem}.md").read_text())
     return 0
+
+
+def export_identity(path: str) -> dict:
+    """What an export measured was: its weights' sha256 and how it was converted (the cost
+    measured here depends on the architecture, not on the weights)."""
+    import hashlib
+
+    weights = Path(path) / "model.safetensors"
+    digest = hashlib.sha256()
+    with weights.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    upcycle = json.loads((Path(path) / "config.json").read_text()).get("extra", {}).get("upcycle")
+    return {"path": str(path), "sha256": digest.hexdigest(),
+            "conversion": {**upcycle["options"], "calibration_tokens": upcycle.get(
+                "calibration_tokens")} if upcycle else None}
 
 
 class Decoding:
