@@ -49,3 +49,9 @@ def test_the_serving_benchmark_records_capacity_and_paired_speed(tmp_path):
     table = (tmp_path / "results" / "serving_quick.md").read_text()
     assert "| eg24 | 1,440 |" in table and "| original | 11,520 |" in table
     assert record["meta"]["git"]["sha"] and record["meta"]["hardware"]["cpu"]
+    import hashlib
+
+    identity = record["meta"]["exports"]["eg24"]  # what was measured, by hash and conversion
+    assert identity["sha256"] == hashlib.sha256(
+        (export / "model.safetensors").read_bytes()).hexdigest()
+    assert identity["conversion"]["rule"] == "high" and identity["conversion"]["d_c"] == 24
