@@ -212,11 +212,8 @@ def markdown(meta: dict, rows: list[dict], args) -> str:
              "| model | KV elem./token | KV bytes/token | blocks | sequences fit | N | decode tok/s "
              "| x original | N common | decode tok/s | x original |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    fmt = lambda x: "" if x is None else f"{x:,.1f}"  # noqa: E731
 
     def times(r):
-        if r is None:
-            return ""
         spread = "" if r["low"] is None else f" [{r['low']:.2f}, {r['high']:.2f}]"
         return f"{r['median']:.2f}x{spread}"
 
@@ -224,9 +221,9 @@ def markdown(meta: dict, rows: list[dict], args) -> str:
         a, c = r["at_fit"], r["at_common"]
         lines.append(f"| {r['model']} | {r['kv_elements_per_token']:,} | "
                      f"{r['kv_bytes_per_token']:,} | {r['blocks']:,} | {r['fit_sequences']:,} | "
-                     f"{a['concurrency']} | {fmt(a['decode_tokens_per_s_median'])} | "
+                     f"{a['concurrency']} | {a['decode_tokens_per_s_median']:,.1f} | "
                      f"{times(a['ratio_to_original'])} | {c['concurrency']} | "
-                     f"{fmt(c['decode_tokens_per_s_median'])} | {times(c['ratio_to_original'])} |")
+                     f"{c['decode_tokens_per_s_median']:,.1f} | {times(c['ratio_to_original'])} |")
     return "\n".join(lines) + "\n"
 
 
