@@ -8,6 +8,7 @@ the same init (a sanity check that bf16-mixed trains, not a quality claim).
 
     python benchmarks/train_precision.py                      # every shape, 3 rounds
     python benchmarks/train_precision.py --shapes locality --rounds 1 --steps 4
+    python benchmarks/train_precision.py --shapes quickstart --batch 4 --seq-len 64   # other sizes
 
 Writes benchmarks/results/train_precision.{json,md} with the machine, load, versions and git SHA.
 """
@@ -37,14 +38,14 @@ SHAPES = {
 PRECISIONS = ("32-true", "bf16-mixed")
 
 
-def measure(shape: str, precision: str, steps: int) -> dict:
+def measure(shape: str, precision: str, steps: int, batch: int, seq: int) -> dict:
     """Seconds per optimizer step (after two warm-up steps) and the final loss."""
     import lightning as L
     import torch
 
     from egmla.training.module import LanguageModel
 
-    model, batch, seq = SHAPES[shape]
+    model = SHAPES[shape][0]
     torch.manual_seed(0)
     ids = torch.randint(0, model["vocab_size"], (batch * (steps + 2), seq + 1))
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:]),
@@ -74,16 +75,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=6, help="timed steps per measurement")
+    p.add_argument("--batch", type=int, help="sequences per step (default: each shape's own)")
+    p.add_argument("--seq-len", type=int,
+                   help="tokens per sequence, up to the shape's model length (quickstart 128, locality 256; "
+                        "default: each shape's own)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     if args.rounds < 1 or args.steps < 1:
         print("error: --rounds and --steps must be >= 1", file=sys.stderr)
         return 2
+    sizes = {}
+    for shape in args.shapes:
+        model, batch, seq = SHAPES[shape]
+        batch = batch if args.batch is None else args.batch
+        seq = seq if args.seq_len is None else args.seq_len
+        if batch < 1 or not 1 <= seq <= model["max_seq_len"]:
+            print(f"error: --batch {batch} --seq-len {seq} for {shape}: the batch must be >= 1 "
+                  f"and the length in [1, {model['max_seq_len']}]", file=sys.stderr)
+            return 2
+        sizes[shape] = batch, seq
     import logging
 
     import torch
 
-    from egmla.kernels import native_bf16
+    from egmla.devices import native_bf16
     from egmla.provenance import provenance
 
     logging.getLogger("lightning").setLevel(logging.ERROR)
@@ -92,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for shape in args.shapes:
             for precision in PRECISIONS:
-                row = {**measure(shape, precision, args.steps), "round": r}
+                row = {**measure(shape, precision, args.steps, *sizes[shape]), "round": r}
                 rows.append(row)
                 print(f"round {r} {shape} {precision}: {row['tokens_per_s']:,.0f} tok/s, "
                       f"loss {row['final_loss']:.4f}", flush=True)
@@ -103,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                for pr in PRECISIONS}
         loss = {pr: next(x["final_loss"] for x in rows
                          if x["shape"] == shape and x["precision"] == pr) for pr in PRECISIONS}
-        table.append({"shape": shape, "model": SHAPES[shape][0], "batch": SHAPES[shape][1],
-                      "seq_len": SHAPES[shape][2],
+        table.append({"shape": shape, "model": SHAPES[shape][0], "batch": sizes[shape][0],
+                      "seq_len": sizes[shape][1],
                       **{f"tokens_per_s_{pr}": round(v, 1) for pr, v in med.items()},
                       "bf16_mixed_speedup": round(med["bf16-mixed"] / med["32-true"], 3),
                       **{f"final_loss_{pr}": round(v, 4) for pr, v in loss.items()}})

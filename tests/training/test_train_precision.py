@@ -15,7 +15,8 @@ from support import ROOT
 
 def test_the_precision_benchmark_records_both_precisions(tmp_path):
     run = subprocess.run([sys.executable, "benchmarks/train_precision.py", "--shapes", "quickstart",
-                          "--rounds", "1", "--steps", "2", "--out", str(tmp_path)],
+                          "--rounds", "1", "--steps", "2", "--batch", "4", "--seq-len", "32",
+                          "--out", str(tmp_path)],
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     record = json.loads((tmp_path / "train_precision.json").read_text())
@@ -23,10 +24,14 @@ def test_the_precision_benchmark_records_both_precisions(tmp_path):
     assert row["tokens_per_s_32-true"] > 0 and row["bf16_mixed_speedup"] > 0
     assert abs(row["final_loss_32-true"] - row["final_loss_bf16-mixed"]) < 0.02
     assert record["meta"]["git"]["sha"] and "native_bf16" in record["meta"]
-    assert "| quickstart | 16 x 128 |" in (tmp_path / "train_precision.md").read_text()
-    bad = subprocess.run([sys.executable, "benchmarks/train_precision.py", "--rounds", "0"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert bad.returncode == 2 and "--rounds" in bad.stderr and "Traceback" not in bad.stderr
+    assert (row["batch"], row["seq_len"]) == (4, 32)
+    assert "| quickstart | 4 x 32 |" in (tmp_path / "train_precision.md").read_text()
+    refused = {("--rounds", "0"): "--rounds", ("--shapes", "quickstart", "--seq-len", "129"): "--seq-len 129",
+               ("--batch", "0"): "--batch 0"}
+    for args, named in refused.items():
+        bad = subprocess.run([sys.executable, "benchmarks/train_precision.py", *args],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert bad.returncode == 2 and named in bad.stderr and "Traceback" not in bad.stderr
 
 
 def _cpu_flags() -> set[str]:
