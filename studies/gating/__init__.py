@@ -8,7 +8,8 @@ identity and extra parameters (issue 17; the protocol and the results are in doc
 
 Every run is a real `train.py` process on the quickstart recipe (the small model, the embedded
 corpus, its BPE tokenizer, AdamW with warmup and cosine decay), or on MQAR for the `mqar` phase.
-The phases, in the order they run:
+The phases, in the order they run (except eval, which runs right after seeds, while the runs it
+scores still have their exports on this machine):
 
   lr         each arm at every learning rate of the grid, seed 0; the best by final validation
              loss (the whole held-out split) is the arm's learning rate ("best over LR"); while

@@ -114,21 +114,12 @@ def _run(args, log) -> int:
                 plan(phase, list(records.values()), setup)
             except StudyError as waiting:  # some arms' runs of this phase wait for a rate
                 print(f"wait  {phase:9s} ({waiting})")
+        elif phase == "seeds" and "eval" in selected and not args.summarize:
+            # scored as soon as the runs it scores are in, while their exports are on this
+            # machine (a run directory lost before would have to be trained again for it)
+            _score(args, stored, records, log)
     if args.dry_run:
         return 0
-    if "eval" in selected and not args.summarize:
-        for run in eval_runs(list(records.values()), setup):
-            directory = run.directory(args.runs_dir)
-            if directory not in records:  # its phase has not run yet
-                continue
-            if not (directory / "summary.json").is_file():  # known from the record alone
-                if records[directory].get("lm_eval"):  # and scored: nothing to do
-                    continue
-                records[directory] = remake(run, args.runs_dir, records[directory], log)
-                write_results(args.results, _known(stored, records, args.runs_dir), setup)
-            score(run, args.runs_dir, log, args.eval_limit)
-            records[directory] = {**record(run, directory), **_before(records[directory])}
-            write_results(args.results, _known(stored, records, args.runs_dir), setup)  # as it comes
     known = _known(stored, records, args.runs_dir)
     chosen = choose_lrs(known, setup)
     write_results(args.results, known, setup)
@@ -136,6 +127,25 @@ def _run(args, log) -> int:
     log(f"{len(known)} runs recorded in {args.results}"
         + (f"; figures: {', '.join(figures)}" if figures else ""))
     return 0
+
+
+def _score(args, stored: dict[tuple[str, str], dict[str, Any]], records: dict[Path, dict[str, Any]],
+           log) -> None:
+    """The eval phase: lm-eval on every arm's seeds at its learning rate, each record rewritten
+    as its scores come; a run known only from the record, and not scored there, is trained again
+    for its export."""
+    for run in eval_runs(list(records.values()), args.setup):
+        directory = run.directory(args.runs_dir)
+        if directory not in records:  # its phase has not run yet
+            continue
+        if not (directory / "summary.json").is_file():  # known from the record alone
+            if records[directory].get("lm_eval"):  # and scored: nothing to do
+                continue
+            records[directory] = remake(run, args.runs_dir, records[directory], log)
+            write_results(args.results, _known(stored, records, args.runs_dir), args.setup)
+        score(run, args.runs_dir, log, args.eval_limit)
+        records[directory] = {**record(run, directory), **_before(records[directory])}
+        write_results(args.results, _known(stored, records, args.runs_dir), args.setup)
 
 
 if __name__ == "__main__":

@@ -564,3 +564,40 @@ def test_the_record_written_while_a_phase_trains_keeps_every_run_it_held(tmp_pat
     final = json.loads((results / "summary.json").read_text())
     assert final["arms"]["mla_dc32"]["val_loss_by_seed"] == {"0": 4.6, "1": 4.61, "2": 4.62}
     assert set(final["arms"]["mla_kv_embed"]["lr_grid_val_loss"]) == {"0.001", "0.002", "0.004"}
+
+
+def test_a_whole_pass_scores_the_seeds_before_it_trains_the_later_phases(tmp_path, monkeypatch):
+    """lm-eval scores the seeds phase's runs as soon as they are in, before the long, ablation
+    and MQAR phases train (hours), so their exports are still on the machine: a run directory
+    lost in between would have to be trained again to be scored."""
+    from studies.gating import cli
+
+    results = tmp_path / "results"
+    (results / "runs").mkdir(parents=True)
+    grid = {(1e-3, 0): 4.7, (2e-3, 0): 4.6, (4e-3, 0): 4.65}
+    stored = [r for arm in ("mla_dc32", "egmla_kv") for r in
+              rows("lr", arm, grid) + rows("seeds", arm, {(2e-3, 1): 4.61, (2e-3, 2): 4.62})]
+    for r in stored:
+        r.update(steps=300, val_curve=[], params=1, kv_bytes_per_token_bf16=192, fit_seconds=1.0,
+                 lm_eval={}, git=None)
+        (results / "runs" / f"{r['phase']}-{r['run']}.json").write_text(json.dumps(r))
+    events = []
+
+    def train(run, runs_dir, log):  # stands in for train.py; the order of the phases is tested
+        events.append(("train", run.phase))
+        raise cli.StudyError("stop after the first run this pass trains")
+
+    def score(args, stored, records, log):  # stands in for lm-eval: called with what was read
+        events.append(("score", sorted({r["phase"] for r in records.values()})))
+
+    monkeypatch.setattr(cli, "execute", train)
+    monkeypatch.setattr(cli, "_score", score)
+    base = ["--runs-dir", str(tmp_path / "runs"), "--results", str(results),
+            "--arms", "mla_dc32", "egmla_kv", "--lr-extensions", "0"]
+    assert cli.main(base) == 2  # the stand-in stops the pass at its first training run
+    assert events == [("score", ["lr", "seeds"]), ("train", "long")]
+    events.clear()
+    assert cli.main([*base, "--phase", "eval"]) == 0  # scoring alone trains nothing
+    assert events == [("score", ["lr", "seeds"])]
+    events.clear()
+    assert cli.main([*base, "--summarize"]) == 0 and events == []
