@@ -200,16 +200,15 @@ def load_export(
         except ValueError:
             raise CheckpointError(f"{directory / CONFIG_FILE}: unknown dtype {meta.get('dtype')!r}") from None
     device = torch.device(device or "cpu")
-    with torch.device(device):
-        model = Transformer(config)  # random init, overwritten below; keeps tied/shared modules
-    model = model.to(dtype)
     try:
-        safetensors.torch.load_model(model, str(weights), strict=True, device=str(device))
-    except (RuntimeError, SafetensorError, OSError) as err:
-        config_path = directory / CONFIG_FILE
-        detail = " ".join(str(err).split())  # torch's message spans lines
-        raise CheckpointError(f"{weights}: does not match {config_path}: {detail}") from err
-    return model.eval()
+        state = safetensors.torch.load_file(str(weights), device=str(device))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{weights}: not a readable safetensors file ({err})") from err
+    try:
+        model = Transformer.from_state_dict(config, state)
+    except ValueError as err:
+        raise CheckpointError(f"{weights}: does not match {directory / CONFIG_FILE}: {err}") from None
+    return model.to(dtype).eval()
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:

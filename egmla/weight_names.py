@@ -99,9 +99,4 @@ def rename_weights(
 
 def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> Transformer:
     """A model holding `state_dict`, in its dtype and on its device, in eval mode."""
-    reference = state_dict["tok_emb.weight"]
-    with torch.device(reference.device):
-        model = Transformer(config)
-    model = model.to(reference.dtype)
-    model.load_state_dict(state_dict, strict=True)
-    return model.eval()
+    return Transformer.from_state_dict(config, state_dict).to(state_dict["tok_emb.weight"].dtype).eval()

@@ -100,17 +100,11 @@ def load_lightning(path: Path) -> Transformer:
         ) from err
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()
              if k.startswith("model.")}
-    model = Transformer(config).to(next(iter(state.values())).dtype)
     try:
-        keys = model.load_state_dict(state, strict=False)
-    except RuntimeError as err:  # wrong shapes
-        detail = " ".join(str(err).split())
-        raise CheckpointError(f"{path}: does not match its model config: {detail}") from err
-    if keys.missing_keys or keys.unexpected_keys:
-        what = (f"missing tensors {sorted(keys.missing_keys)[:4]}" if keys.missing_keys
-                else f"unexpected tensors {sorted(keys.unexpected_keys)[:4]}")
-        raise CheckpointError(f"{path}: does not match its model config: {what}")
-    return model.eval()
+        model = Transformer.from_state_dict(config, state)
+    except ValueError as err:  # a tensor missing, unexpected or of another shape
+        raise CheckpointError(f"{path}: does not match its model config: {err}") from None
+    return model.to(next(iter(state.values())).dtype).eval()
 
 
 def _cast(model: Transformer, dtype: torch.dtype | None) -> Transformer:

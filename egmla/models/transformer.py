@@ -10,6 +10,7 @@ The attention variant is chosen by `config.attention.type`; every variant implem
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -94,6 +95,34 @@ class Transformer(nn.Module):
                     nn.init.zeros_(module.bias)
         for block in self.layers:
             block.attn.reset_parameters()
+
+    @classmethod
+    def from_state_dict(cls, config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> Transformer:
+        """A model of `config` holding `weights` (as `state_dict()` names them), each tensor taken
+        as it is (its dtype and device; not copied), built without drawing the random init that
+        loading would overwrite (most of the time it takes to load a 135M model). A parameter
+        shared by several modules (tied embeddings, a gate table shared by layers) stays one
+        parameter, found under any one of its names. ValueError names a missing, unexpected or
+        mis-shaped tensor."""
+        with torch.device("meta"):
+            model = cls(config)
+        groups: dict[int, list[str]] = {}  # one parameter -> every name it has
+        for name, param in model.named_parameters(remove_duplicate=False):
+            groups.setdefault(id(param), []).append(name)
+        missing = [names[0] for names in groups.values() if not any(n in weights for n in names)]
+        unexpected = sorted(set(weights) - {n for names in groups.values() for n in names})
+        if missing or unexpected:
+            raise ValueError(f"missing tensors {missing[:4]}" if missing
+                             else f"unexpected tensors {unexpected[:4]}")
+        state = {}
+        for names in groups.values():
+            shared = nn.Parameter(next(weights[n] for n in names if n in weights))
+            state.update(dict.fromkeys(names, shared))  # one object: assigned, it stays shared
+        try:
+            model.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as err:  # a shape that does not match the config
+            raise ValueError(" ".join(str(err).split())) from None
+        return model
 
     def weights_replaced(self) -> None:
         """Call after assigning parameters or submodules anew (`block.mlp.w_up.weight =

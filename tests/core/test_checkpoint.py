@@ -61,6 +61,36 @@ def test_shared_tensors_stay_shared_and_are_stored_once(tmp_path):
     assert size < 4 * model.num_params() * 1.05  # once each, plus a small header
 
 
+def test_loading_draws_no_random_init(tmp_path):
+    """The weights come from the file: building the model on the meta device draws nothing, so
+    loading leaves the global random stream where a seed put it (a 135M model's init was most
+    of its load time)."""
+    save_export(build("tiny-egmla-grouped"), tmp_path / "export")
+    torch.manual_seed(1)
+    loaded = load_export(tmp_path / "export")
+    after_load = torch.rand(4)
+    torch.manual_seed(1)
+    assert torch.equal(after_load, torch.rand(4))
+    assert all(p.requires_grad and p.device.type == "cpu" for p in loaded.parameters())
+
+
+def test_from_state_dict_takes_the_tensors_and_names_what_does_not_fit():
+    model = build("tiny-egmla-grouped")
+    state = model.state_dict()
+    rebuilt = Transformer.from_state_dict(model.config, state)
+    assert rebuilt.tok_emb.weight.data_ptr() == state["tok_emb.weight"].data_ptr()  # not copied
+    shared = "layers.0.attn.gate_table.weight"  # layers 0 and 1 share it: either name will do
+    from_the_other = Transformer.from_state_dict(model.config, {k: state[k] for k in state if k != shared})
+    assert from_the_other.layers[0].attn.gate_table.weight is from_the_other.layers[1].attn.gate_table.weight
+    assert torch.equal(from_the_other.layers[0].attn.gate_table.weight, state[shared])
+    norm = state["norm.weight"]
+    for broken, named in (({k: state[k] for k in state if k != "norm.weight"}, r"missing tensors \['norm"),
+                          ({**state, "extra.weight": norm}, r"unexpected tensors \['extra.weight'\]"),
+                          ({**state, "norm.weight": norm[:-1]}, "size mismatch for norm.weight")):
+        with pytest.raises(ValueError, match=named):
+            Transformer.from_state_dict(model.config, broken)
+
+
 def test_dtype_is_kept_by_default_and_can_be_chosen(tmp_path):
     model = build("tiny-mla").to(torch.bfloat16)
     save_export(model, tmp_path / "export")
