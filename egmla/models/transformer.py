@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from egmla import kernels
-from egmla.cache import TOKEN_IDS, CacheSpec, CacheStep, ContiguousCache
+from egmla.cache import TOKEN_IDS, CacheSpec, CacheStep, ContiguousCache, LayerView
 from egmla.config import ModelConfig
 from egmla.models.attention import build_attention
 from egmla.models.attention.common import TOKEN_IDS_FIELD
