@@ -74,6 +74,18 @@ def test_loading_draws_no_random_init(tmp_path):
     assert all(p.requires_grad and p.device.type == "cpu" for p in loaded.parameters())
 
 
+def test_a_loaded_model_keeps_its_weights_when_the_file_is_rewritten_in_place(tmp_path):
+    """The loaded weights are the model's own memory, not the file's pages mapped (a file
+    truncated under a mapping would crash the process that reads the page)."""
+    model = build("tiny-mla")
+    save_export(model, tmp_path / "export")
+    loaded = load_export(tmp_path / "export")
+    with open(tmp_path / "export" / WEIGHTS_FILE, "r+b") as f:  # the same inode, emptied
+        f.truncate(0)
+    for (name, param), (_, ref) in zip(loaded.named_parameters(), model.named_parameters()):
+        assert torch.equal(param, ref), name
+
+
 def test_from_state_dict_takes_the_tensors_and_names_what_does_not_fit():
     model = build("tiny-egmla-grouped")
     state = model.state_dict()
