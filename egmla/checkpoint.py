@@ -200,14 +200,11 @@ def load_export(
         except ValueError:
             raise CheckpointError(f"{directory / CONFIG_FILE}: unknown dtype {meta.get('dtype')!r}") from None
     device = torch.device(device or "cpu")
-    try:
-        mapped = safetensors.torch.load_file(str(weights), device=str(device))
+    try:  # tensors on the file's mapped pages, copied into the model's own memory below (a
+        # file rewritten in place later cannot change, or truncated crash, a model loaded from it)
+        state = safetensors.torch.load_file(str(weights), device=str(device))
     except (SafetensorError, OSError) as err:
         raise CheckpointError(f"{weights}: not a readable safetensors file ({err})") from err
-    # the model's own memory, not the file's pages: a file rewritten in place later cannot change
-    # (or, truncated, crash) a model loaded from it
-    state = {name: tensor.clone() for name, tensor in mapped.items()}
-    del mapped
     try:
         model = Transformer.from_state_dict(config, state)
     except ValueError as err:

@@ -98,12 +98,13 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_state_dict(cls, config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> Transformer:
-        """A model of `config` holding `weights` (as `state_dict()` names them), each tensor taken
-        as it is (its dtype and device; not copied), built without drawing the random init that
-        loading would overwrite (most of the time it takes to load a 135M model). A parameter
-        shared by several modules (tied embeddings, a gate table shared by layers) stays one
-        parameter, found under any one of its names. ValueError names a missing, unexpected or
-        mis-shaped tensor."""
+        """A model of `config` holding a copy of `weights` (as `state_dict()` names them; each
+        keeps its dtype and device, and the model owns its memory: not a view of the caller's
+        tensors nor of a file's mapped pages), built without drawing the random init that loading
+        would overwrite (most of the time it took to load a 135M model). A parameter shared by
+        several modules (tied embeddings, a gate table shared by layers) stays one parameter,
+        found under any one of its names. ValueError names a missing, unexpected or mis-shaped
+        tensor."""
         with torch.device("meta"):
             model = cls(config)
         groups: dict[int, list[str]] = {}  # one parameter -> every name it has
@@ -116,7 +117,8 @@ class Transformer(nn.Module):
                              else f"unexpected tensors {unexpected[:4]}")
         state = {}
         for names in groups.values():
-            shared = nn.Parameter(next(weights[n] for n in names if n in weights))
+            given = next(weights[n] for n in names if n in weights)
+            shared = nn.Parameter(given.detach().clone(memory_format=torch.contiguous_format))
             state.update(dict.fromkeys(names, shared))  # one object: assigned, it stays shared
         try:
             model.load_state_dict(state, strict=True, assign=True)

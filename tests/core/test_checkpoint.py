@@ -90,7 +90,11 @@ def test_from_state_dict_takes_the_tensors_and_names_what_does_not_fit():
     model = build("tiny-egmla-grouped")
     state = model.state_dict()
     rebuilt = Transformer.from_state_dict(model.config, state)
-    assert rebuilt.tok_emb.weight.data_ptr() == state["tok_emb.weight"].data_ptr()  # not copied
+    assert torch.equal(rebuilt.tok_emb.weight, state["tok_emb.weight"])
+    state["tok_emb.weight"].add_(1.0)  # a copy: the caller's tensors stay the caller's
+    assert not torch.equal(rebuilt.tok_emb.weight, state["tok_emb.weight"])
+    assert rebuilt.lm_head.weight is rebuilt.tok_emb.weight
+    state = model.state_dict()
     shared = "layers.0.attn.gate_table.weight"  # layers 0 and 1 share it: either name will do
     from_the_other = Transformer.from_state_dict(model.config, {k: state[k] for k in state if k != shared})
     assert from_the_other.layers[0].attn.gate_table.weight is from_the_other.layers[1].attn.gate_table.weight
