@@ -428,15 +428,20 @@ MARKERS = "osD^vP*X"  # the groups of one variant: one colour, a marker each
 
 def _styles(groups: list[dict[str, Any]], variants: list[str]) -> dict[str, tuple[Any, str]]:
     """Each group's (colour, marker): the colour is its variant's (the same in every plot), the
-    marker tells apart groups of one variant (MLA at two widths, say)."""
+    marker tells apart groups of one variant (MLA at two widths, say). The first ten variants
+    take tab10's colours; the next ten the light shade of each (tab20), with markers from the
+    other end of the list, so that twenty variants' groups still differ in colour or marker."""
     import matplotlib
 
-    colours = matplotlib.colormaps["tab10"]
+    colours = matplotlib.colormaps["tab20"]  # dark (tab10's) and light shades of ten hues
     names = list(dict.fromkeys([*VARIANTS, *variants]))
     styles, seen = {}, {}
     for g in groups:
         n = seen[g["variant"]] = seen.get(g["variant"], -1) + 1
-        styles[g["group"]] = (colours(names.index(g["variant"]) % 10), MARKERS[n % len(MARKERS)])
+        index = names.index(g["variant"]) % 20
+        shade, hue = divmod(index, 10)
+        marker = MARKERS[n % len(MARKERS)] if not shade else MARKERS[::-1][n % len(MARKERS)]
+        styles[g["group"]] = (colours(2 * hue + shade), marker)
     return styles
 
 
@@ -517,8 +522,12 @@ def plot(rows: list[dict[str, Any]], x: str = "kv_bytes"):
              + ("; bars: 95% interval over seeds, ticks: the seeds" if several else ""))
     ax.set_title("\n".join(textwrap.wrap(title, 95)), fontsize=10)  # a long metric name wraps
     ax.grid(alpha=0.3)
+    beside = len(groups) > 6  # many groups: the legend beside the axes, not over the points
     legend = ax.legend(title="run group" if by_group else "attention", fontsize=8,
-                       loc="best", ncols=2 if len(groups) > 6 and by_group else 1)
+                       **({"loc": "upper left", "bbox_to_anchor": (1.01, 1)} if beside else
+                          {"loc": "best"}))
+    if beside:
+        fig.set_size_inches(10, 5)
     for handle in legend.legend_handles:
         handle.set_sizes([50])
     return fig

@@ -74,9 +74,22 @@ def test_readme_quotes_the_studys_record():
     flat = " ".join(section.split())
     assert (f"Holm-adjusted within that family, p = {holm['headline', 'egmla_kv', 'mla_dc32']:.3f} and "
             f"{holm['headline', 'egmla_kv', 'mla_param_matched']:.3f}") in flat
-    assert (f"all 17 comparisons with a baseline, {holm['baselines', 'egmla_kv', 'mla_dc32']:.3f} and "
+    sizes = {c["family"]: c["family_size"] for c in comparisons}
+    assert (f"all {sizes['baselines']} comparisons with a baseline, "
+            f"{holm['baselines', 'egmla_kv', 'mla_dc32']:.3f} and "
             f"{holm['baselines', 'egmla_kv', 'mla_param_matched']:.3f}") in flat
-    assert f"{holm['token_identity', 'egmla_kv', 'mla_value_embed']:.3f} Holm-adjusted" in flat
+    contrast = {(c["family"], c["arm"], c["against"]): c for c in comparisons}
+    gated = [contrast["token_identity", a, b] for a, b in (("egmla_kv", "mla_kv_embed"),
+                                                           ("egmla_v_gate", "mla_value_embed"))]
+    assert (f"{-gated[0]['mean']:.3f} lower ([{gated[0]['low']:.3f}, {gated[0]['high']:.3f}]); "
+            f"the gate on V only is {-gated[1]['mean']:.3f} lower") in flat
+    assert (f"over the {sizes['token_identity']} token-identity contrasts, p = "
+            f"{gated[0]['p_holm']:.3f} and {gated[1]['p_holm']:.3f}") in flat.replace("five", "5")
+    assert all(c["p_holm"] < 0.05 for c in gated)  # "multiplying it in beat adding it"
+    placed = contrast["placement_post_hoc", "egmla_kv", "egmla_v_gate"]
+    assert (f"within {abs(placed['mean']):.3f} of the gate on K and V "
+            f"([{placed['low']:+.3f}, {placed['high']:+.3f}]") in flat
+    assert not placed["distinguishable_from_zero"]  # "no difference detectable"
     assert quoted("egmla_const_gate", "mla_dc32") in section
     assert quoted("egmla_hidden_gate", "mla_dc32") in section
     assert all(len(arm["val_loss_by_seed"]) >= 3 for arm in arms.values()

@@ -75,7 +75,10 @@ BASELINES = ("mla_dc32", "mla_param_matched")  # the paired differences are take
 # - baselines: every arm against each baseline (the seeds table), each pair once;
 # - token_identity: the direct contrasts that separate token identity from gating (a gate that
 #   carries no token id; token ids added, not multiplied, on V and on K and V; a gate from the
-#   hidden state).
+#   hidden state);
+# - placement_post_hoc: declared after reading the two controls' seeds, so exploratory: whether
+#   the token id on K as well as V changes the loss, gated (egmla_kv against egmla_v_gate) and
+#   added (mla_kv_embed against mla_value_embed). Its p-values are not evidence for a claim.
 FAMILIES = {
     "headline": (("egmla_kv", "mla_dc32"), ("egmla_kv", "mla_param_matched")),
     "baselines": tuple((a.name, base) for i, base in enumerate(BASELINES) for a in ARMS
@@ -83,6 +86,7 @@ FAMILIES = {
     "token_identity": (("egmla_kv", "egmla_const_gate"), ("egmla_kv", "mla_value_embed"),
                        ("egmla_latent", "egmla_hidden_gate"), ("egmla_kv", "mla_kv_embed"),
                        ("egmla_v_gate", "mla_value_embed")),
+    "placement_post_hoc": (("egmla_kv", "egmla_v_gate"), ("mla_kv_embed", "mla_value_embed")),
 }
 ABLATIONS = {
     **{f"egmla_kv_de{d}": ("small_egmla", (f"model.attention.d_e={d}",)) for d in (16, 32, 128)},

@@ -17,7 +17,6 @@ from studies.gating.plan import choose_lrs, selection_loss
 from studies.gating.protocol import (ABLATIONS, ARM, ARMS, BASE, BASE_STEPS, BASELINES, FAMILIES,
                                      LM_EVAL_METRICS, LONG_ARMS, LONG_FACTOR, MQAR_FAIR_STEPS,
                                      MQAR_STEPS, Setup)
-from studies.gating.tables import render
 
 
 def summarize(records: list[dict[str, Any]], chosen: dict[str, float],
@@ -149,6 +148,7 @@ def mqar_mean(accuracy: dict[str, float]) -> float:
 
 def write_results(results: Path, records: list[dict[str, Any]], setup: Setup) -> None:
     from egmla.provenance import provenance
+    from studies.gating.tables import render  # here: `python -m studies.gating.tables` runs it fresh
 
     results.mkdir(parents=True, exist_ok=True)
     (results / "runs").mkdir(exist_ok=True)

@@ -48,6 +48,6 @@ from studies.locality.profile import build_report, describe_threshold, markdown,
 from studies.locality.sources import BATCH, SOURCES, UsageError, source_texts, token_stream, windows
 
 __all__ = ["BATCH", "SOURCES", "LayerStats", "UsageError", "build_parser", "build_report",
-           "concentration_curve", "coverage_share", "default_out", "describe_threshold", "main", "markdown", "pooled",
-           "profile_model", "source_texts", "sparsity_thresholds", "token_stream",
+           "concentration_curve", "coverage_share", "default_out", "describe_threshold", "main",
+           "markdown", "pooled", "profile_model", "source_texts", "sparsity_thresholds", "token_stream",
            "top_overlap", "windows"]

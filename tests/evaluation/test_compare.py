@@ -414,6 +414,21 @@ def test_groups_of_one_variant_share_its_colour_and_differ_in_marker():
     assert {t.get_text() for t in ax.texts} == {"mla_dc32 (n=2)", "mha (n=2)"}
 
 
+def test_twelve_variants_each_keep_a_style_of_their_own():
+    """The study has twelve arms, each its own variant: past tab10's ten colours, a group must
+    still differ from every other in colour or marker (mha and mla_value_embed once shared
+    tab10's blue and the same marker)."""
+    import matplotlib
+
+    variants = [f"arm{i}" for i in range(12)]
+    groups = [{"group": v, "variant": v} for v in variants]
+    styles = compare._styles(groups, variants)
+    assert len(set(styles.values())) == 12
+    tab10 = matplotlib.colormaps["tab10"]
+    mha = compare._styles([{"group": "mha", "variant": "mha"}], ["mha"])["mha"]
+    assert mha == (tab10(0), "o")  # the first ten variants keep tab10's colours
+
+
 def test_a_fractions_interval_stays_in_its_range_and_the_seeds_are_drawn():
     """Recall of 0.93 / 0.54 / 0.14 over three seeds: the t-interval runs from -0.45 to 1.52;
     drawn, it is cut at 0 and 1, the axis stays near [0, 1], and each seed has a tick."""
