@@ -93,6 +93,10 @@ ABLATIONS = {
     **{f"egmla_kv_group{g}": ("small_egmla", (f"model.attention.gate_group_size={g}",))
        for g in (2, 4)},
 }
+# MQAR recall is a phase transition (a run sits near 0.13, answering with one of the context's
+# values at random, until it finds the lookup, then rises past 0.9): a run "learned the lookup"
+# when its recall, the mean over the slices, passes this; the fair table counts such seeds.
+LEARNED_RECALL = 0.5
 PHASES = ("lr", "seeds", "long", "ablations", "mqar", "mqar_lr", "mqar_seeds", "eval")
 
 

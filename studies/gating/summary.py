@@ -15,7 +15,7 @@ from eval.stats import holm, interval, paired, paired_p
 from studies.gating.arms import arm_overrides, describe
 from studies.gating.plan import choose_lrs, selection_loss
 from studies.gating.protocol import (ABLATIONS, ARM, ARMS, BASE, BASE_STEPS, BASELINES, FAMILIES,
-                                     LM_EVAL_METRICS, LONG_ARMS, LONG_FACTOR, MQAR_FAIR_STEPS,
+                                     LEARNED_RECALL, LM_EVAL_METRICS, LONG_ARMS, LONG_FACTOR, MQAR_FAIR_STEPS,
                                      MQAR_STEPS, Setup)
 
 
@@ -117,7 +117,8 @@ def comparisons(arms: dict[str, Any]) -> list[dict[str, Any]]:
 def mqar_fair(rows: list[dict[str, Any]], lr: float | None) -> dict[str, Any] | None:
     """An arm's fair MQAR runs (mqar_lr, mqar_seeds): its grid (validation loss, seed 0), its
     chosen rate, and at that rate the recall by seed (each slice and their mean), the mean's
-    interval over the seeds and each slice's; None before any such run."""
+    interval over the seeds and each slice's, and how many seeds learned the lookup (recall past
+    LEARNED_RECALL); None before any such run."""
     grid = {f"{r['lr']:g}": selection_loss(r) for r in rows if r["phase"] == "mqar_lr"}
     if not grid:
         return None
@@ -125,9 +126,10 @@ def mqar_fair(rows: list[dict[str, Any]], lr: float | None) -> dict[str, Any] | 
              if r["phase"] in ("mqar_lr", "mqar_seeds") and r["lr"] == lr and r["mqar_accuracy"]}
     by_seed = dict(sorted(at_lr.items()))
     slices = sorted({k for acc in by_seed.values() for k in acc})
+    means = [mqar_mean(a) for a in by_seed.values()]
     return {"lr_grid_val_loss": grid, "lr": lr, "lr_protocol": "best over LR on MQAR (seed 0)",
-            "accuracy_by_seed": by_seed,
-            "mean_accuracy": interval([mqar_mean(a) for a in by_seed.values()]),
+            "accuracy_by_seed": by_seed, "mean_accuracy": interval(means),
+            "learned_seeds": sum(m > LEARNED_RECALL for m in means), "learned_recall": LEARNED_RECALL,
             "by_slice": {k: interval([a[k] for a in by_seed.values() if k in a]) for k in slices}}
 
 

@@ -201,6 +201,9 @@ def test_the_fair_mqar_phases_give_each_arm_its_own_rate_then_its_seeds():
     table = mqar_fair_table(json.loads(json.dumps(summary))).split("\n")
     assert table[2].startswith("| `mla_dc32` | 0.001: 1.200 / 0.002: 1.100 / 0.004: 1.000 / "
                                "0.008: 0.900 | 0.008 | 0.400 / 0.410 / 0.420 |")
+    # recall is nearly two-valued (a plateau, then the lookup): the seeds past 0.5 are counted
+    assert fair["learned_seeds"] == 3 and summary["arms"]["mla_dc32"]["mqar_fair"]["learned_seeds"] == 0
+    assert "| seeds past 0.5 |" in table[0] and "| 3 of 3 |" in table[3] and "| 0 of 3 |" in table[2]
 
 
 def test_an_arm_added_later_leaves_the_others_runs_in_the_record():
