@@ -15,7 +15,6 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from egmla.checkpoint import CheckpointError, read_export_config
 from egmla.config import (
     ATTENTION_REGISTRY, ConfigError, ModelConfig, _check, _check_literals, _strict_kwargs,
 )
@@ -332,6 +331,8 @@ class TrainConfig:
                    "egmla.upcycle writes one)")
             _check(not self.model, "init= and a model section both given: the run's model is "
                    "the init export's (drop the model section, e.g. override /model: null)")
+            from egmla.checkpoint import CheckpointError, read_export_config  # torch: when needed
+
             try:
                 return read_export_config(self.init)[0]
             except CheckpointError as err:

