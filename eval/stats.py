@@ -36,6 +36,17 @@ def interval(values: list[float], level: float = LEVEL) -> dict[str, Any]:
     return {"n": n, "mean": mean, "low": mean - half, "high": mean + half}  # plain floats: JSON
 
 
+def log_interval(values: list[float], level: float = LEVEL) -> dict[str, Any]:
+    """For a positive quantity whose logarithm is the natural scale (a perplexity: exp of a mean
+    loss): the geometric mean and the Student-t interval of the mean log, exponentiated. Always
+    positive, where interval() over two perplexities far apart can run below zero."""
+    if any(not v > 0 for v in values):
+        raise ValueError(f"log_interval needs positive values, got {values}")
+    logs = interval([math.log(v) for v in values], level)
+    return {"n": logs["n"], **{k: None if logs[k] is None else math.exp(logs[k])
+                               for k in ("mean", "low", "high")}}
+
+
 def paired(mine: dict[int, float], theirs: dict[int, float]) -> dict[str, Any]:
     """The mean difference over the seeds both have, its 95% interval, and whether the interval
     excludes zero. An interval of no width (every seed the same difference: an accuracy over a

@@ -12,7 +12,7 @@ from typing import Any
 
 from egmla import files
 from eval.compare import png_bytes
-from eval.stats import holm, interval, paired, paired_p
+from eval.stats import holm, interval, log_interval, paired, paired_p
 
 # The headline family: EG-MLA (each gate position) against MLA at the same cache size,
 # recovered the same way; Holm-adjusted over these two.
@@ -79,8 +79,10 @@ def arm_table(families: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str, 
                    "params": pts[0]["params"],
                    "params_without_lookup_tables": pts[0]["params_without_lookup_tables"],
                    "precision": precisions(seeds.values())}
-            for domain, metric in (*METRICS, ("corpus", "ppl"), ("recovery", "ppl")):
+            for domain, metric in METRICS:
                 row[f"{domain}_{metric}"] = interval([p[domain][metric] for p in pts])
+            for domain in ("corpus", "recovery"):  # perplexity: geometric mean, log-scale interval
+                row[f"{domain}_ppl"] = log_interval([p[domain]["ppl"] for p in pts])
             rows.append(row)
     return rows
 
@@ -111,7 +113,8 @@ def markdown(summary: dict[str, Any]) -> str:
              "Held-out perplexity and KL(original || model) in nats per token, on the recovery "
              "domain (unseen documents of the mixture recovered on) and the embedded corpus "
              "(a domain the recovery never sees). Mean [95% interval] over seeds where there "
-             "are several. KV: cached elements per token (30 layers). Precision: what the "
+             "are several (for perplexity, the geometric mean and the interval of the mean "
+             "loss, exponentiated). KV: cached elements per token (30 layers). Precision: what the "
              "arm's runs trained in (`trainer.precision: auto` takes bf16 autocast where the "
              "machine has native bf16, else fp32).", "",
              "| arm | tokens | seeds | KV elem. | KL corpus | KL recovery | ppl corpus "

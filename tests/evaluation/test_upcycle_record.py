@@ -13,6 +13,7 @@ import torch
 from egmla.data.recovery import EVALUATED, recovery_documents, recovery_texts
 from egmla.models import Transformer
 from egmla.presets import preset
+from eval import stats
 from eval.stats import holm
 from studies.upcycling.quality import context_curve, quality
 from studies.upcycling.runs import ARMS, Arm, points
@@ -210,6 +211,30 @@ def test_transfer_is_compared_with_kl_alone_only_when_both_ran():
     both = transfer_comparison([plain, transfer])
     assert both["transfer, then KL (mla-dc24-transfer24-s0)"]["fit_seconds"] == 90.0
     assert both["KL alone (mla-dc24-s0)"]["corpus_kl"] == pytest.approx(1.0 + 0.244)
+
+
+def test_a_perplexitys_interval_is_the_loss_intervals_exponentiated(tmp_path):
+    """Two seeds at perplexity 711 and 596 (losses 6.567 and 6.390): a t-interval of the
+    perplexities themselves runs below zero; the summary gives the geometric mean and the
+    interval of the mean loss, exponentiated, which stays positive."""
+    from scipy import stats as scipy_stats
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    losses = {0: math.log(711.1), 1: math.log(596.0)}
+    for seed, loss in losses.items():
+        (runs / f"mla-dc24-s{seed}.json").write_text(json.dumps(_record(Arm("mla", 24, seed=seed),
+                                                                          loss)))
+    summary = write_summary(tmp_path, lambda m: None)
+    row = next(r for r in summary["arms"] if r["arm"] == "mla-dc24" and r["step"] == 244)
+    mean = sum(losses.values()) / 2
+    low, high = scipy_stats.t.interval(0.95, 1, loc=mean, scale=scipy_stats.sem(list(losses.values())))
+    ppl = row["corpus_ppl"]
+    assert ppl["mean"] == pytest.approx(math.sqrt(711.1 * 596.0))  # the geometric mean
+    assert (ppl["low"], ppl["high"]) == pytest.approx((math.exp(low), math.exp(high)))
+    assert ppl["low"] > 0 and row["corpus_loss"]["low"] == pytest.approx(low)
+    with pytest.raises(ValueError, match="positive"):
+        stats.log_interval([3.0, 0.0])
 
 
 def test_the_summary_names_the_precisions_each_arm_trained_in(tmp_path):
