@@ -123,7 +123,7 @@ def _run(args, log) -> int:
     known = _known(stored, records, args.runs_dir)
     chosen = choose_lrs(known, setup)
     write_results(args.results, known, setup)
-    figures = write_figures(args.results, chosen, known)
+    figures = write_figures(args.results, chosen, known, choose_lrs(known, setup, "mqar_lr"))
     log(f"{len(known)} runs recorded in {args.results}"
         + (f"; figures: {', '.join(figures)}" if figures else ""))
     return 0

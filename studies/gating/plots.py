@@ -18,29 +18,33 @@ FIGURES = {  # file -> (phases whose runs it shows, x axis, metric)
     "fig_loss_vs_de.png": (("ablations", "lr", "seeds"), "d_e", "val_loss"),  # Fig. 1b
     "fig_loss_vs_kv_bytes.png": (("lr", "seeds"), "kv_bytes", "val_loss"),  # Fig. 1c
     "fig_accuracy_vs_kv_bytes.png": (("lr", "seeds"), "kv_bytes", "corpus_cloze/acc"),  # Fig. 1c
-    "fig_mqar_vs_kv_bytes.png": (("mqar",), "kv_bytes", MQAR_METRIC),
+    "fig_mqar_vs_kv_bytes.png": (("mqar",), "kv_bytes", MQAR_METRIC),  # egmla_kv's rate
+    "fig_mqar_fair_vs_kv_bytes.png": (("mqar_lr", "mqar_seeds"), "kv_bytes", MQAR_METRIC),
 }
 
 
-def at_chosen_lr(r: dict[str, Any], chosen: dict[str, float]) -> bool:
-    """Whether a run is at the rate its phase uses: its arm's chosen rate, or egmla_kv's for the
-    ablations and MQAR."""
+def at_chosen_lr(r: dict[str, Any], chosen: dict[str, float],
+                 on_mqar: dict[str, float] | None = None) -> bool:
+    """Whether a run is at the rate its phase uses: its arm's chosen rate, egmla_kv's for the
+    ablations and the first MQAR phase, and the arm's MQAR rate (`on_mqar`) for the fair ones."""
+    if r["phase"] in ("mqar_lr", "mqar_seeds"):
+        return r["lr"] == (on_mqar or {}).get(r["arm"])
     own = r["arm"] in ARM and r["phase"] not in ("ablations", "mqar")
     return r["lr"] == chosen.get(r["arm"] if own else "egmla_kv")
 
 
-def write_figures(results: Path, chosen: dict[str, float],
-                  records: list[dict[str, Any]]) -> list[str]:
+def write_figures(results: Path, chosen: dict[str, float], records: list[dict[str, Any]],
+                  on_mqar: dict[str, float] | None = None) -> list[str]:
     """The study's figures (the paper's Fig. 1 a-c, and recall on MQAR) from the runs recorded
-    so far, each over the runs at their phase's learning rate; a figure with no runs (or no
-    value of its metric) yet is skipped. Drawn from the records alone, so a fresh clone redraws
-    them without the run directories."""
+    so far, each over the runs at their phase's learning rate (`on_mqar`: the rates the fair
+    MQAR grid chose); a figure with no runs (or no value of its metric) yet is skipped. Drawn
+    from the records alone, so a fresh clone redraws them without the run directories."""
     from eval.compare import CompareError, plot, png_bytes  # matplotlib: only when drawing
 
     written = []
     for name, (phases, x, metric) in FIGURES.items():
         rows = [row for row in figure_rows(
-            [r for r in records if r["phase"] in phases and at_chosen_lr(r, chosen)
+            [r for r in records if r["phase"] in phases and at_chosen_lr(r, chosen, on_mqar)
              and (x != "d_e" or r["arm"] == "egmla_kv" or r["arm"].startswith("egmla_kv_de"))],
             metric) if row["metric_value"] is not None]
         if not rows:

@@ -161,7 +161,7 @@ def test_lm_eval_scores_and_mqar_recall_are_summarized_over_seeds_and_paired(tmp
     assert sorted(r["metric_value"] for r in mqar_rows)[-1] == pytest.approx(0.90)
 
 
-def test_the_fair_mqar_phases_give_each_arm_its_own_rate_then_its_seeds():
+def test_the_fair_mqar_phases_give_each_arm_its_own_rate_then_its_seeds(tmp_path):
     """mqar_lr runs each arm's own grid on MQAR (2,000 steps at full scale, seed 0), grown past
     the edge its best validation loss is at; mqar_seeds waits for every arm's choice, then
     runs seeds 1 and 2 there; the summary reports recall at each arm's MQAR rate, not at
@@ -198,6 +198,14 @@ def test_the_fair_mqar_phases_give_each_arm_its_own_rate_then_its_seeds():
     assert fair["mean_accuracy"]["mean"] == pytest.approx(0.91)
     assert fair["by_slice"]["kv4"]["mean"] == pytest.approx(0.96)
     assert summary["arms"]["mla_dc32"]["mqar_fair"]["lr"] == 8e-3
+    for r in records:
+        r.update(run=f"{r['phase']}-{r['arm']}-{r['lr']}-s{r['seed']}", steps=1, val_curve=[])
+    on_mqar = study.choose_lrs(records, setup, "mqar_lr")
+    written = study.write_figures(tmp_path, {}, records, on_mqar)
+    assert written == ["fig_mqar_fair_vs_kv_bytes.png"]  # each arm at its own MQAR rate
+    shown = [r for r in records if study.at_chosen_lr(r, {}, on_mqar)]
+    assert {(r["arm"], r["lr"]) for r in shown} == {("mla_dc32", 8e-3), ("egmla_kv", 2e-3)}
+    assert len(shown) == 6  # three seeds each, the grid's other rates left out
     table = mqar_fair_table(json.loads(json.dumps(summary))).split("\n")
     assert table[2].startswith("| `mla_dc32` | 0.001: 1.200 / 0.002: 1.100 / 0.004: 1.000 / "
                                "0.008: 0.900 | 0.008 | 0.400 / 0.410 / 0.420 |")
