@@ -169,8 +169,8 @@ def mqar_table(summary: dict[str, Any]) -> str:
 def mqar_fair_table(summary: dict[str, Any]) -> str:
     """The fair MQAR runs: each arm at its own rate from a grid on MQAR, recall by seed (the mean
     over the 4, 8 and 16-pair slices), its interval, how many seeds learned the lookup (recall
-    past the record's `learned_recall`: the outcome is nearly two-valued), each slice's mean, and the MQAR
-    model's KV bytes."""
+    past the record's `learned_recall`: the outcome is nearly two-valued), each slice's mean,
+    and the MQAR model's KV bytes."""
     arms, plan = summary["arms"], _plan(summary)
     names = [n for n in plan["arms"] if arms[n].get("mqar_fair")]
     if not names:
@@ -189,8 +189,7 @@ def mqar_fair_table(summary: dict[str, Any]) -> str:
                      str(model.get("kv_bytes_per_token_bf16", "-"))])
     return _table(["arm", "grid (LR: val loss, seed 0)", "LR", "recall by seed",
                    "mean [95% CI]", f"seeds past {arms[names[0]]['mqar_fair']['learned_recall']:g}",
-                   "by slice",
-                   "KV bytes/token (bf16)"], rows, 2)
+                   "by slice", "KV bytes/token (bf16)"], rows, 2)
 
 
 def _lm_digits(metric: str) -> int:
