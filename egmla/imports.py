@@ -10,9 +10,10 @@ imported inside the functions that need it, so egmla itself imports without it (
 `pip install 'egmla[hf]'`).
 
 RoPE layouts. egmla rotates the half-split pairs (i, i + D/2) like Llama. Hugging Face Llama
-weights already use that layout (transformers undoes GGUF's permutation when it loads a GGUF
-file). DeepSeek-V3 with `rope_interleave=True` rotates adjacent pairs (x0, x1), (x2, x3), ...
-and emits them de-interleaved; reordering the rows that produce the RoPE part to
+weights already use that layout; a GGUF file stores each head's Q and K rows with the halves
+interleaved, and `read_gguf_llama` puts them back, as transformers' GGUF loader does.
+DeepSeek-V3 with `rope_interleave=True` rotates adjacent pairs (x0, x1), (x2, x3), ... and emits
+them de-interleaved; reordering the rows that produce the RoPE part to
 [0, 2, 4, ..., 1, 3, 5, ...] makes our half-split rotation compute exactly the same vectors.
 """
 
@@ -341,8 +342,11 @@ def _load_known(name: str, dtype: torch.dtype | None) -> tuple[Transformer, Any]
     target = cache_dir() / "exports" / name
     if not _cached_export_is_current(target):
         source = KNOWN_MODELS[name].path()
-        hf_model, tokenizer = _load_gguf(source)
-        model = from_llama(hf_model)
+        hf_config, weights = read_gguf_llama(source)
+        config = config_from_llama(hf_config)
+        model = build_model(config, state_dict_from_llama(weights, config))
+        tokenizer = _transformers().AutoTokenizer.from_pretrained(str(source.parent),
+                                                                  gguf_file=source.name)
         extra = {"source": name, "gguf_file": source.name, "conversion_version": CONVERSION_VERSION}
         save_export(model, target, tokenizer=tokenizer, extra=extra)
     return _export_with_tokenizer(target, dtype)
@@ -367,13 +371,80 @@ def _transformers() -> Any:
     return transformers
 
 
-def _load_gguf(path: Path) -> tuple[Any, Any]:
-    """transformers' model (dequantized to float32) and tokenizer from a GGUF file."""
+# A llama-architecture GGUF file's metadata (keys under "llama.") -> transformers' LlamaConfig,
+# as transformers' GGUF loader maps them (integrations/ggml.py), and its tensors -> HF names.
+GGUF_LLAMA_CONFIG = {"context_length": "max_position_embeddings",
+                     "block_count": "num_hidden_layers",
+                     "feed_forward_length": "intermediate_size",
+                     "embedding_length": "hidden_size", "rope.freq_base": "rope_theta",
+                     "rope.dimension_count": "head_dim",
+                     "attention.head_count": "num_attention_heads",
+                     "attention.head_count_kv": "num_key_value_heads",
+                     "attention.layer_norm_rms_epsilon": "rms_norm_eps"}
+GGUF_LLAMA_TOKENS = {"bos_token_id": "tokenizer.ggml.bos_token_id",
+                     "eos_token_id": "tokenizer.ggml.eos_token_id",
+                     "pad_token_id": "tokenizer.ggml.padding_token_id"}
+GGUF_LLAMA_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+                    "ffn_norm": "post_attention_layernorm"}
+
+
+def read_gguf_llama(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A llama GGUF file -> (transformers' LlamaConfig, its weights dequantized to float32 under
+    transformers' Llama names). The same config and bit-equal weights as transformers' GGUF
+    loader (tests/core/test_smollm2.py), read in one pass over the file's metadata where
+    transformers' config and model loaders make three (mostly the 49,152-token vocabulary's
+    fields, which the gguf reader parses one by one): SmolLM2-135M's first load, conversion
+    into the cache included, took 38 s through transformers' model and 18 s this way here."""
+    from gguf import GGUFReader, dequantize  # the hf extra, as transformers' own loader needs
+
     tf = _transformers()
-    directory, name = str(path.parent), path.name
-    model = tf.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    tokenizer = tf.AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    return model, tokenizer
+    reader = GGUFReader(str(path))
+
+    def field(key: str) -> Any:
+        found = reader.fields.get(key)
+        return None if found is None else found.contents()
+
+    arch = field("general.architecture")
+    if arch != "llama":
+        raise ConversionError(f"{path}: GGUF architecture {arch!r}; egmla converts llama GGUF "
+                              "files (other models: a transformers directory)")
+    scaling = sorted(k for k in reader.fields if k.startswith("llama.rope.scaling."))
+    if scaling:
+        raise ConversionError(f"{path}: {scaling[0]}: RoPE scaling is not implemented in egmla")
+    values = {ours: field(f"llama.{key}") for key, ours in GGUF_LLAMA_CONFIG.items()}
+    values.update({ours: field(key) for ours, key in GGUF_LLAMA_TOKENS.items()})
+    tensors = {t.name: t for t in reader.tensors}
+    config = tf.LlamaConfig(**{k: v for k, v in values.items() if v is not None},
+                            vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+                            tie_word_embeddings="output.weight" not in tensors)
+
+    def weight(name: str) -> torch.Tensor:
+        tensor = tensors[name]
+        shape = [int(n) for n in reversed(tensor.shape)]  # GGUF lists the fastest dim first
+        return torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).reshape(shape).copy())
+
+    def halves(w: torch.Tensor, heads: int) -> torch.Tensor:
+        # llama.cpp's converter interleaves each head's two RoPE halves; back to half-split
+        return w.reshape(heads, w.shape[0] // heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+
+    weights = {"model.embed_tokens.weight": weight("token_embd.weight"),
+               "model.norm.weight": weight("output_norm.weight")}
+    if "output.weight" in tensors:
+        weights["lm_head.weight"] = weight("output.weight")
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    for i in range(config.num_hidden_layers):
+        for theirs, ours in GGUF_LLAMA_LAYER.items():
+            w = weight(f"blk.{i}.{theirs}.weight")
+            weights[f"model.layers.{i}.{ours}.weight"] = halves(w, heads[theirs]) if theirs in heads else w
+    read = {"token_embd.weight", "output_norm.weight", "output.weight"} | {
+        f"blk.{i}.{theirs}.weight" for i in range(config.num_hidden_layers) for theirs in GGUF_LLAMA_LAYER}
+    if unread := sorted(set(tensors) - read):  # biases, extra layers: refused, not dropped
+        raise ConversionError(f"{path}: tensor {unread[0]!r} has no place in a Llama egmla "
+                              f"converts ({len(unread)} such tensors)")
+    return config, weights
 
 
 def _from_transformers(name_or_path: str, dtype: torch.dtype | None) -> tuple[Transformer, Any]:

@@ -68,11 +68,92 @@ def test_converted_once_then_loaded_from_the_cache(ours, cache, monkeypatch):
     def no_conversion(*args, **kwargs):
         raise AssertionError("a cached export must not be converted again")
 
-    monkeypatch.setattr(egmla.imports, "_load_gguf", no_conversion)
+    monkeypatch.setattr(egmla.imports, "read_gguf_llama", no_conversion)
     again, tokenizer = load_pretrained(NAME.lower())  # names are case-insensitive
     assert tokenizer is not None
     for (key, a), b in zip(model.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), key
+
+
+@pytest.mark.slow
+def test_the_gguf_reader_gives_transformers_config_and_weights_bit_for_bit(theirs):
+    """egmla reads the GGUF file itself (one pass over its metadata); what it reads is what
+    transformers' GGUF loader makes of the same file: the config egmla converts, and every
+    weight equal bit for bit (Q and K rows back in half-split order, the tied head)."""
+    config, weights = egmla.imports.read_gguf_llama(KNOWN_MODELS[NAME].path())
+    reference = theirs[0]
+    assert egmla.imports.config_from_llama(config) == egmla.imports.config_from_llama(reference.config)
+    expected = reference.state_dict()
+    assert set(expected) - set(weights) == {"lm_head.weight"} and reference.config.tie_word_embeddings
+    for name, weight in weights.items():
+        assert weight.dtype == torch.float32 and torch.equal(weight, expected[name]), name
+
+
+def tiny_gguf(path, arch="llama", extra_tensors=(), extra_keys=()):
+    """A one-block llama GGUF file (d 8, 2 heads, 1 KV head of 4, vocab 5), float32 tensors
+    numbered so that every row is recognisable; returns {GGUF name: array as stored}."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_context_length(16)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(12)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_token_list([f"t{i}" for i in range(5)])
+    for key, value in extra_keys:
+        writer.add_float32(key, value)
+    shapes = {"token_embd.weight": (5, 8), "output_norm.weight": (8,),
+              "blk.0.attn_q.weight": (8, 8), "blk.0.attn_k.weight": (4, 8),
+              "blk.0.attn_v.weight": (4, 8), "blk.0.attn_output.weight": (8, 8),
+              "blk.0.ffn_gate.weight": (12, 8), "blk.0.ffn_up.weight": (12, 8),
+              "blk.0.ffn_down.weight": (8, 12), "blk.0.attn_norm.weight": (8,),
+              "blk.0.ffn_norm.weight": (8,), **dict(extra_tensors)}
+    stored = {}
+    for n, (name, shape) in enumerate(shapes.items()):
+        stored[name] = (np.arange(np.prod(shape), dtype=np.float32).reshape(shape) + 100 * n)
+        writer.add_tensor(name, stored[name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
+
+
+def test_the_gguf_reader_undoes_llama_cpps_rope_interleave(tmp_path):
+    """llama.cpp stores each head's Q/K rows as [r0, r(D/2), r1, r(D/2+1), ...]; read back, a
+    head's rows are half-split again: stored row 2j is row j, stored row 2j+1 is row D/2 + j."""
+    stored = tiny_gguf(tmp_path / "tiny.gguf")
+    config, weights = egmla.imports.read_gguf_llama(tmp_path / "tiny.gguf")
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+            config.num_key_value_heads, config.vocab_size) == (1, 8, 2, 1, 5)
+    assert config.tie_word_embeddings  # no output.weight in the file
+    for gguf_name, ours, heads in (("blk.0.attn_q.weight", "self_attn.q_proj", 2),
+                                   ("blk.0.attn_k.weight", "self_attn.k_proj", 1)):
+        got, rows = weights[f"model.layers.0.{ours}.weight"].numpy(), stored[gguf_name]
+        half = rows.shape[0] // heads // 2
+        for h in range(heads):
+            for j in range(half):
+                assert (got[h * 2 * half + j] == rows[h * 2 * half + 2 * j]).all()
+                assert (got[h * 2 * half + half + j] == rows[h * 2 * half + 2 * j + 1]).all()
+    assert (weights["model.layers.0.self_attn.v_proj.weight"].numpy() == stored["blk.0.attn_v.weight"]).all()
+    assert (weights["model.embed_tokens.weight"].numpy() == stored["token_embd.weight"]).all()
+
+
+@pytest.mark.parametrize("kind, needle", [("arch", "architecture 'gpt2'"),
+                                          ("bias", "'blk.0.attn_q.bias'"),
+                                          ("scaling", "llama.rope.scaling.factor")])
+def test_a_gguf_file_egmla_cannot_convert_exactly_is_refused_by_name(tmp_path, kind, needle):
+    path = tmp_path / f"{kind}.gguf"
+    tiny_gguf(path, arch="gpt2" if kind == "arch" else "llama",
+              extra_tensors=[("blk.0.attn_q.bias", (8,))] if kind == "bias" else (),
+              extra_keys=[("llama.rope.scaling.factor", 4.0)] if kind == "scaling" else ())
+    with pytest.raises(egmla.imports.ConversionError, match=needle):
+        egmla.imports.read_gguf_llama(path)
 
 
 @pytest.mark.slow
