@@ -45,6 +45,7 @@ from egmla.weight_names import (
     LLAMA_ATTENTION,
     ConversionError,
     build_model,
+    gguf_rope_rows,
     rename_weights,
 )
 
@@ -420,30 +421,24 @@ def read_gguf_llama(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
     config = tf.LlamaConfig(**{k: v for k, v in values.items() if v is not None},
                             vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
                             tie_word_embeddings="output.weight" not in tensors)
-
-    def weight(name: str) -> torch.Tensor:
-        tensor = tensors[name]
-        shape = [int(n) for n in reversed(tensor.shape)]  # GGUF lists the fastest dim first
-        return torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).reshape(shape).copy())
-
-    def halves(w: torch.Tensor, heads: int) -> torch.Tensor:
-        # llama.cpp's converter interleaves each head's two RoPE halves; back to half-split
-        return w.reshape(heads, w.shape[0] // heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
-
-    weights = {"model.embed_tokens.weight": weight("token_embd.weight"),
-               "model.norm.weight": weight("output_norm.weight")}
-    if "output.weight" in tensors:
-        weights["lm_head.weight"] = weight("output.weight")
-    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
-    for i in range(config.num_hidden_layers):
-        for theirs, ours in GGUF_LLAMA_LAYER.items():
-            w = weight(f"blk.{i}.{theirs}.weight")
-            weights[f"model.layers.{i}.{ours}.weight"] = halves(w, heads[theirs]) if theirs in heads else w
-    read = {"token_embd.weight", "output_norm.weight", "output.weight"} | {
-        f"blk.{i}.{theirs}.weight" for i in range(config.num_hidden_layers) for theirs in GGUF_LLAMA_LAYER}
-    if unread := sorted(set(tensors) - read):  # biases, extra layers: refused, not dropped
+    names = {"token_embd.weight": "model.embed_tokens.weight",
+             "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight",
+             **{f"blk.{i}.{theirs}.weight": f"model.layers.{i}.{ours}.weight"
+                for i in range(config.num_hidden_layers) for theirs, ours in GGUF_LLAMA_LAYER.items()}}
+    if unread := sorted(set(tensors) - set(names)):  # biases, extra layers: refused, not dropped
         raise ConversionError(f"{path}: tensor {unread[0]!r} has no place in a Llama egmla "
                               f"converts ({len(unread)} such tensors)")
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    weights = {}
+    for theirs, ours in names.items():
+        if theirs not in tensors:
+            continue  # the tied head; a missing layer tensor is named by build_model
+        tensor = tensors[theirs]
+        shape = [int(n) for n in reversed(tensor.shape)]  # GGUF lists the fastest dim first
+        w = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).reshape(shape).copy())
+        if (kind := theirs.split(".")[-2]) in heads:
+            w = w.index_select(0, gguf_rope_rows(w.shape[0], heads[kind]))
+        weights[ours] = w
     return config, weights
 
 

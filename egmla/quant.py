@@ -241,8 +241,9 @@ def _llama_rows(weight: QuantWeight, heads: int) -> QuantWeight:
     """GGUF's Q and K rows back in transformers' order: llama.cpp's converter interleaves each
     head's two RoPE halves, and transformers' loader undoes it; a permutation of whole rows, so
     the blocks move as they are."""
-    n = weight.shape[0]
-    order = torch.arange(n).view(heads, n // heads // 2, 2).transpose(1, 2).reshape(n)
+    from egmla.weight_names import gguf_rope_rows
+
+    order = gguf_rope_rows(weight.shape[0], heads)
     return QuantWeight(weight.format, *(t.index_select(0, order).contiguous() if t is not None
                                         else None for t in (weight.qs, weight.d, weight.m)))
 

@@ -100,3 +100,10 @@ def rename_weights(
 def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> Transformer:
     """A model holding `state_dict`, in its dtype and on its device, in eval mode."""
     return Transformer.from_state_dict(config, state_dict).to(state_dict["tok_emb.weight"].dtype).eval()
+
+
+def gguf_rope_rows(n: int, heads: int) -> torch.Tensor:
+    """The row order that puts a GGUF file's Q or K projection (n rows, `heads` heads) back in
+    Llama's half-split layout: llama.cpp's converter interleaves each head's two RoPE halves,
+    so row j of a head's first half is stored at 2j and row D/2 + j at 2j + 1."""
+    return torch.arange(n).view(heads, n // heads // 2, 2).transpose(1, 2).reshape(n)
