@@ -75,8 +75,9 @@ def difference_interval(a: list[float], b: list[float], level: float = LEVEL) ->
 
 
 def paired_p(diffs: list[float]) -> float | None:
-    """Two-sided paired t-test p-value of the mean difference (None below two seeds)."""
-    if len(diffs) < 2:
+    """Two-sided paired t-test p-value of the mean difference (None below two seeds, and where
+    every seed has the same difference: no spread, no test, as `paired` treats it)."""
+    if len(diffs) < 2 or max(diffs) - min(diffs) <= 1e-12 * max(1.0, *map(abs, diffs)):
         return None
     from scipy.stats import ttest_1samp
 

@@ -88,6 +88,10 @@ FAMILIES = {
                        ("egmla_v_gate", "mla_value_embed")),
     "placement_post_hoc": (("egmla_kv", "egmla_v_gate"), ("mla_kv_embed", "mla_value_embed")),
 }
+# The same questions asked of MQAR recall (the mean over the slices) in the fair MQAR phases,
+# each arm at its own MQAR rate, paired by seed: the headline pair and every arm against each
+# baseline. Declared on 2026-12-06, when only `mha`'s grid had run (no EG-MLA or MLA fair run).
+MQAR_FAMILIES = {"mqar_headline": FAMILIES["headline"], "mqar_baselines": FAMILIES["baselines"]}
 ABLATIONS = {
     **{f"egmla_kv_de{d}": ("small_egmla", (f"model.attention.d_e={d}",)) for d in (16, 32, 128)},
     **{f"egmla_kv_group{g}": ("small_egmla", (f"model.attention.gate_group_size={g}",))

@@ -15,8 +15,8 @@ from eval.stats import holm, interval, paired, paired_p
 from studies.gating.arms import arm_overrides, describe
 from studies.gating.plan import choose_lrs, selection_loss
 from studies.gating.protocol import (ABLATIONS, ARM, ARMS, BASE, BASE_STEPS, BASELINES, FAMILIES,
-                                     LEARNED_RECALL, LM_EVAL_METRICS, LONG_ARMS, LONG_FACTOR, MQAR_FAIR_STEPS,
-                                     MQAR_STEPS, Setup)
+                                     LEARNED_RECALL, LM_EVAL_METRICS, LONG_ARMS, LONG_FACTOR,
+                                     MQAR_FAIR_STEPS, MQAR_FAMILIES, MQAR_STEPS, Setup)
 
 
 def summarize(records: list[dict[str, Any]], chosen: dict[str, float],
@@ -70,6 +70,9 @@ def summarize(records: list[dict[str, Any]], chosen: dict[str, float],
             other = arms[base]
             entry["paired_differences"][base] = paired(entry["val_loss_by_seed"],
                                                        other["val_loss_by_seed"])
+            if entry["mqar_fair"] and other["mqar_fair"]:  # recall, each at its MQAR rate
+                entry["mqar_fair"]["paired_differences"][base] = paired(
+                    _fair_recall(entry), _fair_recall(other))
             if entry["mqar_accuracy_by_seed"] and other["mqar_accuracy_by_seed"]:
                 entry["paired_differences_mqar"][base] = paired(
                     *({s: mqar_mean(a) for s, a in e["mqar_accuracy_by_seed"].items() if a}
@@ -93,32 +96,54 @@ def summarize(records: list[dict[str, Any]], chosen: dict[str, float],
             "arms": arms, "comparisons": comparisons(arms), "remakes": remakes(records)}
 
 
+def _val_loss(entry: dict[str, Any]) -> dict[int, float]:
+    return entry["val_loss_by_seed"]
+
+
+def _fair_recall(entry: dict[str, Any]) -> dict[int, float]:
+    fair = entry.get("mqar_fair") or {}
+    return {seed: mqar_mean(acc) for seed, acc in (fair.get("accuracy_by_seed") or {}).items()}
+
+
+MEASURES = {"val_loss": (FAMILIES, _val_loss), "mqar_recall": (MQAR_FAMILIES, _fair_recall)}
+
+
 def comparisons(arms: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each declared family's comparisons (protocol.FAMILIES) of the validation loss, paired by
-    seed: the difference `arm - against` with its 95% interval, the paired t-test's p, and that p
+    """Each declared family's comparisons, paired by seed: of the validation loss
+    (protocol.FAMILIES) and of the fair MQAR runs' recall (protocol.MQAR_FAMILIES): the
+    difference `arm - against` with its 95% interval, the paired t-test's p, and that p
     Holm-adjusted within the family (over the comparisons it has data for so far)."""
     out = []
-    for family, pairs in FAMILIES.items():
-        rows = []
-        for arm, against in pairs:
-            if arm not in arms or against not in arms:
-                continue
-            mine, theirs = arms[arm]["val_loss_by_seed"], arms[against]["val_loss_by_seed"]
-            diffs = [mine[s] - theirs[s] for s in sorted(set(mine) & set(theirs))]
-            rows.append({"family": family, "arm": arm, "against": against,
-                         **paired(mine, theirs), "p": paired_p(diffs)})
-        tested = [r for r in rows if r["p"] is not None]
-        for r, adjusted in zip(tested, holm([r["p"] for r in tested])):
-            r["p_holm"] = adjusted
-        out += [{**r, "family_size": len(tested), "p_holm": r.get("p_holm")} for r in rows]
+    for measure, (families, by_seed) in MEASURES.items():
+        for family, pairs in families.items():
+            out += _family(family, measure, pairs, arms, by_seed)
     return out
+
+
+def _family(family: str, measure: str, pairs, arms: dict[str, Any], by_seed) -> list[dict[str, Any]]:
+    rows = []
+    for arm, against in pairs:
+        if arm not in arms or against not in arms:
+            continue
+        mine, theirs = by_seed(arms[arm]), by_seed(arms[against])
+        common = sorted(set(mine) & set(theirs))
+        if not common:
+            continue
+        diffs = [mine[s] - theirs[s] for s in common]
+        rows.append({"family": family, "measure": measure, "arm": arm, "against": against,
+                     **paired(mine, theirs), "p": paired_p(diffs)})
+    tested = [r for r in rows if r["p"] is not None]
+    for r, adjusted in zip(tested, holm([r["p"] for r in tested])):
+        r["p_holm"] = adjusted
+    return [{**r, "family_size": len(tested), "p_holm": r.get("p_holm")} for r in rows]
 
 
 def mqar_fair(rows: list[dict[str, Any]], lr: float | None) -> dict[str, Any] | None:
     """An arm's fair MQAR runs (mqar_lr, mqar_seeds): its grid (validation loss, seed 0), its
     chosen rate, and at that rate the recall by seed (each slice and their mean), the mean's
-    interval over the seeds and each slice's, and how many seeds learned the lookup (recall past
-    LEARNED_RECALL); None before any such run."""
+    interval over the seeds and each slice's, how many seeds learned the lookup (recall past
+    LEARNED_RECALL), and (summarize adds them) the recall's paired differences against each
+    baseline; None before any such run."""
     grid = {f"{r['lr']:g}": selection_loss(r) for r in rows if r["phase"] == "mqar_lr"}
     if not grid:
         return None
@@ -130,7 +155,8 @@ def mqar_fair(rows: list[dict[str, Any]], lr: float | None) -> dict[str, Any] | 
     return {"lr_grid_val_loss": grid, "lr": lr, "lr_protocol": "best over LR on MQAR (seed 0)",
             "accuracy_by_seed": by_seed, "mean_accuracy": interval(means),
             "learned_seeds": sum(m > LEARNED_RECALL for m in means), "learned_recall": LEARNED_RECALL,
-            "by_slice": {k: interval([a[k] for a in by_seed.values() if k in a]) for k in slices}}
+            "by_slice": {k: interval([a[k] for a in by_seed.values() if k in a]) for k in slices},
+            "paired_differences": {}}  # against each baseline, filled by summarize
 
 
 def remakes(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -170,7 +170,7 @@ def mqar_fair_table(summary: dict[str, Any]) -> str:
     """The fair MQAR runs: each arm at its own rate from a grid on MQAR, recall by seed (the mean
     over the 4, 8 and 16-pair slices), its interval, how many seeds learned the lookup (recall
     past the record's `learned_recall`: the outcome is nearly two-valued), each slice's mean,
-    and the MQAR model's KV bytes."""
+    the MQAR model's KV bytes, and the recall's paired differences against each baseline."""
     arms, plan = summary["arms"], _plan(summary)
     names = [n for n in plan["arms"] if arms[n].get("mqar_fair")]
     if not names:
@@ -186,10 +186,13 @@ def mqar_fair_table(summary: dict[str, Any]) -> str:
                      ci(fair["mean_accuracy"], 3, fraction=True),
                      f"{fair['learned_seeds']} of {len(fair['accuracy_by_seed'])}",
                      " / ".join(f"{slices[k]['mean']:.3f}" for k in sorted(slices)) or "-",
-                     str(model.get("kv_bytes_per_token_bf16", "-"))])
+                     str(model.get("kv_bytes_per_token_bf16", "-")),
+                     *("-" if b == n else ci(fair.get("paired_differences", {}).get(b), 3,
+                                             signed=True) for b in plan["baselines"])])
     return _table(["arm", "grid (LR: val loss, seed 0)", "LR", "recall by seed",
                    "mean [95% CI]", f"seeds past {arms[names[0]]['mqar_fair']['learned_recall']:g}",
-                   "by slice", "KV bytes/token (bf16)"], rows, 2)
+                   "by slice", "KV bytes/token (bf16)",
+                   *(f"vs {_name(b)}" for b in plan["baselines"])], rows, 2)
 
 
 def _lm_digits(metric: str) -> int:
@@ -233,15 +236,21 @@ def _p(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+MEASURE_NAMES = {"val_loss": "val loss", "mqar_recall": "MQAR recall"}
+
+
 def comparisons_table(summary: dict[str, Any]) -> str:
-    """The declared families of comparisons (validation loss, paired by seed): each difference
-    with its interval, its paired t-test p and that p Holm-adjusted within its family."""
-    rows = [[f"{c['family']} ({c['family_size']})", _name(c["arm"]), _name(c["against"]),
-             ci(c, signed=True, digits=3), _p(c["p"]), _p(c["p_holm"])]
+    """The declared families of comparisons (validation loss; MQAR recall at each arm's MQAR
+    rate; paired by seed): each difference with its interval, its paired t-test p and that p
+    Holm-adjusted within its family."""
+    rows = [[f"{c['family']} ({c['family_size']})", MEASURE_NAMES[c.get("measure", "val_loss")],
+             _name(c["arm"]), _name(c["against"]), ci(c, signed=True, digits=3), _p(c["p"]),
+             _p(c["p_holm"])]
             for c in summary.get("comparisons") or []]
     if not rows:
         return ""
-    return _table(["family (size)", "arm", "against", "difference [95% CI]", "p", "p, Holm"], rows, 3)
+    return _table(["family (size)", "measure", "arm", "against", "difference [95% CI]", "p",
+                   "p, Holm"], rows, 4)
 
 
 def remakes_table(summary: dict[str, Any], most: int = 3) -> str:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from scipy import stats as scipy_stats
 
 from eval import stats
 from studies import gating as study
@@ -98,6 +99,9 @@ def test_paired_differences_pair_the_same_seed_and_say_when_they_exclude_zero():
     # the same difference on every seed (one item of an accuracy): a zero-width interval
     same = stats.paired({0: 0.272, 1: 0.266}, {0: 0.270, 1: 0.264})
     assert same["low"] == pytest.approx(same["high"]) and not same["distinguishable_from_zero"]
+    # nor has it a t-test (scipy's would be a rounding error's); with a spread it is scipy's
+    assert stats.paired_p([0.272 - 0.270, 0.266 - 0.264]) is None and stats.paired_p([0.1]) is None
+    assert stats.paired_p([0.1, 0.3]) == pytest.approx(scipy_stats.ttest_1samp([0.1, 0.3], 0).pvalue)
 
 
 def test_each_declared_familys_p_values_are_holm_adjusted_within_it():
@@ -128,8 +132,12 @@ def test_each_declared_familys_p_values_are_holm_adjusted_within_it():
         assert all(c["family_size"] == len(family) for c in family)
     assert by_family["headline"][0]["p_holm"] != by_family["baselines"][1]["p_holm"]  # same pair
     record = json.loads((ROOT / "benchmarks/results/study/summary.json").read_text())
-    sizes = {c["family"]: c["family_size"] for c in record["comparisons"]}
+    sizes = {c["family"]: c["family_size"] for c in record["comparisons"] if c.get("measure",
+                                                                                   "val_loss") == "val_loss"}
     assert sizes == {"headline": 2, "baselines": 21, "token_identity": 5, "placement_post_hoc": 2}
+    # the fair MQAR families ask the headline's and the baselines' questions of recall
+    assert study.MQAR_FAMILIES == {"mqar_headline": study.FAMILIES["headline"],
+                                   "mqar_baselines": study.FAMILIES["baselines"]}
 
 
 def test_lm_eval_scores_and_mqar_recall_are_summarized_over_seeds_and_paired(tmp_path):
@@ -166,7 +174,7 @@ def test_the_fair_mqar_phases_give_each_arm_its_own_rate_then_its_seeds(tmp_path
     the edge its best validation loss is at; mqar_seeds waits for every arm's choice, then
     runs seeds 1 and 2 there; the summary reports recall at each arm's MQAR rate, not at
     egmla_kv's, and the table shows it."""
-    from studies.gating.tables import mqar_fair_table
+    from studies.gating.tables import ci, mqar_fair_table
 
     setup = study.Setup(arms=("mla_dc32", "egmla_kv"), lrs=(1e-3, 2e-3, 4e-3), lr_extensions=1)
     first = study.plan("mqar_lr", [], setup)
@@ -180,7 +188,7 @@ def test_the_fair_mqar_phases_give_each_arm_its_own_rate_then_its_seeds(tmp_path
     recall = {"mla_dc32": {8e-3: 0.4, 4e-3: 0.3}, "egmla_kv": {2e-3: 0.9, 4e-3: 0.5}}
 
     def record(arm, lr, seed, phase):
-        acc = recall[arm].get(lr, 0.1) + 0.01 * seed
+        acc = recall[arm].get(lr, 0.1) + (0.01 if arm == "egmla_kv" else 0.02) * seed
         return {**rows(phase, arm, {(lr, seed): loss[arm].get(lr, 1.0)})[0],
                 "mqar_accuracy": {"kv4": acc + 0.05, "kv16": acc - 0.05}}
 
@@ -208,10 +216,23 @@ def test_the_fair_mqar_phases_give_each_arm_its_own_rate_then_its_seeds(tmp_path
     assert len(shown) == 6  # three seeds each, the grid's other rates left out
     table = mqar_fair_table(json.loads(json.dumps(summary))).split("\n")
     assert table[2].startswith("| `mla_dc32` | 0.001: 1.200 / 0.002: 1.100 / 0.004: 1.000 / "
-                               "0.008: 0.900 | 0.008 | 0.400 / 0.410 / 0.420 |")
+                               "0.008: 0.900 | 0.008 | 0.400 / 0.420 / 0.440 |")
     # recall is nearly two-valued (a plateau, then the lookup): the seeds past 0.5 are counted
     assert fair["learned_seeds"] == 3 and summary["arms"]["mla_dc32"]["mqar_fair"]["learned_seeds"] == 0
     assert "| seeds past 0.5 |" in table[0] and "| 3 of 3 |" in table[3] and "| 0 of 3 |" in table[2]
+    # paired by seed, each arm at its own MQAR rate: egmla_kv 0.90 + 0.01 s, mla_dc32 0.40 + 0.02 s
+    against = fair["paired_differences"]["mla_dc32"]
+    assert against == pytest.approx(stats.paired({0: 0.9, 1: 0.91, 2: 0.92}, {0: 0.4, 1: 0.42, 2: 0.44}))
+    assert against["mean"] == pytest.approx(0.49) and against["distinguishable_from_zero"]
+    assert table[0].endswith("| vs `mla_dc32` | vs `mla_param_matched` |")
+    assert table[3].endswith(f"| {ci(against, 3, signed=True)} | - |")  # none of its own: "-"
+    # the declared MQAR families, over the recall means at each arm's MQAR rate
+    mqar = [c for c in summary["comparisons"] if c["measure"] == "mqar_recall"]
+    assert [(c["family"], c["arm"], c["against"]) for c in mqar] == [
+        ("mqar_headline", "egmla_kv", "mla_dc32"), ("mqar_baselines", "egmla_kv", "mla_dc32")]
+    assert all(c["mean"] == pytest.approx(0.49) for c in mqar)
+    assert all(c["p"] == pytest.approx(stats.paired_p([0.5, 0.49, 0.48])) for c in mqar)
+    assert not any(c["family"] == "headline" for c in summary["comparisons"])  # no val-loss seeds
 
 
 def test_an_arm_added_later_leaves_the_others_runs_in_the_record():
