@@ -184,7 +184,8 @@ def mqar_fair_table(summary: dict[str, Any]) -> str:
                      _rate(fair["lr"]),
                      _seeds({s: _mean(a.values()) for s, a in fair["accuracy_by_seed"].items()}, 3),
                      ci(fair["mean_accuracy"], 3, fraction=True),
-                     f"{fair['learned_seeds']} of {len(fair['accuracy_by_seed'])}",
+                     f"{fair['learned_seeds']} of {len(fair['accuracy_by_seed'])}"
+                     if fair["accuracy_by_seed"] else "-",
                      " / ".join(f"{slices[k]['mean']:.3f}" for k in sorted(slices)) or "-",
                      str(model.get("kv_bytes_per_token_bf16", "-")),
                      *("-" if b == n else ci(fair.get("paired_differences", {}).get(b), 3,
