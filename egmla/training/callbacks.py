@@ -1,5 +1,5 @@
-"""Callbacks and loggers: throughput and MFU, the plain export, a CSV log and a progress bar
-that survive resume."""
+"""Callbacks and loggers: throughput and MFU, the training time over all starts, the plain
+export, a CSV log and a progress bar that survive resume."""
 
 from __future__ import annotations
 
@@ -61,6 +61,34 @@ class Throughput(L.Callback):
                 mfu = tokens_per_s * self._flops_per_token / (self.peak_flops * trainer.world_size)
                 pl_module.log("train/mfu", mfu)
         self._last = now
+
+
+class FitClock(L.Callback):
+    """A run's training time over all its starts. Each checkpoint carries the seconds trained
+    until it was saved: what the checkpoint this start resumed carried, plus this start's time
+    since fit began. So a resumed run's `total` counts each earlier start up to its last save
+    (the steps after it are lost, and trained again in the next start, whose time counts), and
+    this start whole. `total` is None for a run resumed from a checkpoint saved without the
+    clock (its earlier starts' time is unknown), and for every later start of it."""
+
+    def __init__(self, resumed: bool = False) -> None:
+        self.before: float | None = None if resumed else 0.0  # known once the checkpoint loads
+        self._started: float | None = None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._started = time.perf_counter()
+
+    def total(self, this_start: float | None = None) -> float | None:
+        """The seconds of the earlier starts plus `this_start` (default: since fit began)."""
+        if this_start is None:
+            this_start = 0.0 if self._started is None else time.perf_counter() - self._started
+        return None if self.before is None else self.before + this_start
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seconds": self.total()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.before = state_dict.get("seconds")
 
 
 class ProgressBar(TQDMProgressBar):

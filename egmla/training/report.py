@@ -25,8 +25,11 @@ def sample_from_export(export_dir: str, prompt: str, max_new_tokens: int = 60, s
 
 
 def print_summary(summary: dict[str, Any], prompt: str | None) -> None:
-    print(f"\nrun {summary['name']}: {summary['global_step']} steps in {summary['fit_seconds']} s "
-          f"-> {summary['run_dir']}")
+    total = summary.get("fit_seconds_all_starts")
+    took = f"{summary['fit_seconds']} s"
+    if total is not None and total != summary["fit_seconds"]:  # resumed: say both
+        took = f"{total} s over all starts ({summary['fit_seconds']} s this start)"
+    print(f"\nrun {summary['name']}: {summary['global_step']} steps in {took} -> {summary['run_dir']}")
     line = f"validation loss {summary['val_loss']:.3f} nats/token"
     if "unigram_val_loss" in summary:
         line += f" (unigram baseline {summary['unigram_val_loss']:.3f})"

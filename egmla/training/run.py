@@ -45,7 +45,7 @@ from egmla.devices import slow_precision_note, training_precision
 from egmla.models import cache_spec_for
 from egmla.provenance import provenance
 from egmla.training.callbacks import (
-    Export, ExportAt, ProgressBar, ResumableCSVLogger, Throughput,
+    Export, ExportAt, FitClock, ProgressBar, ResumableCSVLogger, Throughput,
 )
 from egmla.training.checkpoints import (
     ChecksummedCheckpointIO, check_weights_match, sidecar, verify_checkpoint,
@@ -350,8 +350,9 @@ def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = (),
     wandb_logger, wandb_id = _wandb_logger(config, run_dir)
     if wandb_logger is not None:
         loggers.append(wandb_logger)
-    trainer = _trainer(config, run_dir, _callbacks(config, run_dir, tokenizer, extra_callbacks),
-                       loggers)
+    clock = FitClock(resumed=resume_from is not None)
+    trainer = _trainer(config, run_dir, _callbacks(config, run_dir, tokenizer,
+                                                   (clock, *extra_callbacks)), loggers)
 
     if _is_rank_zero():  # the start is checked: from here on the run directory is written
         note = warmup_note(config.optim, config.trainer.max_steps)
@@ -368,6 +369,7 @@ def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = (),
     started = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None)
     fit_seconds = time.perf_counter() - started
+    all_starts = clock.total(fit_seconds)
     # the final number covers the whole validation set unless a quick run asks for less
     final_batches = config.trainer.final_val_batches
     trainer.limit_val_batches = 1.0 if final_batches is None else final_batches
@@ -380,7 +382,9 @@ def train(raw: dict[str, Any], run_dir: Path, extra_callbacks: tuple = (),
 
     summary: dict[str, Any] = {
         "name": config.name, "run_dir": str(run_dir), "global_step": trainer.global_step,
+        # this start's training time; over all starts (None where an earlier start's is unknown)
         "val_loss": val_loss, "fit_seconds": round(fit_seconds, 1),
+        "fit_seconds_all_starts": None if all_starts is None else round(all_starts, 1),
         "export": str(run_dir / "export") if config.export else None,
         **datamodule.baselines(),
     }

@@ -58,6 +58,7 @@ def record(run: Run, directory: Path) -> dict[str, Any]:
             "val_loss": summary["val_loss"],
             "unigram_val_loss": summary.get("unigram_val_loss"),
             "mqar_accuracy": summary.get("mqar_accuracy"), "fit_seconds": summary["fit_seconds"],
+            "fit_seconds_all_starts": summary.get("fit_seconds_all_starts"),
             "params": info["params"], "kv_bytes_per_token_bf16": info["kv_bytes_per_token_bf16"],
             "val_curve": curve, "lm_eval": lm_eval_scores(directory),
             "git": info["starts"][-1].get("git")}

@@ -306,9 +306,11 @@ def train_arm(arm: Arm, runs_dir: Path, results: Path, extra: list[str], log,
     conversion = _read_json(run_dir / "init" / "config.json") or {}
     record.update({
         "conversion": conversion.get("extra", {}).get("upcycle"),
-        "fit_seconds": summary.get("fit_seconds"), "val_loss": summary.get("val_loss"),
-        "starts": [{k: s.get(k) for k in ("git", "time", "hardware", "resumed_from",
-                                          "precision")} for s in info.get("starts", [])],
+        "fit_seconds": summary.get("fit_seconds"),  # the last start's
+        "fit_seconds_all_starts": summary.get("fit_seconds_all_starts"),
+        "val_loss": summary.get("val_loss"),
+        "starts": [{"time": s.get("time_utc"), **{k: s.get(k) for k in (
+            "git", "hardware", "resumed_from", "precision")}} for s in info.get("starts", [])],
         "gate_rows": table_rows_trained(run_dir / "init", run_dir / "export"),
         "context": _context(), "complete": True,
     })

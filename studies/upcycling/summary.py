@@ -87,6 +87,15 @@ def arm_table(families: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str, 
     return rows
 
 
+def training_seconds(run: dict[str, Any]) -> float | None:
+    """A run's training time over all its starts: recorded as such since the training clock
+    (egmla.training.callbacks.FitClock); before it, a run's `fit_seconds` was its last start's,
+    the whole only for a run trained in one start; None where it is not known."""
+    if run.get("fit_seconds_all_starts") is not None:
+        return run["fit_seconds_all_starts"]
+    return run.get("fit_seconds") if len(run.get("starts", [])) == 1 else None
+
+
 def transfer_comparison(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The MLA d_c 24 seed-0 run with a layer-wise attention-transfer stage first, beside the
     one with KL alone: final KL and the wall time each took (compute, on one machine)."""
@@ -95,7 +104,7 @@ def transfer_comparison(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]
         if r["family"].startswith("mla-dc24") and r["arm"]["seed"] == 0:
             final = _final(r)
             label = ("transfer, then KL" if r["arm"].get("transfer_steps") else "KL alone")
-            out[f"{label} ({r['name']})"] = {"fit_seconds": r.get("fit_seconds"),
+            out[f"{label} ({r['name']})"] = {"fit_seconds": training_seconds(r),
                                              "starts": len(r.get("starts", [])),
                                              "corpus_kl": final["corpus"]["kl"],
                                              "recovery_kl": final["recovery"]["kl"]}
@@ -139,12 +148,14 @@ def markdown(summary: dict[str, Any]) -> str:
     if transfer:
         lines += ["", "## Attention transfer first, against KL alone (mla-dc24, seed 0)", "",
                   "Both at the same steps and tokens (the transfer steps count in them). Fit "
-                  "seconds: the last start's training time only, comparable where each run "
-                  "trained in one start on one machine (`starts` in its record).", "",
+                  "seconds: the training time over all starts (each earlier start up to its "
+                  "last checkpoint; `-` where unknown), comparable where the starts ran on "
+                  "one kind of machine (`starts` in each record).", "",
                   "| recipe | fit seconds | starts | KL corpus | KL recovery |",
                   "|---|---:|---:|---:|---:|"]
         for name, t in transfer.items():
-            lines.append(f"| {name} | {t['fit_seconds']} | {t['starts']} | {t['corpus_kl']:.3f} | "
+            seconds = "-" if t["fit_seconds"] is None else t["fit_seconds"]
+            lines.append(f"| {name} | {seconds} | {t['starts']} | {t['corpus_kl']:.3f} | "
                          f"{t['recovery_kl']:.3f} |")
     if summary.get("gate_rows"):
         lines += ["", "## Gate table rows trained", ""]

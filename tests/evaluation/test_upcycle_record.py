@@ -206,11 +206,16 @@ def test_transfer_is_compared_with_kl_alone_only_when_both_ran():
 
     plain, transfer = _record(Arm("mla", 24), 1.0), _record(Arm("mla", 24, transfer_steps=24), 0.9)
     plain["arm"]["transfer_steps"], transfer["arm"]["transfer_steps"] = 0, 24
-    plain["fit_seconds"], transfer["fit_seconds"] = 100.0, 90.0
+    # the training time over all starts: recorded as such, or the one start's; else unknown
+    plain.update(fit_seconds=100.0, starts=[{}])
+    transfer.update(fit_seconds=30.0, fit_seconds_all_starts=90.0, starts=[{}, {}])
     assert transfer_comparison([plain]) == {}
     both = transfer_comparison([plain, transfer])
     assert both["transfer, then KL (mla-dc24-transfer24-s0)"]["fit_seconds"] == 90.0
+    assert both["KL alone (mla-dc24-s0)"]["fit_seconds"] == 100.0
     assert both["KL alone (mla-dc24-s0)"]["corpus_kl"] == pytest.approx(1.0 + 0.244)
+    plain["starts"] = [{}, {}]  # resumed before the clock: its earlier starts' time is lost
+    assert transfer_comparison([plain, transfer])["KL alone (mla-dc24-s0)"]["fit_seconds"] is None
 
 
 def test_a_perplexitys_interval_is_the_loss_intervals_exponentiated(tmp_path):

@@ -26,6 +26,8 @@ def test_an_earlier_run_resumes_from_its_checkpoint(tmp_path):
     overrides = [*TINY, *RUN_OVERRIDES, "trainer.max_steps=6"]
     summary = train(compose_config(overrides), run)
     assert summary["global_step"] == 6
+    # its checkpoint carries no training clock: the time of its earlier start is unknown
+    assert summary["fit_seconds"] > 0 and summary["fit_seconds_all_starts"] is None
     info = json.loads((run / "run_info.json").read_text())
     assert info["starts"][-1]["resumed_from"].endswith("last.ckpt")
     with (run / "metrics.csv").open() as f:  # only steps 5 and 6 were trained now

@@ -179,6 +179,31 @@ class BarProbe(L.Callback):
         self.seen.append((bar.desc, bar.n, bar.total))
 
 
+def test_the_training_clock_adds_the_checkpoints_seconds_to_this_starts():
+    """FitClock: a fresh run's time is its one start's; a resumed one adds what its checkpoint
+    carried; resumed from a checkpoint without the clock (or whose clock did not know), unknown.
+    The real resume: test_resume_after_crash_equals_uninterrupted."""
+    from egmla.training.callbacks import FitClock
+
+    assert FitClock().total(3.0) == 3.0 and FitClock().state_dict() == {"seconds": 0.0}
+    resumed = FitClock(resumed=True)
+    assert resumed.total(3.0) is None and resumed.state_dict() == {"seconds": None}
+    resumed.load_state_dict({"seconds": 5.0})
+    assert resumed.total(3.0) == 8.0
+    resumed.load_state_dict({"seconds": None})
+    assert resumed.total(3.0) is None
+
+
+@pytest.mark.parametrize("all_starts, took", [(8.0, "8.0 s over all starts (3.0 s this start)"),
+                                              (3.0, "3.0 s"), (None, "3.0 s")])
+def test_the_final_line_gives_the_time_over_all_starts(capsys, all_starts, took):
+    from egmla.training.report import print_summary
+
+    print_summary({"name": "r", "global_step": 6, "fit_seconds": 3.0, "run_dir": "runs/r",
+                   "fit_seconds_all_starts": all_starts, "val_loss": 4.0}, None)
+    assert capsys.readouterr().out.splitlines()[1] == f"run r: 6 steps in {took} -> runs/r"
+
+
 @pytest.mark.slow
 def test_resume_after_crash_equals_uninterrupted(tmp_path):
     overrides = [*TINY, "trainer.max_steps=12", "trainer.checkpoint_every_n_steps=6",
@@ -198,6 +223,13 @@ def test_resume_after_crash_equals_uninterrupted(tmp_path):
     assert probe.seen[0][1] >= 6 and probe.seen[-1][1] == 12
 
     assert resumed["global_step"] == full["global_step"] == 12
+    # the training time over both starts: the first start's up to its last save, which the
+    # checkpoint carried, plus the second's; one start's alone for the uninterrupted run
+    carried = last["callbacks"]["FitClock"]["seconds"]
+    assert 0 < carried < resumed["fit_seconds_all_starts"]
+    assert resumed["fit_seconds_all_starts"] == pytest.approx(carried + resumed["fit_seconds"],
+                                                             abs=0.11)
+    assert full["fit_seconds_all_starts"] == pytest.approx(full["fit_seconds"], abs=0.11)
     a, b = export_weights(tmp_path / "full"), export_weights(resumed_dir)
     assert a.keys() == b.keys()
     for key in a:
