@@ -47,8 +47,7 @@ def summarize(records: list[dict[str, Any]], chosen: dict[str, float],
             "mqar_accuracy_by_seed": {r["seed"]: r["mqar_accuracy"] for r in rows
                                       if r["phase"] == "mqar"},
         }
-        mqar = {seed: mqar_mean(acc) for seed, acc in arms[arm]["mqar_accuracy_by_seed"].items()
-                if acc}
+        mqar = recall_by_seed(arms[arm]["mqar_accuracy_by_seed"])
         arms[arm]["mqar_model"] = next(  # MQAR's model is another size: its own bytes, params
             ({"params": r["params"], "kv_bytes_per_token_bf16": r["kv_bytes_per_token_bf16"]}
              for r in rows if r["phase"].startswith("mqar") and r.get("params")), None)
@@ -75,8 +74,7 @@ def summarize(records: list[dict[str, Any]], chosen: dict[str, float],
                     _fair_recall(entry), _fair_recall(other))
             if entry["mqar_accuracy_by_seed"] and other["mqar_accuracy_by_seed"]:
                 entry["paired_differences_mqar"][base] = paired(
-                    *({s: mqar_mean(a) for s, a in e["mqar_accuracy_by_seed"].items() if a}
-                      for e in (entry, other)))
+                    *(recall_by_seed(e["mqar_accuracy_by_seed"]) for e in (entry, other)))
             for m in entry["lm_eval"]:
                 if m in other["lm_eval"]:
                     entry["paired_differences_lm_eval"][m][base] = paired(
@@ -101,8 +99,7 @@ def _val_loss(entry: dict[str, Any]) -> dict[int, float]:
 
 
 def _fair_recall(entry: dict[str, Any]) -> dict[int, float]:
-    fair = entry.get("mqar_fair") or {}
-    return {seed: mqar_mean(acc) for seed, acc in (fair.get("accuracy_by_seed") or {}).items()}
+    return recall_by_seed((entry.get("mqar_fair") or {}).get("accuracy_by_seed") or {})
 
 
 MEASURES = {"val_loss": (FAMILIES, _val_loss), "mqar_recall": (MQAR_FAMILIES, _fair_recall)}
@@ -167,6 +164,11 @@ def remakes(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
              "difference": r["val_loss"] - r["remade"]["recorded_val_loss"]}
             for r in records if "remade" in r]
     return sorted(rows, key=lambda row: -abs(row["difference"]))
+
+
+def recall_by_seed(accuracy_by_seed: dict[int, dict[str, float] | None]) -> dict[int, float]:
+    """Each seed's recall (mqar_mean), for the seeds that have one."""
+    return {seed: mqar_mean(acc) for seed, acc in accuracy_by_seed.items() if acc}
 
 
 def mqar_mean(accuracy: dict[str, float]) -> float:
