@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -94,13 +95,9 @@ def save_export(
     `overwrite`, so a mistyped path cannot wipe unrelated files. `extra` is JSON metadata kept
     in config.json (e.g. where the weights came from).
     """
-    directory = Path(os.path.abspath(directory))  # "." or "x/" get a real name and parent
     if not isinstance(model, Transformer):
         raise CheckpointError(f"save_export needs an egmla Transformer, got {type(model).__name__}")
-    if directory.exists() and not (overwrite or replaceable(directory)):
-        raise CheckpointError(
-            f"{directory}: exists and was not written by egmla; refusing to overwrite it"
-        )
+    directory = check_destination(directory, overwrite)
     dtype = _float_dtype(model)
     meta: dict[str, Any] = {"egmla_format_version": FORMAT_VERSION, "dtype": dtype_name(dtype)}
     if extra is not None:
@@ -115,6 +112,27 @@ def save_export(
         os.chmod(tmp / WEIGHTS_FILE, (tmp / CONFIG_FILE).stat().st_mode & 0o777)  # same umask
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+    return directory
+
+
+def check_destination(directory: str | os.PathLike, overwrite: bool = False,
+                      writer: str = "egmla") -> Path:
+    """`directory` as an absolute path, once an export may be written there: it is new, empty,
+    written by egmla (or `overwrite`), and its nearest existing parent is a directory that takes
+    a new entry (tried: a directory made there and removed). Commands call it before their long
+    work, so that a bad --out fails at once rather than after a conversion or an export."""
+    directory = Path(os.path.abspath(directory))  # "." or "x/" get a real name and parent
+    if directory.exists() and not (overwrite or replaceable(directory)):
+        raise CheckpointError(f"{directory}: exists and was not written by {writer}; refusing to "
+                              "overwrite it (choose another directory, or pass --overwrite)")
+    parent = directory.parent
+    while not parent.exists():
+        parent = parent.parent
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".egmla-probe-", dir=parent))
+    except OSError as err:
+        raise CheckpointError(f"{directory}: cannot be written ({parent}: "
+                              f"{err.strerror or err})") from None
     return directory
 
 

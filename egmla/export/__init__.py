@@ -25,10 +25,10 @@ import torch
 
 from egmla.checkpoint import (
     CheckpointError,
+    check_destination,
     file_sha256,
     is_export,
     recorded_digests,
-    replaceable,
     save_export,
     sidecar,
     tokenizer_or_none,
@@ -129,12 +129,7 @@ def export(
     """
     if format not in FORMATS:
         raise CheckpointError(f"format={format!r}: must be one of {', '.join(FORMATS)}")
-    out = Path(os.path.abspath(out))
-    if out.exists() and not (overwrite or replaceable(out)):
-        raise CheckpointError(
-            f"{out}: exists and was not written by egmla.export; choose another --out "
-            "(or pass --overwrite)"
-        )
+    out = check_destination(out, overwrite, writer="egmla.export")
     source = load_source(checkpoint, dtype)
     meta = _metadata(source)
     if format == "egmla":

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from egmla.checkpoint import CheckpointError, save_export
+from egmla.checkpoint import CheckpointError, check_destination, save_export
 from egmla.config import ConfigError
 from egmla.upcycle import GATE_FORMS, TARGETS, UpcycleError, check_options, upcycle
 from egmla.upcycle.rope import RULES
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
-    except (UpcycleError, ConfigError, CheckpointError, ValueError) as err:
+    except (UpcycleError, ConfigError, CheckpointError, ValueError, OSError) as err:
         if os.environ.get("EGMLA_DEBUG"):
             raise
         message = str(err).replace("\n", " ")
@@ -108,6 +108,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.to == "mla" and any(v is not None for v in (args.gate_position, args.d_e,
                                                         args.gate_group_size)):
         raise UpcycleError("--gate-position, --d-e and --gate-group-size are for --to egmla")
+    check_destination(args.out, args.overwrite)  # a bad --out fails now, not after the conversion
     started = time.perf_counter()
     model, tokenizer = load_pretrained(args.model, dtype=torch.float32)
     check_options(model, to=args.to, d_c=args.d_c, rope_dims=args.rope_dims, rule=args.rule,

@@ -13,6 +13,7 @@ from egmla.checkpoint import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     CheckpointError,
+    check_destination,
     load_export,
     load_tokenizer,
     read_export_config,
@@ -206,6 +207,16 @@ def test_save_replaces_an_export_but_not_other_directories(tmp_path):
     with pytest.raises(CheckpointError, match="not written by egmla"):
         save_export(build("tiny-mha"), tmp_path / "notes")
     assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+
+
+def test_a_destination_that_cannot_be_written_is_refused_before_anything_is(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(CheckpointError, match="cannot be written"):
+        check_destination(tmp_path / "file" / "export")
+    with pytest.raises(CheckpointError, match="cannot be written"):
+        save_export(build("tiny-mha"), tmp_path / "file" / "deeper" / "export")
+    assert check_destination(tmp_path / "new" / "export") == tmp_path / "new" / "export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # the probe left nothing
 
 
 def test_load_tokenizer_without_tokenizer_files_says_so(tmp_path):

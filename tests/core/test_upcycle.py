@@ -274,6 +274,19 @@ def test_the_command_refuses_bad_values_in_one_line(source_export, tmp_path, arg
     assert not (tmp_path / "x").exists()
 
 
+def test_the_command_checks_out_before_it_loads_the_model(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    for out, message in ((tmp_path / "file" / "x", "cannot be written"),
+                         (tmp_path / "notes", "--overwrite")):
+        done = run_cli("--model", "no-such-model", "--to", "mla", "--d-c", "8", "--out", str(out))
+        assert done.returncode == 2 and message in done.stderr and str(out) in done.stderr
+        assert "no-such-model" not in done.stderr  # the model was not looked for yet
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert [p.name for p in (tmp_path / "notes").iterdir()] == ["todo.txt"]
+
+
 def test_the_command_refuses_an_unknown_model(tmp_path):
     done = run_cli("--model", "no-such-model", "--to", "mla", "--d-c", "8",
                    "--out", str(tmp_path / "x"))
