@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,34 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text}: must be >= 1")
     return value
+
+
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not an integer") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text}: must be in [0, 65535] (0: any free port)")
+    return value
+
+
+def cannot_listen(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port, or None. Tried before the model loads
+    (seconds to minutes), so that a port in use or a mistyped host fails at once; a port taken
+    in between is still uvicorn's error."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as err:
+        return f"--host {host}: {getattr(err, 'strerror', None) or err}"
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as err:
+            return f"cannot listen on {host}:{port}: {err.strerror or err}"
+    return None
 
 
 def non_negative_float(text: str) -> float:
@@ -133,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "files or a known model name (vLLM's flag)")
     p.add_argument("--served-model-name", help="the name clients pass as 'model' (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (default %(default)s)")
+    p.add_argument("--port", type=port_number, default=8000,
+                   help="TCP port, 0 for any free one (default %(default)s)")
     p.add_argument("--dtype", choices=(*DTYPES, "auto", *VLLM_NAMES),
                    help="the weights' dtype (default, or auto: the export's; vLLM's half, float, "
                         "bf16, ... name the same dtypes)")
@@ -141,8 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", choices=QUANTIZATIONS,
                    help="block-quantized weights (vLLM's flag): q8_0, q4_0 or q4_1 quantizes "
                         "them at load into llama.cpp's blocks of 32 (8 or 4 bits, a float16 "
-                        "scale; a 4-bit method's LM head in q8_0); gguf keeps a GGUF model's quantized tensors as stored (default: "
-                        "none, the float weights)")
+                        "scale; a 4-bit method's LM head in q8_0); gguf keeps a GGUF model's "
+                        "quantized tensors as stored (default: none, the float weights)")
     p.add_argument("--api-key",
                    help="requests to /v1 must send 'Authorization: Bearer KEY' (else 401)")
     p.add_argument("--chat-template", metavar="FILE_OR_TEXT",
@@ -203,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         args.dtype = None
     if args.max_queued_requests < 0:
         print(f"error: --max-queued-requests={args.max_queued_requests}: must be >= 0", file=sys.stderr)
+        return 2
+    unusable = cannot_listen(args.host, args.port)
+    if unusable:
+        print(f"error: {unusable}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:  # vLLM's no-op flags: logged, or refused by name before anything loads

@@ -13,6 +13,7 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -124,7 +125,8 @@ def test_n_samples_and_prompt_batches_are_indexed_like_openai(smollm2, client):
 @pytest.mark.slow
 def test_32_concurrent_streams_each_get_their_own_tokens(smollm2, server):
     prompts = [f"Item {i}: the number {i} written in words is" for i in range(32)]
-    expected = [r.outputs[0].text for r in smollm2.generate(prompts, SamplingParams(temperature=0, max_tokens=12))]
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    expected = [r.outputs[0].text for r in smollm2.generate(prompts, greedy)]
 
     async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
         stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
@@ -343,6 +345,20 @@ def test_cli_help_and_bad_arguments_fail_cleanly(tmp_path):
             assert "Traceback" not in refused.stderr
 
 
+def test_an_address_it_cannot_listen_on_fails_before_the_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flags, message in ((["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
+                               (["--host", "no-such-host.invalid"], "--host no-such-host.invalid"),
+                               (["--port", "99999"], "99999: must be in [0, 65535]")):
+            run = run_cli("--model", "no-such-model", *flags)
+            assert run.returncode == 2 and message in run.stderr, run.stderr[-500:]
+            assert "no-such-model" not in run.stderr  # refused before the model was looked for
+            assert "Traceback" not in run.stderr
+
+
 def test_json_error_body_shape_is_openai(server):
     reply = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "a", "n": 0})
     error = json.loads(reply.text)["error"]
@@ -517,7 +533,8 @@ def test_a_failing_step_answers_500_and_the_engine_serves_on(tiny_llm):
         assert error["type"] == "server_error" and "injected fault" in error["message"]
         sampled = tiny_llm.engine.stats.sampled_tokens
         faulty.fail_on = {faulty.calls + 3}  # prefill, one decode, then the second decode fails
-        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as stream:
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                          timeout=60) as stream:
             events = [line.removeprefix("data: ") for line in stream.iter_lines() if line]
         assert tiny_llm.engine.stats.sampled_tokens - sampled == 2  # it failed mid-generation
         assert stream.status_code == 200 and events[-1] == "[DONE]"
