@@ -176,6 +176,25 @@ class MQARDataConfig:
     val_examples: int = 1_000  # per slice
     power_a: float = 0.01
 
+    def validate(self, seq_len: int) -> None:
+        """Every slice the run will build, checked now: before anything is written."""
+        from egmla.data.mqar import MQARConfig  # (imports torch) only for an MQAR run
+
+        for name in ("train_kv_pairs", "val_kv_pairs"):
+            _check(len(getattr(self, name)) >= 1,
+                   f"data.mqar.{name}=[]: needs at least one number of key-value pairs")
+        share = self.train_examples // len(self.train_kv_pairs)  # examples per training slice
+        _check(share >= 1, f"data.mqar.train_examples={self.train_examples}: fewer than one "
+                           f"for each of the {len(self.train_kv_pairs)} train_kv_pairs")
+        _check(self.val_examples >= 1, f"data.mqar.val_examples={self.val_examples}: must be >= 1")
+        for k in sorted({*self.train_kv_pairs, *self.val_kv_pairs}):
+            try:
+                MQARConfig(vocab_size=self.vocab_size, seq_len=seq_len, num_kv_pairs=k,
+                           power_a=self.power_a)
+            except ValueError as err:
+                raise ConfigError(f"data.mqar (kv_pairs {k}, data.seq_len {seq_len}): "
+                                  f"{err}") from None
+
 
 @dataclass
 class RecoveryDataConfig:
@@ -203,6 +222,8 @@ class DataConfig:
         _check(self.kind != "hf" or self.hf is not None, "data.kind='hf' needs a data.hf section")
         _check(self.kind != "mqar" or self.mqar is not None,
                "data.kind='mqar' needs a data.mqar section")
+        if self.kind == "mqar":
+            self.mqar.validate(self.seq_len)
 
 
 @dataclass

@@ -111,6 +111,23 @@ def test_bad_values_fail_naming_them(override, message):
         TrainConfig.from_dict(compose_config([override]))
 
 
+@pytest.mark.parametrize("override, message", [
+    ("data.mqar.vocab_size=2", r"kv_pairs 4.*vocab_size=2: too small"),
+    ("data.seq_len=32", r"kv_pairs 16, data.seq_len 32\): seq_len=32: must be >= 4 \* num_kv_pairs"),
+    ("data.mqar.train_kv_pairs=[]", r"train_kv_pairs=\[\]"),
+    ("data.mqar.train_examples=2", "train_examples=2: fewer than one for each of the 3"),
+    ("data.mqar.val_examples=0", "val_examples=0"),
+    ("data.mqar.power_a=0", "power_a=0"),
+    ("data.mqar.val_kv_pairs=[0]", "num_kv_pairs=0"),
+])
+def test_bad_mqar_values_fail_before_the_run_starts(override, message):
+    """The MQAR slices are built when the run starts; their settings are checked with the rest
+    of the config, before the run directory is written (they used to fail after it was)."""
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig.from_dict(compose_config(["experiment=mqar_sweep", override]))
+    TrainConfig.from_dict(compose_config(["experiment=mqar_sweep"]))
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
