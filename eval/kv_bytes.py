@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from egmla import files
 from egmla.cache import CacheSpec, ContiguousCache
 from egmla.config import ConfigError, ModelConfig
 from egmla.dtypes import REPORT_DTYPES, short_name
@@ -453,6 +454,11 @@ def main(argv: list[str] | None = None) -> int:
         measure_len, measure_max = parse_length(args.measure_len), parse_length(args.measure_max)
         if args.block_size < 1:
             raise UsageError(f"--block-size {args.block_size}: must be >= 1")
+        if args.output_dir:  # made now: a directory that cannot be fails before any work
+            try:
+                Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise UsageError(f"--output-dir {args.output_dir}: {err.strerror or err}") from None
     except UsageError as e:
         print(f"kv_bytes: error: {e}", file=sys.stderr)
         return 2
@@ -463,10 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     print(text if args.json else render(report), end="\n" if args.json else "")
     if args.output_dir:
         out = Path(args.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "kv_bytes.json").write_text(text + "\n")
         meta = "\n".join(f"- {k}: `{v}`" for k, v in report["metadata"].items())
-        (out / "kv_bytes.md").write_text(f"# KV-cache bytes\n\n{meta}\n\n{render(report, True)}")
+        files.write_text(out / "kv_bytes.json", text + "\n")  # whole files or none
+        files.write_text(out / "kv_bytes.md", f"# KV-cache bytes\n\n{meta}\n\n{render(report, True)}")
     if not report["all_match"]:
         print(f"kv_bytes: error: measured != analytic in {len(report['mismatches'])} allocations",
               file=sys.stderr)

@@ -214,6 +214,7 @@ def test_config_with_a_misspelled_key_names_it(tmp_path):
         (["--config", "{dir}/nested.json"], "'d_cc'"),
         (["--config", "{dir}/missing.json"], "cannot read"),
         (["--config", "{dir}/broken.json"], "not valid JSON"),
+        (["--output-dir", "{dir}/tiny-mha.json/out"], "--output-dir"),  # under a file
     ],
 )
 def test_bad_arguments_in_process(tmp_path, capsys, args, needle):
