@@ -365,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="whole-model cells of one (batch, context) whose caches add up to more are "
                         "timed one variant at a time instead of interleaved (memory)")
     p.add_argument("--quick", action="store_true", help="small presets, S 256 and 1024, batch 1")
-    p.add_argument("--out", type=Path, help="path prefix (default benchmarks/results/decode_cost)")
+    p.add_argument("--out", type=files.output_prefix,
+                   help="path prefix (default benchmarks/results/decode_cost)")
     p.add_argument("--fresh", action="store_true",
                    help="ignore the <out>.partial.json of an earlier run cut short and start over")
     args = p.parse_args(argv)

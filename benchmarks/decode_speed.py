@@ -70,6 +70,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parents[1]))  # measure the checkout this script is in
+from egmla.files import output_directory  # noqa: E402
 from serve.__main__ import positive_int  # noqa: E402  (after the path: this checkout's serve)
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -794,7 +795,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="new tokens per request in the batched cells (128)")
     parser.add_argument("--threads", type=positive_int, default=2,
                         help="threads of every system, and of the bandwidth probe (2)")
-    parser.add_argument("--out", "--output-dir", dest="out", type=Path, default=RESULTS,
+    parser.add_argument("--out", "--output-dir", dest="out", type=output_directory, default=RESULTS,
                         help="where decode_speed.{json,md} go (benchmarks/results)")
     parser.add_argument("--baseline-tree", type=Path, default=None, metavar="DIR",
                         help="another checkout of this project (a git worktree at an older "

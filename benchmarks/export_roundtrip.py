@@ -24,6 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # measure the checkout this script is in
 
+from egmla.files import output_prefix  # noqa: E402
 from egmla.config import ModelConfig  # noqa: E402
 from egmla.export import save_native  # noqa: E402
 from egmla.export.hf import save_hf, transformers_cache_spec  # noqa: E402
@@ -110,7 +111,7 @@ def measure(name: str, model: Transformer, directory: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="path prefix for .md and .json")
+    p.add_argument("--out", type=output_prefix, required=True, help="path prefix for .md and .json")
     p.add_argument("--no-smollm2", action="store_true", help="skip the 135M pretrained model")
     p.add_argument("--run", type=Path, help="a trained run to score through lm-eval both ways")
     p.add_argument("--limit", type=int, default=200, help="corpus_cloze items for --run")

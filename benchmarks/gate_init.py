@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from train_variants import composed_model, matched_d_ff, run  # noqa: E402
 
+from egmla.files import output_directory, output_prefix  # noqa: E402
 from egmla.provenance import provenance  # noqa: E402
 from eval.stats import interval  # noqa: E402
 
@@ -68,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--positions", nargs="+", choices=list(POSITIONS), default=list(POSITIONS))
     p.add_argument("--inits", nargs="+", choices=INITS, default=INITS)
-    p.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "gate_init")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gate_init")
+    p.add_argument("--runs-dir", type=output_directory, default=ROOT / "runs" / "gate_init")
+    p.add_argument("--out", type=output_prefix, default=ROOT / "benchmarks" / "results" / "gate_init")
     args = p.parse_args(argv)
 
     from egmla.config import ModelConfig

@@ -42,6 +42,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from egmla.files import output_directory  # noqa: E402
 OUT = ROOT / "benchmarks" / "results" / "gpu"
 SMOLLM2 = {"vocab_size": 49152, "d_model": 576, "n_layers": 30, "n_heads": 9, "d_ff": 1536,
            "max_seq_len": 2048, "rope_theta": 100000.0, "tie_embeddings": True,
@@ -311,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke test)")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the script")
-    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--out", type=output_directory, default=OUT)
     p.add_argument("--parts", default=None,
                    help="comma-separated parts to run (default all: checks, attention_path, "
                         "decode, variants, serving, training)")

@@ -173,7 +173,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="interleaved timing rounds per cell (default 7; the median is reported)")
     parser.add_argument("--threads", type=positive_int, default=2,
                         help="torch threads, which the kernel also uses (default 2)")
-    parser.add_argument("--out", "--output-dir", dest="out", type=Path, default=RESULTS,
+    parser.add_argument("--out", "--output-dir", dest="out", type=files.output_directory, default=RESULTS,
                         help=f"where to write kernel_rows.json and .md (default {RESULTS})")
     parser.add_argument("--quick", action="store_true",
                         help="two row counts per dtype, 2 rounds, 4 layers; writes kernel_rows_quick.*")

@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds (5)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (2)")
     p.add_argument("--quick", action="store_true", help="batch 1, 1,024 keys, 2 rounds")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--out", type=files.output_directory, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
     if args.quick:
         args.batches, args.contexts, args.repeats = [1], [1024], 2

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=positive_int, default=5, help="interleaved rounds (5)")
     p.add_argument("--threads", type=positive_int, default=2, help="torch threads (2)")
     p.add_argument("--quick", action="store_true", help="fp32, 64 tokens, 1 round")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--out", type=files.output_directory, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
     if args.quick:
         args.dtypes, args.tokens, args.repeats = ["float32"], [64], 1

@@ -24,7 +24,6 @@ SHA and versions.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", type=positive_int, default=16,
                    help="held-out windows of 512 scored tokens per domain (default %(default)s)")
     p.add_argument("--threads", type=positive_int, default=2, help="torch threads (2)")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results",
+    p.add_argument("--out", type=files.output_directory, default=ROOT / "benchmarks" / "results",
                    help="where quant_quality.{json,md} go (benchmarks/results)")
     args = p.parse_args(argv)
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):

@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from egmla.files import output_prefix  # noqa: E402
 from egmla.provenance import provenance  # noqa: E402
 
 COMMAND = "bash scripts/setup.sh && .venv/bin/python train.py experiment=quickstart"
@@ -34,8 +35,8 @@ COMMAND = "bash scripts/setup.sh && .venv/bin/python train.py experiment=quickst
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/quickstart.json")
-    p.add_argument("--keep-run", type=Path, help="copy the trained runs/quickstart here")
+    p.add_argument("--out", type=output_prefix, default=ROOT / "benchmarks/results/quickstart.json")
+    p.add_argument("--keep-run", type=output_prefix, help="copy the trained runs/quickstart here")
     args = p.parse_args(argv)
     readme = (ROOT / "README.md").read_text()
     if COMMAND not in readme:

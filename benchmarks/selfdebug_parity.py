@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from egmla.files import output_prefix
 from eval.selfdebug.report import load_traces, summarize
 
 VOLATILE = {"wall_s", "sandbox_s", "generate_s", "cached_tokens", "visible_reason"}
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_a", type=Path)
     p.add_argument("run_b", type=Path)
-    p.add_argument("--out", type=Path, required=True, help="path prefix for .md and .json")
+    p.add_argument("--out", type=output_prefix, required=True, help="path prefix for .md and .json")
     args = p.parse_args(argv)
     try:
         runs = [{(r["task_id"], r["method"], r["sample"]): r

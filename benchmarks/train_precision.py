@@ -25,6 +25,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parents[1]))
+from egmla.files import output_directory  # noqa: E402
 
 # (model, batch, sequence length): the shapes trained on this machine
 SHAPES = {
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int,
                    help="tokens per sequence, up to the shape's model length (quickstart 128, locality 256; "
                         "default: each shape's own)")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--out", type=output_directory, default=RESULTS)
     args = p.parse_args(argv)
     if args.rounds < 1 or args.steps < 1:
         print("error: --rounds and --steps must be >= 1", file=sys.stderr)

@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from egmla.files import output_directory  # noqa: E402
 from egmla.provenance import provenance  # noqa: E402
 
 VARIANTS = ["small_mha", "small_gqa2", "small_mla", "small_egmla", "small_egmla_latent"]
@@ -86,8 +87,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--runs-dir", type=Path, metavar="DIR",
+    parser.add_argument("--out", type=output_directory, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--runs-dir", type=output_directory, metavar="DIR",
                         help="keep the run directories, each with its export, in "
                              "DIR/<variant>-s<seed> (a run already there is resumed, as "
                              "train.py does); default: a temporary directory, deleted at the "
@@ -136,7 +137,8 @@ def main() -> None:
         f"matched to MHA ({target:,}) through d_ff, gate tables excluded; unigram baseline "
         f"{meta['unigram_val_loss']:.3f}. Single learning rate (2e-3), not tuned per variant.",
         "",
-        "| attention | d_ff | params (+gate tables) | KV B/token bf16 | val loss (mean; per seed) | tok/s | vs MHA |",
+        "| attention | d_ff | params (+gate tables) | KV B/token bf16 | val loss (mean; per seed) "
+        "| tok/s | vs MHA |",
         "|---|---:|---:|---:|---|---:|---:|",
     ]
     for s in summary:

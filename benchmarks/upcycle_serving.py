@@ -33,6 +33,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # measure the checkout this script is in
+from egmla.files import output_directory  # noqa: E402
 from eval.stats import paired_ratios  # noqa: E402 - the checkout's, after the line above
 _spec = importlib.util.spec_from_file_location("serve_capacity", HERE / "serve_capacity.py")
 serve_capacity = importlib.util.module_from_spec(_spec)
@@ -58,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
                    help="a smoke test: 16 MiB, 256-token sequences, 3 steps, 1 repeat")
-    p.add_argument("--out", type=Path, default=HERE / "results" / "upcycle",
+    p.add_argument("--out", type=output_directory, default=HERE / "results" / "upcycle",
                    help="where the record goes (default benchmarks/results/upcycle)")
     args = p.parse_args(argv)
     if args.quick:

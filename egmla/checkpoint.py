@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -118,21 +117,17 @@ def save_export(
 def check_destination(directory: str | os.PathLike, overwrite: bool = False,
                       writer: str = "egmla") -> Path:
     """`directory` as an absolute path, once an export may be written there: it is new, empty,
-    written by egmla (or `overwrite`), and its nearest existing parent is a directory that takes
-    a new entry (tried: a directory made there and removed). Commands call it before their long
-    work, so that a bad --out fails at once rather than after a conversion or an export."""
+    written by egmla (or `overwrite`), and its parent can be written (`files.check_writable`).
+    Commands call it before their long work, so that a bad --out fails at once rather than
+    after a conversion or an export."""
     directory = Path(os.path.abspath(directory))  # "." or "x/" get a real name and parent
     if directory.exists() and not (overwrite or replaceable(directory)):
         raise CheckpointError(f"{directory}: exists and was not written by {writer}; refusing to "
                               "overwrite it (choose another directory, or pass --overwrite)")
-    parent = directory.parent
-    while not parent.exists():
-        parent = parent.parent
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".egmla-probe-", dir=parent))
+        files.check_writable(directory.parent)  # the export is made beside it, then renamed
     except OSError as err:
-        raise CheckpointError(f"{directory}: cannot be written ({parent}: "
-                              f"{err.strerror or err})") from None
+        raise CheckpointError(f"{directory}: cannot be written ({err.strerror or err})") from None
     return directory
 
 

@@ -17,10 +17,16 @@ writers never share it, and it is removed when the write fails.
         tmp.mkdir()
         fill(tmp)
     write_files(out, {"a.md": b"...", "a.png": png})  # several files, none until all are ready
+
+And where a command will write, checked before its work (so a mistyped --out fails at once,
+not after an hour of it): `check_writable(directory)`, and as argparse `type=`s
+`output_directory` (results written into it) and `output_prefix` (a file, or a prefix that
+.json and .md are added to).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -143,3 +149,35 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def check_writable(directory: str | os.PathLike) -> None:
+    """Raise OSError unless an entry can be made in `directory`, or, where it is missing, in
+    its nearest existing ancestor (where it would be made). Tried, not guessed from permission
+    bits: a directory is made there and removed, so nothing is left; a file in the way, a
+    read-only mount or missing rights all fail it."""
+    place = Path(os.path.abspath(directory))
+    while not place.exists():
+        place = place.parent
+    os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=place))
+
+
+def output_directory(text: str) -> Path:
+    """argparse `type=` for a directory a command writes its results into: `check_writable`
+    when the command line is read."""
+    return _writable(text, Path(text))
+
+
+def output_prefix(text: str) -> Path:
+    """argparse `type=` for a file a command writes, or a path prefix (.json, .md added): its
+    directory checked by `check_writable` when the command line is read."""
+    return _writable(text, Path(text).parent)
+
+
+def _writable(text: str, directory: Path) -> Path:
+    try:
+        check_writable(directory)
+    except OSError as err:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: cannot be written ({err.strerror or err})") from None
+    return Path(text)

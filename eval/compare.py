@@ -32,7 +32,7 @@ from typing import Any
 
 from egmla.config import ConfigError, ModelConfig
 from egmla.dtypes import short_name
-from egmla.files import write_files
+from egmla.files import check_writable, write_files
 from egmla.models import cache_spec_for
 from egmla.provenance import provenance
 from eval.kv_bytes import UsageError, parse_dtype
@@ -636,10 +636,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         dtype = short_name(parse_dtype(args.dtype))
-        rows = select_metric(load_rows(args.paths, dtype), args.metric)
         out = Path(args.out)
         if out.exists() and not out.is_dir():
             raise CompareError(f"--out {out}: exists and is not a directory")
+        try:  # before the runs are read and the figures drawn
+            check_writable(out)
+        except OSError as err:
+            raise CompareError(f"--out {out}: cannot be written ({err.strerror or err})") from None
+        rows = select_metric(load_rows(args.paths, dtype), args.metric)
     except (CompareError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

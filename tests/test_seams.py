@@ -8,7 +8,10 @@
   LLM`, and none imports the evaluation, the sandbox or the training stack;
 - the research programs (`studies/`) are built on the tools, never the other way round: nothing
   in egmla/, serve/, eval/ or sandbox/ imports a study (eval/'s old command names for the studies
-  run them by name, without importing them).
+  run them by name, without importing them);
+- every command-line option that says where a command writes is checked when the command line
+  is read (`egmla.files.output_directory` / `output_prefix`), or by the command itself before
+  its work, so that a mistyped path fails at once rather than after the work.
 """
 
 from __future__ import annotations
@@ -224,3 +227,47 @@ def test_the_variants_are_read_from_the_registry():
         assert {module.__name__, module.config_class.__name__} <= VARIANT_CLASSES
     assert "EGMLALatent" in VARIANT_CLASSES  # built by EGMLA for gate_position latent
     assert not {"AttentionConfig", "AttentionLayer"} & VARIANT_CLASSES
+
+
+# Options naming where a command writes, and the commands that check theirs themselves, why.
+OUTPUT_FLAGS = ("--out", "--output-dir", "--results", "--runs-dir", "--lean-results", "--keep-run")
+CHECKED_TYPES = ("output_directory", "output_prefix")
+CHECKED_IN_MAIN = {
+    "egmla/upcycle/__main__.py": "an export: checkpoint.check_destination, --overwrite included",
+    "egmla/export/__main__.py": "an export: checkpoint.check_destination inside export()",
+    "eval/compare.py": "--out checked in main with its other inputs, as one-line errors",
+    "eval/selfdebug/report.py": "--out checked in main with its other inputs, as one-line errors",
+    "eval/kv_bytes.py": "--output-dir made in main with its other inputs, as one-line errors",
+}
+
+
+def output_options(tree: ast.Module) -> list[tuple[str, str | None]]:
+    """(flag, the name of its `type=`) for each add_argument of an output flag in `tree`."""
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "add_argument" and node.args
+                and isinstance(node.args[0], ast.Constant) and node.args[0].value in OUTPUT_FLAGS):
+            continue
+        kind = next((k.value for k in node.keywords if k.arg == "type"), None)
+        name = kind.id if isinstance(kind, ast.Name) else getattr(kind, "attr", None)
+        found.append((node.args[0].value, name))
+    return found
+
+
+def test_every_output_option_is_checked_before_the_work():
+    unchecked, seen = [], set()
+    for rel, tree in sources(*PACKAGES, *SCRIPTS).items():
+        for flag, kind in output_options(tree):
+            seen.add(rel)
+            if kind not in CHECKED_TYPES and rel not in CHECKED_IN_MAIN:
+                unchecked.append(f"{rel}: {flag} (type={kind})")
+    assert not unchecked, unchecked
+    assert set(CHECKED_IN_MAIN) <= seen  # no stale exemption
+    assert len(seen) > 20  # the walk finds the commands
+
+
+def test_the_output_check_finds_an_unchecked_option():
+    tree = ast.parse('p.add_argument("--out", type=Path, default=RESULTS)\n'
+                     'p.add_argument("--results", type=files.output_directory)')
+    assert output_options(tree) == [("--out", "Path"), ("--results", "output_directory")]

@@ -25,6 +25,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from egmla.files import output_directory
 from eval.selfdebug.datasets import DATASETS, DatasetError, load_dataset
 from eval.selfdebug.loop import (
     FEEDBACK,
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True,
                    help="in-process: a training export directory or a known model name "
                         "(SmolLM2-135M-Instruct); with --base-url: the served model name")
-    p.add_argument("--out", type=Path, required=True, help="run directory (created; resumable)")
+    p.add_argument("--out", type=output_directory, required=True, help="run directory (created; resumable)")
     p.add_argument("--base-url", help="an OpenAI-compatible endpoint, e.g. http://host:8000/v1, "
                                       "instead of the in-process engine")
     p.add_argument("--api-key-env", default="OPENAI_API_KEY",

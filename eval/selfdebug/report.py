@@ -504,6 +504,10 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out) if args.out else traces.parent
         if out.exists() and not out.is_dir():
             raise ReportError(f"--out {out}: exists and is not a directory")
+        try:  # before the traces are read
+            files.check_writable(out)
+        except OSError as err:
+            raise ReportError(f"--out {out}: cannot be written ({err.strerror or err})") from None
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             records = load_traces(traces)
@@ -523,11 +527,11 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {"traces": str(traces.resolve()),
             "provenance": provenance(["python", "-m", "eval.selfdebug.report", *argv])}
-    files = build_files(summary, meta)
-    for name, data in files.items():
+    outputs = build_files(summary, meta)
+    for name, data in outputs.items():
         write_atomic(out / name, data)
-    print(files[FILES["md"]].decode())
-    print(f"wrote {', '.join(str(out / name) for name in files)}")
+    print(outputs[FILES["md"]].decode())
+    print(f"wrote {', '.join(str(out / name) for name in outputs)}")
     return 0
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import studies.gating as package
+from egmla.files import output_directory
 from studies.gating.plan import choose_lrs, eval_runs, plan
 from studies.gating.plots import write_figures
 from studies.gating.protocol import (ARM, ARMS, LR_EXTENSIONS, LRS, PHASES, RESULTS, ROOT, SEEDS,
@@ -21,9 +22,9 @@ from studies.gating.summary import write_results
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m studies.gating", description=package.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "study",
+    parser.add_argument("--runs-dir", type=output_directory, default=ROOT / "runs" / "study",
                         help="where the runs (and their checkpoints) go (default: runs/study)")
-    parser.add_argument("--results", type=Path, default=RESULTS,
+    parser.add_argument("--results", type=output_directory, default=RESULTS,
                         help="where the record goes (default: benchmarks/results/study)")
     parser.add_argument("--phase", choices=[*PHASES, "all"], default="all")
     parser.add_argument("--arms", nargs="+", choices=list(ARM), default=[a.name for a in ARMS],

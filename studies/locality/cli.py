@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from egmla.files import write_bytes
+from egmla.files import output_directory, write_bytes
 from egmla.units import parse_bytes
 from studies.locality.predictors import build_predictors, predictors_markdown
 from studies.locality.profile import build_report, markdown, plot, sparsity_thresholds
@@ -60,7 +60,7 @@ def _model_args(p: argparse.ArgumentParser, tokens: int, what: str = "per source
                         "windows)")
     p.add_argument("--seq-len", type=positive(int), default=256,
                    help="tokens per window (default 256)")
-    p.add_argument("--out", type=Path, default=None,
+    p.add_argument("--out", type=output_directory, default=None,
                    help="output directory (default: <model>/locality for a directory, else "
                         "runs/locality/<name>)")
 

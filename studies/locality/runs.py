@@ -68,6 +68,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from egmla.files import output_directory
 from studies.pipeline import PipelineError, run_logged, write_json
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -400,9 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", nargs="+", choices=(*STEPS, LEAN), default=list(STEPS),
                    help="which steps to run (default: all but lean, in the order above; lean "
                         "comes last)")
-    p.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "locality-runs",
+    p.add_argument("--runs-dir", type=output_directory, default=ROOT / "runs" / "locality-runs",
                    help="where the runs train (default runs/locality-runs)")
-    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "locality",
+    p.add_argument("--results", type=output_directory, default=ROOT / "benchmarks" / "results" / "locality",
                    help="where the records go (default benchmarks/results/locality)")
     p.add_argument("--overrides", nargs="*", default=[],
                    help="train.py overrides for every run (a rehearsal: trainer.max_steps=2 ...)")
@@ -413,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                        help=f"extra arguments for {what}, one quoted string (e.g. '--quick')")
     p.add_argument("--no-smollm2", action="store_true",
                    help="leave SmolLM2 out of the profile, predictors and benchmark steps")
-    p.add_argument("--lean-results", type=Path,
+    p.add_argument("--lean-results", type=output_directory,
                    default=ROOT / "benchmarks" / "results" / "locality_lean_predictors",
                    help="where the lean step's records go (default "
                         "benchmarks/results/locality_lean_predictors)")

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from egmla.files import output_directory
 from eval.local_tasks import group_tasks
 from studies.pipeline import ROOT, PipelineError, run_logged, write_json
 SOURCE = "SmolLM2-135M-Instruct"
@@ -424,9 +425,9 @@ def main(argv: list[str] | None = None) -> int:
                                 epilog="arms: " + ", ".join(a.name for a in ARMS))
     p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES),
                    help="which phases, in their order (default: all)")
-    p.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "upcycle",
+    p.add_argument("--runs-dir", type=output_directory, default=ROOT / "runs" / "upcycle",
                    help="run directories (default runs/upcycle)")
-    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "upcycle",
+    p.add_argument("--results", type=output_directory, default=ROOT / "benchmarks" / "results" / "upcycle",
                    help="the record (default benchmarks/results/upcycle)")
     p.add_argument("--arms", nargs="+", default=None, help="only these arms (by name)")
     p.add_argument("--lm-eval-limit", type=int, default=None,

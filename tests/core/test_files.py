@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import os
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -123,3 +126,35 @@ def test_sizes_read_as_people_write_them(text, value):
 def test_a_bad_size_is_an_argparse_error(text):
     with pytest.raises(argparse.ArgumentTypeError):
         parse_bytes(text)
+
+
+# ---- where a command will write, checked before its work --------------------------------------
+
+def test_a_place_that_cannot_be_written_is_found_before_anything_is_made(tmp_path):
+    (tmp_path / "file").write_text("in the way")
+    for bad in (tmp_path / "file", tmp_path / "file" / "deeper" / "out"):
+        with pytest.raises(NotADirectoryError):
+            files.check_writable(bad)
+        with pytest.raises(argparse.ArgumentTypeError, match="cannot be written"):
+            files.output_directory(str(bad))
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot be written"):
+        files.output_prefix(str(tmp_path / "file" / "report"))  # report.json, report.md
+    assert files.output_directory(str(tmp_path / "new" / "out")) == tmp_path / "new" / "out"
+    assert files.output_prefix(str(tmp_path / "file.d" / "report")) == tmp_path / "file.d" / "report"
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]  # checked, nothing made or left
+
+
+
+@pytest.mark.parametrize("command", [
+    ["benchmarks/quickstart.py", "--out", "{file}/quickstart.json"],  # else: a clone, a training
+    ["-m", "studies.gating", "--results", "{file}/results", "--dry-run"],
+    ["-m", "eval.compare", "benchmarks/results/study", "--out", "{file}/comparison"],
+])
+def test_a_command_told_to_write_under_a_file_stops_before_its_work(tmp_path, command):
+    (tmp_path / "file").write_text("in the way")
+    args = [a.format(file=tmp_path / "file") for a in command]
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "cannot be written" in done.stderr and "Traceback" not in done.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
