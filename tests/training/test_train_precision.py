@@ -13,6 +13,7 @@ import pytest
 from support import ROOT
 
 
+@pytest.mark.slow  # about 80 s on 2 cores: Lightning runs in both precisions
 def test_the_precision_benchmark_records_both_precisions(tmp_path):
     run = subprocess.run([sys.executable, "benchmarks/train_precision.py", "--shapes", "quickstart",
                           "--rounds", "1", "--steps", "2", "--batch", "4", "--seq-len", "32",
