@@ -46,14 +46,15 @@ from studies.gating.arms import arm_overrides, describe, model_of, param_matched
 from studies.gating.plan import choose_lrs, eval_runs, lr_grid, plan, selection_loss
 from studies.gating.plots import FIGURES, MQAR_METRIC, at_chosen_lr, figure_rows, metric_value, write_figures
 from studies.gating.protocol import (ABLATIONS, ARM, ARMS, BASE, BASE_STEPS, BASELINES, FAMILIES,
-                                     LM_EVAL_METRICS, LM_EVAL_TASKS, LONG_ARMS, LRS, MQAR_FAMILIES,
-                                     PHASES, RESULTS, ROOT, SEEDS, Arm, Run, Setup, StudyError)
+                                     LM_EVAL_METRICS, LM_EVAL_TASKS, LONG_ARMS, LRS, MQAR_BASE,
+                                     MQAR_FAMILIES, MQAR_VAL_EVERY, PHASES, RESULTS, ROOT, SEEDS, Arm,
+                                     Run, Setup, StudyError)
 from studies.gating.runner import _before, execute, record, remake, score, stored_records
 from studies.gating.summary import mqar_mean, remakes, summarize, write_results
 
 __all__ = ["ABLATIONS", "ARM", "ARMS", "BASE", "BASE_STEPS", "BASELINES", "FAMILIES", "FIGURES",
-           "LM_EVAL_METRICS", "LM_EVAL_TASKS", "LONG_ARMS", "LRS", "MQAR_FAMILIES", "MQAR_METRIC",
-           "PHASES", "RESULTS", "ROOT", "SEEDS",
+           "LM_EVAL_METRICS", "LM_EVAL_TASKS", "LONG_ARMS", "LRS", "MQAR_BASE", "MQAR_FAMILIES",
+           "MQAR_METRIC", "MQAR_VAL_EVERY", "PHASES", "RESULTS", "ROOT", "SEEDS",
            "Arm", "Run", "Setup", "StudyError", "_before", "arm_overrides", "at_chosen_lr",
            "choose_lrs", "describe", "eval_runs", "execute", "figure_rows", "lr_grid",
            "metric_value", "model_of", "mqar_mean", "param_matched_d_ff", "plan", "record",

@@ -9,8 +9,8 @@ from typing import Any
 
 from studies.gating.arms import arm_overrides
 from studies.gating.protocol import (ABLATIONS, ARM, BASE, BASE_STEPS, LATER_ARMS, LONG_ARMS,
-                                     LONG_FACTOR, MQAR_BASE, MQAR_FAIR_STEPS, MQAR_STEPS, PHASES, Run, Setup,
-                                     StudyError)
+                                     LONG_FACTOR, MQAR_BASE, MQAR_FAIR_STEPS, MQAR_STEPS, MQAR_VAL_EVERY,
+                                     PHASES, VAL_EVERY, Run, Setup, StudyError)
 
 
 def lr_grid(losses: dict[float, float], setup: Setup = Setup()) -> tuple[list[float], float | None]:
@@ -64,21 +64,22 @@ def plan(phase: str, records: list[dict[str, Any]], setup: Setup = Setup(),
                              f"chooses; not yet chosen for: {', '.join(missing)}")
         return [a for a in need if a in rates]
 
-    def run(phase, arm, lr, seed, steps, base=tuple(BASE)) -> Run:
+    def run(phase, arm, lr, seed, steps, base=tuple(BASE), val_every=VAL_EVERY) -> Run:
         attention = ARM[arm].attention if arm in ARM else ABLATIONS[arm][0]
         return Run(phase, arm, attention, lr, seed, steps, arm_overrides(arm, base), base,
-                   setup.extra)
+                   setup.extra, val_every)
 
     if phase == "lr":
         return [run("lr", arm, lr, first, steps) for arm in arms
                 for lr in lr_grid(_lr_losses(records, arm), setup)[0]]
     mqar_steps = setup.steps(MQAR_FAIR_STEPS)
     if phase == "mqar_lr":  # each arm's own grid on MQAR, selected by its validation loss
-        return [run("mqar_lr", arm, lr, first, mqar_steps, MQAR_BASE) for arm in arms
+        return [run("mqar_lr", arm, lr, first, mqar_steps, MQAR_BASE, MQAR_VAL_EVERY) for arm in arms
                 for lr in lr_grid(_lr_losses(records, arm, "mqar_lr"), setup)[0]]
     if phase == "mqar_seeds":
         on_mqar = choose_lrs(records, setup, "mqar_lr")
-        return [run("mqar_seeds", arm, on_mqar[arm], seed, mqar_steps, MQAR_BASE)
+        return [run("mqar_seeds", arm, on_mqar[arm], seed, mqar_steps, MQAR_BASE,
+                    MQAR_VAL_EVERY)
                 for seed in setup.seeds[1:] for arm in ready(list(arms), on_mqar, "mqar_lr")]
     chosen = choose_lrs(records, setup)
     if phase in ("seeds", "long"):

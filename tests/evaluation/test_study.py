@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import shutil
 import subprocess
@@ -181,6 +182,7 @@ def test_the_fair_mqar_phases_give_each_arm_its_own_rate_then_its_seeds(tmp_path
     assert {(r.arm, r.lr, r.seed, r.steps) for r in first} == {
         (a, lr, 0, 2000) for a in setup.arms for lr in setup.lrs}
     assert all("experiment=mqar_sweep" in r.base for r in first)
+    assert all("trainer.val_every_n_steps=250" in r.command(tmp_path) for r in first)
     with pytest.raises(study.StudyError, match="mqar_lr"):
         study.plan("mqar_seeds", [], setup)
     loss = {"mla_dc32": {1e-3: 1.2, 2e-3: 1.1, 4e-3: 1.0, 8e-3: 0.9},  # best at the top edge
@@ -199,6 +201,7 @@ def test_the_fair_mqar_phases_give_each_arm_its_own_rate_then_its_seeds(tmp_path
     seeds = study.plan("mqar_seeds", records, setup)
     assert {(r.arm, r.lr, r.seed) for r in seeds} == {
         ("mla_dc32", 8e-3, 1), ("mla_dc32", 8e-3, 2), ("egmla_kv", 2e-3, 1), ("egmla_kv", 2e-3, 2)}
+    assert all(r.val_every == study.MQAR_VAL_EVERY for r in seeds)
     records += [record(r.arm, r.lr, r.seed, "mqar_seeds") for r in seeds]
     summary = study.summarize(records, {}, setup, study.choose_lrs(records, setup, "mqar_lr"))
     fair = summary["arms"]["egmla_kv"]["mqar_fair"]
@@ -302,6 +305,28 @@ def test_a_rehearsal_runs_records_and_resumes(tmp_path):
     shown = [o.data["text/markdown"] for o in outputs if "text/markdown" in o.get("data", {})]
     assert (tmp_path / "results" / "tables.md").read_text() in shown  # every table
     assert any("image/png" in o.get("data", {}) for o in outputs)
+
+
+@pytest.mark.slow
+def test_how_often_a_run_validates_does_not_change_what_it_trains(tmp_path):
+    """The fair MQAR runs validate every 250 steps where the first five arms' grids validated
+    every 50 (protocol.MQAR_VAL_EVERY): the trained weights must not depend on it (the data
+    order is a function of the step, and validating draws nothing the training uses)."""
+    tiny = ("model=tiny", "data.batch_size=4", "data.mqar.train_examples=64",
+            "data.mqar.val_examples=8", "trainer.log_every_n_steps=1", "optim.warmup_steps=2")
+    weights = {}
+    for every in (2, 6):
+        run = study.Run("mqar_lr", "egmla_kv", "small_egmla", 3e-3, 0, 6, (), study.MQAR_BASE,
+                        tiny, val_every=every)
+        out = subprocess.run(run.command(tmp_path / str(every)), capture_output=True, text=True,
+                             cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-3000:]
+        directory = run.directory(tmp_path / str(every))
+        with (directory / "metrics.csv").open() as f:
+            validated = {row["step"] for row in csv.DictReader(f) if row.get("val/loss")}
+        assert len(validated) == 6 // every + 1  # that often, and the final pass
+        weights[every] = (directory / "export" / "model.safetensors").read_bytes()
+    assert weights[2] == weights[6]
 
 
 TINY = ["--scale", "0.01", "--extra", "model=tiny", "data.seq_len=128", "data.batch_size=4",
