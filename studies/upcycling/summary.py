@@ -195,19 +195,24 @@ def plots(summary: dict[str, Any]) -> dict[str, bytes]:
         if r["arm"] not in finals or r["step"] > finals[r["arm"]]["step"]:
             finals[r["arm"]] = r
 
+    def yerr(ci: dict[str, Any]) -> list[list[float]] | None:  # 95% interval over seeds
+        return None if ci["low"] is None else [[ci["mean"] - ci["low"]], [ci["high"] - ci["mean"]]]
+
     def quality_vs_kv(ax) -> None:
         for arm, r in sorted(finals.items()):
-            ci = r["corpus_kl"]
-            yerr = (None if ci["low"] is None
-                    else [[ci["mean"] - ci["low"]], [ci["high"] - ci["mean"]]])
-            ax.errorbar(r["kv_bytes_per_token_bf16"] / 1024, ci["mean"], yerr=yerr, fmt="o",
-                        capsize=3, label=f"{arm} ({r['seeds']} seed{'s' * (r['seeds'] > 1)})")
+            ax.errorbar(r["kv_bytes_per_token_bf16"] / 1024, r["corpus_kl"]["mean"],
+                        yerr=yerr(r["corpus_kl"]), fmt="o", capsize=3,
+                        label=f"{arm} ({r['seeds']} seed{'s' * (r['seeds'] > 1)})")
 
     def recovery_curve(ax) -> None:
         for arm in sorted(finals):
             rows = sorted((r for r in summary["arms"] if r["arm"] == arm), key=lambda r: r["step"])
-            ax.plot([max(r["tokens"], 1e4) for r in rows], [r["corpus_kl"]["mean"] for r in rows],
-                    marker="o", label=arm)
+            line = ax.plot([max(r["tokens"], 1e4) for r in rows],
+                           [r["corpus_kl"]["mean"] for r in rows], marker="o", label=arm)[0]
+            for r in rows:  # the points with several seeds: their interval
+                if (err := yerr(r["corpus_kl"])) is not None:
+                    ax.errorbar(max(r["tokens"], 1e4), r["corpus_kl"]["mean"], yerr=err,
+                                capsize=3, color=line.get_color())
         ax.set_xscale("log")
 
     return {
@@ -215,7 +220,7 @@ def plots(summary: dict[str, Any]) -> dict[str, bytes]:
                                   "After recovery: quality against cache size (95% intervals "
                                   "over seeds)"),
         "recovery_curve.png": _png(recovery_curve, "recovery tokens (0 drawn at 10^4)",
-                                   "Recovery curve (seed means)"),
+                                   "Recovery curve (seed means; 95% intervals where several seeds)"),
     }
 
 
