@@ -12,7 +12,8 @@ committed record already holds:
    positions) at the two smaller sizes, and the paper's gate form at the smallest;
    -> <results>/step0.{json,md}
 2. train: arm by arm (ARMS), convert (python -m egmla.upcycle) then recover to 1M tokens with
-   exports at 0.1M and 0.3M; each export measured as in step0 right after;
+   exports at 0.1M and 0.3M; each export measured as in step0 right after; the runs of a seed
+   in one precision (--precision; a run that needs bf16 waits for a CPU that has it);
    -> <results>/runs/<arm>.json
 3. context: perplexity against context length up to 4,096 tokens, at 0 and at 1M tokens;
 4. lm_eval: the offline lm-eval tasks (corpus cloze, corpus perplexity, MQAR in words) through
@@ -271,15 +272,57 @@ def table_rows_trained(init: Path, final: Path) -> dict[str, int] | None:
             "rows_changed_per_table_min_max": [per_table[0], per_table[-1]]}
 
 
+# One precision a seed: the runs of a seed are compared with one another (the smallest cache's
+# three arms pair by seed; seed 0's arms also across sizes, and the transfer stage against KL
+# alone), and bf16 autocast against fp32 is a difference of recipe that pairing by seed would
+# otherwise leave inside each pair. The machines vary from session to session, some with native
+# bf16 and some without, where bf16 runs at a twentieth of fp32's speed.
+PRECISIONS = {
+    "seed": "a started run keeps its first start's precision; a new run takes the one its seed's "
+            "runs trained in (else this machine's, as auto); a run that needs bf16 on a CPU "
+            "without native bf16 waits for one (default)",
+    "machine": "every start in this machine's precision (trainer.precision=auto)",
+    "32-true": "every run in float32",
+    "bf16-mixed": "every run in bf16 autocast",
+}
+
+
+def started_precision(arm: Arm, runs_dir: Path, results: Path) -> str | None:
+    """The precision `arm`'s run trained in at its first start (its record, else its run
+    directory's run_info.json); None where it has not started."""
+    for info in (_read_json(results / "runs" / f"{arm.name}.json"),
+                 _read_json(runs_dir / arm.name / "run_info.json")):
+        starts = (info or {}).get("starts") or []
+        if starts and starts[0].get("precision"):
+            return starts[0]["precision"]
+    return None
+
+
+def run_precision(arm: Arm, policy: str, runs_dir: Path, results: Path,
+                  native_bf16: bool) -> str | None:
+    """The `trainer.precision` `arm` trains in under `policy` (PRECISIONS), or None where it
+    must wait for a CPU with native bf16."""
+    if policy != "seed":
+        return "auto" if policy == "machine" else policy
+    precision = started_precision(arm, runs_dir, results) or next(
+        (p for other in ARMS if other.seed == arm.seed
+         and (p := started_precision(other, runs_dir, results))), "auto")
+    return None if "bf16" in precision and not native_bf16 else precision
+
+
+def is_complete(arm: Arm, results: Path) -> bool:
+    return bool((_read_json(results / "runs" / f"{arm.name}.json") or {}).get("complete"))
+
+
 def train_arm(arm: Arm, runs_dir: Path, results: Path, extra: list[str], log,
               measurer_box: list, depth: tuple[str, ...] = ("context", "lm_eval"),
               lm_eval_limit: int | None = None) -> None:
     """Convert, recover, measure every point; an arm measured in depth also gets its context
     curve and lm-eval scores (`depth`: which of them) before its record is complete."""
     path = results / "runs" / f"{arm.name}.json"
-    record = _read_json(path)
-    if record and record.get("complete"):
+    if is_complete(arm, results):
         return
+    record = _read_json(path)
     run_dir = runs_dir / arm.name
     from egmla.checkpoint import is_export
 
@@ -432,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arms", nargs="+", default=None, help="only these arms (by name)")
     p.add_argument("--lm-eval-limit", type=int, default=None,
                    help="score only the first documents of each task (a rehearsal)")
+    p.add_argument("--precision", choices=PRECISIONS, default="seed",
+                   help="what each recovery run trains in: " + "; ".join(
+                       f"{k}: {v}" for k, v in PRECISIONS.items()))
     p.add_argument("--train-args", nargs=argparse.REMAINDER, default=[],
                    help="more train.py overrides (a rehearsal: trainer.max_steps=...)")
     args = p.parse_args(argv)
@@ -449,9 +495,22 @@ def main(argv: list[str] | None = None) -> int:
         if "train" in args.phases:
             box: list = []
             depth = tuple(p for p in ("context", "lm_eval") if p in args.phases)
-            for arm in arms:
-                train_arm(arm, args.runs_dir, args.results, args.train_args, log, box, depth,
+            from egmla.devices import native_bf16
+
+            waiting = []
+            for arm in (a for a in arms if not is_complete(a, args.results)):
+                precision = run_precision(arm, args.precision, args.runs_dir, args.results,
+                                          native_bf16())
+                if precision is None:
+                    waiting.append(arm.name)
+                    continue
+                train_arm(arm, args.runs_dir, args.results,
+                          [f"trainer.precision={precision}", *args.train_args], log, box, depth,
                           args.lm_eval_limit)
+            if waiting:
+                log(f"waiting for a CPU with native bf16 (AVX512-BF16 or AMX), where their "
+                    f"seeds' runs trained in bf16-mixed: {', '.join(waiting)} "
+                    f"(--precision machine trains them here in this machine's precision)")
         if "context" in args.phases:
             context(depth_jobs(arms, args.runs_dir), args.results, log)
         if "lm_eval" in args.phases:

@@ -47,10 +47,14 @@ def comparisons(families: dict[str, dict[int, dict[str, Any]]], step: str) -> li
                 return None if p is None else p[domain][metric]
             mine = {s: v for s, r in families[arm].items() if (v := value(r)) is not None}
             theirs = {s: v for s, r in families[base].items() if (v := value(r)) is not None}
+            mixed = sorted(s for s in set(mine) & set(theirs)  # a pair in one recipe only
+                           if precisions([families[arm][s]]) != precisions([families[base][s]]))
+            for s in mixed:
+                del mine[s], theirs[s]
             seeds = sorted(set(mine) & set(theirs))
             diff = paired(mine, theirs)
             rows.append({"arm": arm, "against": base, "domain": domain, "metric": metric,
-                         "seeds": seeds, **diff,
+                         "seeds": seeds, "left_out_mixed_precision": mixed, **diff,
                          "p": paired_p([mine[s] - theirs[s] for s in seeds])})
     for domain, metric in METRICS:  # Holm over the family, per metric
         group = [r for r in rows if (r["domain"], r["metric"]) == (domain, metric)
@@ -135,15 +139,20 @@ def markdown(summary: dict[str, Any]) -> str:
                      f"{_fmt(r['recovery_ppl'], 1)} | {', '.join(r['precision'])} |")
     lines += ["", "## EG-MLA against MLA at the smallest cache, paired by seed", "",
               "Differences (arm minus MLA) at the final budget; Holm-adjusted over the two "
-              "gate positions per metric.", "",
+              "gate positions per metric. A seed pairs only where both runs trained in one "
+              "precision.", "",
               "| arm | metric | seeds | difference [95%] | p | p (Holm) |",
               "|---|---|---:|---|---:|---:|"]
     for c in summary["comparisons"]:
         ci = {"mean": c["mean"], "low": c["low"], "high": c["high"]}
         p = "" if c["p"] is None else f"{c['p']:.3f}"
         ph = "" if c.get("p_holm") is None else f"{c['p_holm']:.3f}"
-        lines.append(f"| {c['arm']} | {c['domain']} {c['metric']} | {len(c['seeds'])} | "
-                     f"{_fmt(ci, 4)} | {p} | {ph} |")
+        seeds = str(len(c["seeds"])) + "".join(  # a pair in two precisions is not a pair
+            f" (seed {s} left out: trained in two precisions)"
+            for s in c.get("left_out_mixed_precision", []))
+        difference = _fmt(ci, 4) if c["seeds"] else "-"
+        lines.append(f"| {c['arm']} | {c['domain']} {c['metric']} | {seeds} | "
+                     f"{difference} | {p} | {ph} |")
     transfer = summary.get("transfer")
     if transfer:
         lines += ["", "## Attention transfer first, against KL alone (mla-dc24, seed 0)", "",

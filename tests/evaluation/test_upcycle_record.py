@@ -255,3 +255,74 @@ def test_the_summary_names_the_precisions_each_arm_trained_in(tmp_path):
     row = next(r for r in summary["arms"] if r["arm"] == "mla-dc24" and r["step"] == 244)
     assert row["precision"] == ["32-true", "bf16-mixed", "unrecorded"]
     assert "| 32-true, bf16-mixed, unrecorded |" in (tmp_path / "summary.md").read_text()
+
+
+def test_the_runs_of_a_seed_train_in_one_precision(tmp_path):
+    """--precision seed (the default): a started run keeps its first start's precision, a new
+    run takes its seed's, and a run that needs bf16 waits on a CPU without native bf16; the
+    other policies say what every run trains in."""
+    from studies.upcycling.runs import run_precision
+
+    runs_dir, results = tmp_path / "runs", tmp_path / "results"
+    (results / "runs").mkdir(parents=True)
+
+    def started(arm, precision, where="record"):
+        if where == "record":
+            (results / "runs" / f"{arm.name}.json").write_text(json.dumps(
+                {**_record(arm, 1.0), "starts": [{"precision": precision}]}))
+        else:  # a run in progress: only its run directory knows
+            (runs_dir / arm.name).mkdir(parents=True)
+            (runs_dir / arm.name / "run_info.json").write_text(json.dumps(
+                {"starts": [{"precision": precision}, {"precision": "32-true"}]}))
+
+    kv1, latent1, kv2, mla2 = (Arm("egmla", 24, "kv", seed=1), Arm("egmla", 24, "latent", seed=1),
+                               Arm("egmla", 24, "kv", seed=2), Arm("mla", 24, seed=2))
+    assert run_precision(kv1, "seed", runs_dir, results, native_bf16=False) == "auto"  # none yet
+    started(Arm("mla", 24, seed=1), "bf16-mixed")
+    assert run_precision(kv1, "seed", runs_dir, results, native_bf16=True) == "bf16-mixed"
+    assert run_precision(kv1, "seed", runs_dir, results, native_bf16=False) is None  # waits
+    assert run_precision(kv2, "seed", runs_dir, results, native_bf16=False) == "auto"  # seed 2
+    started(mla2, "32-true", where="run directory")
+    assert run_precision(kv2, "seed", runs_dir, results, native_bf16=True) == "32-true"
+    started(latent1, "32-true", where="run directory")  # its own first start decides
+    assert run_precision(latent1, "seed", runs_dir, results, native_bf16=True) == "32-true"
+    assert run_precision(kv1, "machine", runs_dir, results, native_bf16=False) == "auto"
+    assert run_precision(kv1, "32-true", runs_dir, results, native_bf16=True) == "32-true"
+
+
+def test_a_seed_whose_two_runs_trained_in_different_precisions_is_not_paired(tmp_path):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for seed in (0, 1, 2):
+        for arm, kl in ((Arm("mla", 24, seed=seed), 1.0), (Arm("egmla", 24, "kv", seed=seed),
+                                                            0.9 + seed / 100)):
+            record = _record(arm, kl)
+            mixed = seed == 1 and arm.to == "egmla"
+            record["starts"] = [{"precision": "32-true" if mixed else "bf16-mixed"}]
+            (runs / f"{arm.name}.json").write_text(json.dumps(record))
+    summary = write_summary(tmp_path, lambda m: None)
+    row = next(c for c in summary["comparisons"] if c["arm"] == "egmla-kv-dc24"
+               and (c["domain"], c["metric"]) == ("corpus", "kl"))
+    assert row["seeds"] == [0, 2] and row["left_out_mixed_precision"] == [1]
+    assert row["mean"] == pytest.approx(-0.09)  # seeds 0 and 2 only: -0.10, -0.08
+    assert "| 2 (seed 1 left out: trained in two precisions) |" in (
+        tmp_path / "summary.md").read_text()
+
+
+def test_a_run_that_must_wait_for_bf16_is_named_and_nothing_is_converted(tmp_path, monkeypatch,
+                                                                         capsys):
+    import egmla.devices
+    from studies.upcycling.runs import main
+
+    monkeypatch.setattr(egmla.devices, "native_bf16", lambda: False)
+    results, runs_dir = tmp_path / "results", tmp_path / "runs"
+    (results / "runs").mkdir(parents=True)
+    mla = Arm("mla", 24, seed=1)
+    (results / "runs" / f"{mla.name}.json").write_text(json.dumps(
+        {**_record(mla, 1.0), "complete": True, "starts": [{"precision": "bf16-mixed"}]}))
+    assert main(["--phases", "train", "--arms", "mla-dc24-s1", "egmla-kv-dc24-s1",
+                 "--results", str(results), "--runs-dir", str(runs_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "waiting for a CPU with native bf16" in out and "egmla-kv-dc24-s1" in out
+    assert "mla-dc24-s1 " not in out.split("native bf16")[-1]  # complete: not waiting
+    assert not (runs_dir / "egmla-kv-dc24-s1").exists()
