@@ -16,7 +16,9 @@ or from Python: `lm_eval.simple_evaluate(model=EgmlaLM("SmolLM2-135M-Instruct"),
 - `generate_until`: through the serving engine (`serve.LLM`): every request of a batch is in
   flight at once, with the task's stop strings.
 
-`model_args` are strict: an unknown key fails with its name and the accepted keys. `device`
+`model_args` are strict: an unknown key fails with its name and the accepted keys, a count
+(batch_size, max_length, ...) that is not a whole number of at least 1 with its value, and a
+key that lm-eval's flags also pass (--batch_size, --device) with the flag to use. `device`
 (lm-eval's `--device`) is where the model runs: the weights move there before the engine's KV
 cache is allocated, and a device this machine lacks (`cuda` without a GPU) is refused.
 `get_model_info` adds `model_device`, where the weights really are, to lm-eval's results config.
@@ -48,8 +50,46 @@ from serve import LLM, SamplingParams
 from serve.engine import DEFAULT_KV_CACHE_MEMORY
 
 
+def _count(name: str, value: Any, low: int = 1, high: int | None = None) -> int:
+    """A whole-number model_args value (lm-eval parses `8` as 8, `8.0` as 8.0 and `x` as 'x')
+    between `low` and `high`, or a ValueError naming the key."""
+    number = None
+    if not isinstance(value, bool):
+        try:
+            number = int(value) if float(value) == int(float(value)) else None
+        except (TypeError, ValueError, OverflowError):  # 'x', None, nan, inf
+            pass
+    if number is None or number < low or (high is not None and number > high):
+        bound = f"from {low} to {high}" if high is not None else f"of at least {low}"
+        raise ValueError(f"{name}={value!r}: expected a whole number {bound}")
+    return number
+
+
+# What lm-eval's command line passes beside --model_args (its --batch_size defaults to 1).
+FROM_FLAGS = {"batch_size": "--batch_size", "max_batch_size": "--max_batch_size", "device": "--device"}
+
+
 @register_model("egmla")
 class EgmlaLM(TemplateLM):
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any],
+                            additional_config: dict[str, Any] | None = None) -> EgmlaLM:
+        """lm-eval's constructor path: model_args and the flags it passes beside them, a key
+        given both ways refused by name (lm-eval's own is a TypeError traceback)."""
+        flags = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        twice = sorted(set(arg_dict) & set(flags))
+        if twice:
+            raise ValueError("model_args: " + "; ".join(
+                f"{k} is also given by lm-eval's {FROM_FLAGS.get(k, k)} ({flags[k]!r}, its "
+                f"value or default): pass it once, as {FROM_FLAGS.get(k, k)}" for k in twice))
+        return cls(**arg_dict, **flags)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str,
+                               additional_config: dict[str, Any] | None = None) -> EgmlaLM:
+        return cls.create_from_arg_obj(utils.simple_parse_args_string(arg_string),
+                                       additional_config)
+
     def __init__(
         self,
         pretrained: str | LLM = "SmolLM2-135M-Instruct",
@@ -70,6 +110,13 @@ class EgmlaLM(TemplateLM):
             raise ValueError(f"model_args: unknown key(s) {', '.join(sorted(unknown))}; "
                              f"accepted keys: {', '.join(accepted)}")
         wanted = parse_device(device)  # checked before minutes of loading
+        if not str(batch_size).startswith("auto"):
+            batch_size = _count("batch_size", batch_size)
+        if max_batch_size is not None:
+            max_batch_size = _count("max_batch_size", max_batch_size)
+        kv_cache_memory = _count("kv_cache_memory", kv_cache_memory)
+        if max_length is not None:
+            max_length = _count("max_length", max_length)
         if isinstance(pretrained, LLM):
             self.llm = pretrained
             where = self.llm.model.tok_emb.weight.device
@@ -87,21 +134,25 @@ class EgmlaLM(TemplateLM):
                                      f"the CPU, not device={device!r}")
                 # the engine loads it (a GGUF's own blocks need the model's name)
                 self.llm = LLM(str(pretrained), dtype=weights, quantization=quantization,
-                               kv_cache_memory=int(kv_cache_memory))
+                               kv_cache_memory=kv_cache_memory)
             else:
                 model, tokenizer = load_pretrained(str(pretrained), dtype=weights)
                 if wanted is not None:
                     model.to(wanted)  # before the engine allocates its KV cache beside the weights
-                self.llm = LLM(model, tokenizer, kv_cache_memory=int(kv_cache_memory))
+                self.llm = LLM(model, tokenizer, kv_cache_memory=kv_cache_memory)
         if self.llm.tokenizer is None:
             raise ValueError(f"{pretrained}: has no tokenizer; lm-eval tasks need one")
         self.model, self.tokenizer = self.llm.model, self.llm.tokenizer
         self._device = self.model.tok_emb.weight.device
         if str(batch_size).startswith("auto"):
-            self._batch_size = min(8, int(max_batch_size)) if max_batch_size else 8
+            self._batch_size = min(8, max_batch_size) if max_batch_size else 8
         else:
-            self._batch_size = int(batch_size)
-        self._max_length = int(max_length) if max_length else self.model.config.max_seq_len
+            self._batch_size = batch_size
+        longest = self.model.config.max_seq_len
+        if max_length is not None and max_length > longest:
+            raise ValueError(f"max_length={max_length}: longer than the model's context "
+                             f"(max_seq_len {longest})")
+        self._max_length = max_length or longest
         self.add_bos_token = add_bos_token
         self.pretrained = str(pretrained) if not isinstance(pretrained, LLM) else self.llm.name
 

