@@ -58,6 +58,11 @@ class SandboxError(RuntimeError):
     """The sandbox itself could not run (bad limits, no usable interpreter)."""
 
 
+RLIMIT_MAX = (1 << 63) - 1  # the largest limit Python's setrlimit converts
+RLIMIT_FIELDS = {"cpu": "cpu_s (or timeout_s)", "as": "memory_bytes", "fsize": "file_size_bytes",
+                 "nofile": "open_files", "nproc": "processes", "core": "core"}
+
+
 @dataclass(frozen=True)
 class Limits:
     """Per-run limits. `cpu_s` defaults to the timeout rounded up plus one second.
@@ -84,6 +89,27 @@ class Limits:
                 raise SandboxError(f"Limits.{name} must be a positive number, got {value!r}")
         if self.cpu_s is not None and not self.cpu_s >= 1:
             raise SandboxError(f"Limits.cpu_s must be >= 1, got {self.cpu_s!r}")
+        for name, value in self.rlimits(whole_run=False).items():  # what setrlimit can take
+            if value > RLIMIT_MAX:
+                raise SandboxError(f"Limits.{RLIMIT_FIELDS[name]} is beyond what setrlimit "
+                                   f"takes ({float(value):.3g}; at most 2**63 - 1)")
+
+    def check_machine(self) -> None:
+        """Refuse (SandboxError) a limit this machine would not let the worker set, before any
+        process starts: else the worker dies setting it, and that reads as the program's
+        failure. Raising a hard limit takes real root; open files stop at fs.nr_open."""
+        import resource
+
+        for name, value in self.rlimits(whole_run=False).items():
+            hard = resource.getrlimit(getattr(resource, "RLIMIT_" + name.upper()))[1]
+            ceiling = None if hard == resource.RLIM_INFINITY or os.geteuid() == 0 else hard
+            if name == "nofile":
+                with contextlib.suppress(OSError, ValueError):
+                    nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
+                    ceiling = nr_open if ceiling is None else min(ceiling, nr_open)
+            if ceiling is not None and value > ceiling:
+                raise SandboxError(f"Limits.{RLIMIT_FIELDS[name]}: {value} is above this "
+                                   f"machine's limit for RLIMIT_{name.upper()} ({ceiling})")
 
     def rlimits(self, whole_run: bool) -> dict[str, int]:
         """Per-process limits; `whole_run`: a cgroup counts the run's processes, so no
@@ -268,6 +294,7 @@ def run(program: str, tests: list[str], setup: str = "", limits: Limits | None =
     weaker configuration warns).
     """
     limits = limits or Limits()
+    limits.check_machine()
     prot = isolation or protections()
     for note in prot.warnings:
         _warn_once(note)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox import Limits, Protections, protections, run
+from sandbox import Limits, Protections, SandboxError, protections, run
 from support import ROOT
 from support.processes import sandbox_uid_processes
 
@@ -409,6 +409,37 @@ def test_cli_gives_the_programs_verdict_not_bad_input_for_hostile_output(tmp_pat
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         assert out.returncode == code, out.stderr
         assert json.loads(out.stdout)["status"] == status
+
+
+@pytest.mark.parametrize("flag, value, named", [
+    ("--memory-mb", "99999999999999", "Limits.memory_bytes is beyond what setrlimit takes"),
+    ("--timeout", "1e300", "Limits.cpu_s (or timeout_s) is beyond what setrlimit takes"),
+    ("--timeout", "nan", "Limits.timeout_s must be a positive number"),
+])
+def test_cli_refuses_a_limit_the_kernel_cannot_take_as_bad_input(tmp_path, flag, value, named):
+    """Not a verdict on the program: before this, a limit setrlimit could not take killed the
+    worker as it set it, and the program was reported as having exited before its tests."""
+    (tmp_path / "prog.py").write_text(GOOD)
+    (tmp_path / "tests.py").write_text("assert f(1) == 2\n")
+    out = subprocess.run([sys.executable, "-m", "sandbox", str(tmp_path / "prog.py"), "--tests",
+                          str(tmp_path / "tests.py"), flag, value], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.startswith("error:") and named in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_limit_above_the_machines_is_refused_before_anything_runs():
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    ceiling = int(Path("/proc/sys/fs/nr_open").read_text())
+    if hard != resource.RLIM_INFINITY and os.geteuid() != 0:
+        ceiling = min(ceiling, hard)
+    with pytest.raises(SandboxError, match=f"Limits.open_files: {ceiling + 1} is above this "
+                                           f"machine's limit for RLIMIT_NOFILE \\({ceiling}\\)"):
+        run(GOOD, ["assert f(1) == 2"], limits=Limits(timeout_s=TIMEOUT, open_files=ceiling + 1))
+    assert run(GOOD, ["assert f(1) == 2"], limits=Limits(timeout_s=TIMEOUT,
+                                                         open_files=min(ceiling, 4096))).passed
 
 
 def test_deep_recursion():
