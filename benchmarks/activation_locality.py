@@ -68,6 +68,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # measure the checkout this script is in
+from egmla.devices import thread_count  # noqa: E402
 from egmla.files import output_directory  # noqa: E402
 from eval.local_tasks import group_tasks  # noqa: E402  (after the path: this checkout's eval)
 from eval.stats import paired_ratios  # noqa: E402
@@ -475,7 +476,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="corpus-b tokens for perplexity and the predictors' hit rate")
     p.add_argument("--lm-eval-limit", type=int, help="documents per lm-eval task (default: all)")
     p.add_argument("--skip-lm-eval", action="store_true")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=thread_count, default=2)
     p.add_argument("--out", type=output_directory, default=RESULTS,
                    help="where the JSON and markdown go (default benchmarks/results)")
     p.add_argument("--add", action="store_true",

@@ -70,6 +70,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parents[1]))  # measure the checkout this script is in
+from egmla.devices import thread_count  # noqa: E402
 from egmla.files import output_directory  # noqa: E402
 from serve.__main__ import positive_int  # noqa: E402  (after the path: this checkout's serve)
 
@@ -793,7 +794,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         metavar="B", help="batched cells (1 4 16 64); give none to skip them")
     parser.add_argument("--batch-new-tokens", type=positive_int, default=128, metavar="N",
                         help="new tokens per request in the batched cells (128)")
-    parser.add_argument("--threads", type=positive_int, default=2,
+    parser.add_argument("--threads", type=thread_count, default=2,
                         help="threads of every system, and of the bandwidth probe (2)")
     parser.add_argument("--out", "--output-dir", dest="out", type=output_directory, default=RESULTS,
                         help="where decode_speed.{json,md} go (benchmarks/results)")

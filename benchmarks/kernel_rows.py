@@ -37,6 +37,7 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parents[1]))  # measure the checkout this script is in
 from egmla import files  # noqa: E402  (after the path: this checkout's egmla)
+from egmla.devices import thread_count  # noqa: E402
 from serve.__main__ import positive_int  # noqa: E402  (after the path: this checkout's serve)
 
 # SmolLM2-135M: hidden 576, 3 KV heads of 64, SwiGLU 1536, 30 layers.
@@ -171,7 +172,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="weight and activation dtypes to measure (default: both)")
     parser.add_argument("--rounds", type=positive_int, default=7,
                         help="interleaved timing rounds per cell (default 7; the median is reported)")
-    parser.add_argument("--threads", type=positive_int, default=2,
+    parser.add_argument("--threads", type=thread_count, default=2,
                         help="torch threads, which the kernel also uses (default 2)")
     parser.add_argument("--out", "--output-dir", dest="out", type=files.output_directory, default=RESULTS,
                         help=f"where to write kernel_rows.json and .md (default {RESULTS})")

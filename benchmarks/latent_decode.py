@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from egmla import files, kernels  # noqa: E402
+from egmla.devices import thread_count  # noqa: E402
 from egmla.models.attention import attention_module  # noqa: E402
 from egmla.models.attention.common import attend  # noqa: E402
 from egmla.models.positions import Positions  # noqa: E402
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="keys per sequence (batch > 1 stops at 4,096: larger MHA caches do "
                         "not fit in 24 GiB beside the rest)")
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds (5)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (2)")
+    p.add_argument("--threads", type=thread_count, default=2, help="torch threads (2)")
     p.add_argument("--quick", action="store_true", help="batch 1, 1,024 keys, 2 rounds")
     p.add_argument("--out", type=files.output_directory, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)

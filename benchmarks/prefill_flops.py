@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from egmla import files  # noqa: E402
+from egmla.devices import thread_count  # noqa: E402
 from egmla.provenance import provenance  # noqa: E402
 from serve.__main__ import positive_int  # noqa: E402
 
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", nargs="+", type=positive_int, default=[128, 512, 2048],
                    help="prompt lengths (default 128 512 2048)")
     p.add_argument("--repeats", type=positive_int, default=5, help="interleaved rounds (5)")
-    p.add_argument("--threads", type=positive_int, default=2, help="torch threads (2)")
+    p.add_argument("--threads", type=thread_count, default=2, help="torch threads (2)")
     p.add_argument("--quick", action="store_true", help="fp32, 64 tokens, 1 round")
     p.add_argument("--out", type=files.output_directory, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)

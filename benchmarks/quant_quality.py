@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # measure the checkout this script is in
 
 from egmla import files  # noqa: E402
+from egmla.devices import thread_count  # noqa: E402
 from egmla.imports import gguf_source, load_pretrained  # noqa: E402
 from egmla.provenance import provenance  # noqa: E402
 from egmla.quant import QUANTIZATIONS, load_gguf_weights, quantize_model  # noqa: E402
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the methods measured (default: all, %(default)s)")
     p.add_argument("--windows", type=positive_int, default=16,
                    help="held-out windows of 512 scored tokens per domain (default %(default)s)")
-    p.add_argument("--threads", type=positive_int, default=2, help="torch threads (2)")
+    p.add_argument("--threads", type=thread_count, default=2, help="torch threads (2)")
     p.add_argument("--out", type=files.output_directory, default=ROOT / "benchmarks" / "results",
                    help="where quant_quality.{json,md} go (benchmarks/results)")
     args = p.parse_args(argv)

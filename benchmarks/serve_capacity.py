@@ -38,6 +38,7 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parents[1]))  # measure the checkout this script is in
+from egmla.devices import thread_count  # noqa: E402
 from egmla.files import output_directory  # noqa: E402
 MODELS = ["small-mha", "small-gqa2", "small-mla", "small-egmla", "small-egmla-latent"]
 
@@ -231,7 +232,7 @@ def main() -> None:
     parser.add_argument("--sweep-model", default="small-mha", choices=MODELS)
     parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--threads", type=thread_count, default=os.cpu_count() or 1)
     parser.add_argument("--output-dir", type=output_directory, default=RESULTS)
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 4 MiB, 128-token sequences, 16 mixed requests")

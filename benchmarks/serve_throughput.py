@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parents[1]))  # measure the checkout this script is in
+from egmla.devices import thread_count  # noqa: E402
 from egmla.files import output_directory  # noqa: E402
 MODEL = "SmolLM2-135M-Instruct"
 SYSTEMS = ("ours", "generate", "generate_batch")
@@ -316,7 +317,7 @@ def main() -> None:
                         help="token budget of one step, ours and CB")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="rows of one step, ours and CB")
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--threads", type=thread_count, default=os.cpu_count() or 1)
     parser.add_argument("--output-dir", type=output_directory, default=RESULTS)
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 8 requests, prompts 16..64, outputs 8..16")

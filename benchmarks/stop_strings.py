@@ -48,6 +48,7 @@ import httpx
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = RESULTS.parents[1]
 sys.path.insert(0, str(ROOT))  # measure the checkout this script is in
+from egmla.devices import thread_count  # noqa: E402
 from egmla.files import output_directory  # noqa: E402
 
 
@@ -189,7 +190,7 @@ def main() -> None:
     parser.add_argument("--stop-length", type=int, default=40)
     parser.add_argument("--long-tokens", type=int, default=128)
     parser.add_argument("--short-tokens", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=1, help="the server's torch threads")
+    parser.add_argument("--threads", type=thread_count, default=1, help="the server's torch threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=output_directory, default=RESULTS)
     parser.add_argument("--quick", action="store_true", help="2 repeats: a smoke test")

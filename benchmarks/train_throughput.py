@@ -24,6 +24,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parents[1]))  # measure the checkout this script is in
+from egmla.devices import thread_count  # noqa: E402
 from egmla.files import output_directory  # noqa: E402
 
 # Two sizes that fit a 2-core CPU. d_h = d_model / n_heads; latent widths follow d_h.
@@ -189,7 +190,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--threads", type=thread_count, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", type=output_directory, default=RESULTS)
     parser.add_argument("--child", nargs=2, metavar=("SIZE", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -5,6 +5,7 @@ what the hardware computes fast (native bf16), for the kernels and training's pr
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -31,6 +32,30 @@ def parse_device(device: str | torch.device | None, name: str = "device") -> tor
         raise ValueError(f"{name}={device!r}: this machine has {torch.cuda.device_count()} "
                          "CUDA device(s)")
     return torch.device("cuda", index)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def thread_count(text: str) -> int:
+    """argparse type of every `--threads` option: torch's CPU threads, from 1 to the CPUs this
+    process may run on (more only slow torch down, and OpenMP fails to create thousands: a
+    segmentation fault at --threads 100000)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not an integer") from None
+    if not 1 <= value <= usable_cpus():
+        raise argparse.ArgumentTypeError(f"{text}: must be from 1 to {usable_cpus()}, the CPUs "
+                                         f"this process may run on")
+    return value
 
 
 @functools.cache

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from egmla.devices import thread_count
 from egmla.dtypes import VLLM_NAMES
 from egmla.dtypes import WEIGHT_DTYPES as DTYPES
 from egmla.quant import QUANTIZATIONS
@@ -41,6 +42,15 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text}: must be >= 1")
     return value
+
+
+def api_key(text: str) -> str:
+    """argparse type of --api-key: what a client can send as a bearer token, visible ASCII; an
+    empty key (an unset variable in `--api-key "$KEY"`) would guard nothing."""
+    if not text or not all("!" <= c <= "~" for c in text):
+        raise argparse.ArgumentTypeError(f"{text!r}: a key is one or more visible ASCII "
+                                         "characters, no spaces")
+    return text
 
 
 def port_number(text: str) -> int:
@@ -96,6 +106,9 @@ def set_chat_template(llm, template: str) -> None:
         text = path.read_text() if path.is_file() else template
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"--chat-template {template}: cannot read it ({error})") from None
+    if text is template and "{{" not in text and "{%" not in text:  # a mistyped file name
+        raise ValueError(f"--chat-template {template}: no such file, and not a template either "
+                         "(no {{ ... }} or {% ... %} in it)")
     if llm.tokenizer is None:
         raise ValueError("--chat-template: this model has no tokenizer")
     llm.tokenizer.chat_template = text
@@ -173,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "them at load into llama.cpp's blocks of 32 (8 or 4 bits, a float16 "
                         "scale; a 4-bit method's LM head in q8_0); gguf keeps a GGUF model's "
                         "quantized tensors as stored (default: none, the float weights)")
-    p.add_argument("--api-key",
+    p.add_argument("--api-key", type=api_key,
                    help="requests to /v1 must send 'Authorization: Bearer KEY' (else 401)")
     p.add_argument("--chat-template", metavar="FILE_OR_TEXT",
                    help="a Jinja chat template (a file, or the template itself) in place of the "
@@ -214,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             g.add_argument(flag, dest=name, type={"int": int, "float": float}.get(no_op.flag, str),
                            default=argparse.SUPPRESS, help=f"accepted: {no_op.what} ({no_op.why})")
-    p.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=thread_count, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     p.add_argument("--uvicorn-log-level", choices=(*LOG_LEVELS, "critical", "trace"),
                    help="uvicorn's own log level (vLLM's flag; default: --log-level)")

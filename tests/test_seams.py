@@ -241,13 +241,14 @@ CHECKED_IN_MAIN = {
 }
 
 
-def output_options(tree: ast.Module) -> list[tuple[str, str | None]]:
-    """(flag, the name of its `type=`) for each add_argument of an output flag in `tree`."""
+def output_options(tree: ast.Module, flags=OUTPUT_FLAGS) -> list[tuple[str, str | None]]:
+    """(flag, the name of its `type=`) for each add_argument of one of `flags` (by default the
+    output flags) in `tree`."""
     found = []
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                 and node.func.attr == "add_argument" and node.args
-                and isinstance(node.args[0], ast.Constant) and node.args[0].value in OUTPUT_FLAGS):
+                and isinstance(node.args[0], ast.Constant) and node.args[0].value in flags):
             continue
         kind = next((k.value for k in node.keywords if k.arg == "type"), None)
         name = kind.id if isinstance(kind, ast.Name) else getattr(kind, "attr", None)
@@ -265,6 +266,14 @@ def test_every_output_option_is_checked_before_the_work():
     assert not unchecked, unchecked
     assert set(CHECKED_IN_MAIN) <= seen  # no stale exemption
     assert len(seen) > 20  # the walk finds the commands
+
+
+def test_every_threads_option_is_bounded_by_the_cpus():
+    """torch.set_num_threads(100000) segfaulted the server: every --threads is thread_count."""
+    found = {rel: kind for rel, tree in sources(*PACKAGES, *SCRIPTS).items()
+             for _, kind in output_options(tree, {"--threads"})}
+    assert len(found) >= 10 and "serve/__main__.py" in found  # the walk finds them
+    assert {rel for rel, kind in found.items() if kind != "thread_count"} == set()
 
 
 def test_the_output_check_finds_an_unchecked_option():

@@ -345,14 +345,17 @@ def test_cli_help_and_bad_arguments_fail_cleanly(tmp_path):
             assert "Traceback" not in refused.stderr
 
 
-def test_an_address_it_cannot_listen_on_fails_before_the_model_loads():
+def test_an_address_it_cannot_listen_on_and_bad_flags_fail_before_the_model_loads():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         for flags, message in ((["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
                                (["--host", "no-such-host.invalid"], "--host no-such-host.invalid"),
-                               (["--port", "99999"], "99999: must be in [0, 65535]")):
+                               (["--port", "99999"], "99999: must be in [0, 65535]"),
+                               (["--threads", "100000"], "100000: must be from 1 to"),  # a segfault
+                               (["--api-key", ""], "'': a key is one or more visible ASCII"),
+                               (["--api-key", "sesame open"], "'sesame open': a key is")):
             run = run_cli("--model", "no-such-model", *flags)
             assert run.returncode == 2 and message in run.stderr, run.stderr[-500:]
             assert "no-such-model" not in run.stderr  # refused before the model was looked for

@@ -333,6 +333,11 @@ def test_cli_flags_as_vllm_spells_them(export, tmp_path):
                          timeout=120)
     assert run.returncode == 2 and "--chat-template: it does not render" in run.stderr
     assert "Traceback" not in run.stderr
+    mistyped = str(tmp_path / "missing.jinja")  # was taken as a template: every chat rendered as it
+    run = subprocess.run([sys.executable, "-m", "serve", "--model", str(export), "--chat-template",
+                          mistyped, "--port", "1"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert run.returncode == 2 and f"--chat-template {mistyped}: no such file" in run.stderr
 
 
 def lm_eval_run(model, tasks: list[str], **kwargs) -> dict:
