@@ -3,7 +3,8 @@
 # (a new machine, a killed session) and each skips what its committed records already hold.
 # The jobs, run in the order JOBS names them (default: this order on a CPU with native bf16;
 # on one without it the study first, since the upcycling runs train in fp32 there, at under half
-# their bf16 speed, while the study's small models train in fp32 everywhere):
+# their bf16 speed, and those whose seed's runs trained in bf16 wait for a CPU with it, while
+# the study's small models train in fp32 everywhere):
 #
 #   upcycle:  the upcycling runs (issue 38, many hours):  python -m studies.upcycling
 #   lean:     drelu's leaner predictors searched and benchmarked again beside the default ones,
