@@ -4,6 +4,7 @@ docstring, and docs/study.md)."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -50,10 +51,13 @@ def main(argv: list[str] | None = None) -> int:
                              "record under --results) or todo")
     parser.add_argument("--summarize", action="store_true", help="only rewrite the record")
     args = parser.parse_args(argv)
-    if not args.scale > 0:
-        parser.error(f"--scale {args.scale}: must be > 0")
-    if any(not lr > 0 for lr in args.lrs):
-        parser.error(f"--lrs {' '.join(map(str, args.lrs))}: learning rates must be > 0")
+    if not 0 < args.scale < math.inf:
+        parser.error(f"--scale {args.scale}: must be a finite number > 0")
+    if any(not 0 < lr < math.inf for lr in args.lrs):
+        parser.error(f"--lrs {' '.join(map(str, args.lrs))}: learning rates must be finite "
+                     "numbers > 0")
+    if any(not 0 <= seed < 2**32 for seed in args.seeds):  # numpy's, which train.py seeds
+        parser.error(f"--seeds {' '.join(map(str, args.seeds))}: seeds are from 0 to 2**32 - 1")
     if args.lr_extensions < 0:
         parser.error(f"--lr-extensions {args.lr_extensions}: must be >= 0")
     if args.eval_limit is not None and args.eval_limit < 1:

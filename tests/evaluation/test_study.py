@@ -402,11 +402,16 @@ def test_a_record_from_before_a_remake_is_carried_and_an_ordinary_one_is_not():
     assert study._before(ordinary, remade=True)["remade"]["recorded_git"] == "abc"
 
 
-def test_bad_arguments_are_one_clear_line():
-    out = subprocess.run([sys.executable, "-m", "studies.gating", "--lrs", "0"], capture_output=True,
-                         text=True, cwd=ROOT)
-    assert out.returncode == 2 and "learning rates must be > 0" in out.stderr
-    assert "Traceback" not in out.stderr
+@pytest.mark.parametrize("args, named", [
+    (["--lrs", "0"], "learning rates must be finite numbers > 0"),
+    (["--lrs", "inf"], "learning rates must be finite numbers > 0"),  # was a run of NaNs
+    (["--scale", "inf"], "--scale inf: must be a finite number > 0"),  # was an OverflowError
+    (["--seeds", "-1"], "seeds are from 0 to 2**32 - 1"),  # train.py refused each run, later
+])
+def test_bad_arguments_are_one_clear_line(tmp_path, args, named):
+    out = study_cli(tmp_path, "--dry-run", *args)
+    assert out.returncode == 2 and named in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "results").exists()
 
 
 def test_the_tables_mark_intervals_that_exclude_zero_and_cut_an_accuracys_at_its_range():
