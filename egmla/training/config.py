@@ -339,6 +339,8 @@ class TrainConfig:
         cfg.data.validate()
         cfg.optim.validate()
         cfg.trainer.validate()
+        _check(0 <= cfg.seed < 2**32, f"seed={cfg.seed}: seeds are from 0 to 2**32 - 1 "
+               "(numpy's, which the run seeds too)")
         if cfg.distill is not None:
             cfg.distill.validate()
             _check(cfg.distill.transfer_steps < cfg.trainer.max_steps,

@@ -104,6 +104,8 @@ def test_unknown_attention_type_fails_naming_it():
         ("wandb.mode=sometimes", "mode='sometimes'"),
         ("data.kind=parquet", "kind='parquet'"),
         ("model.ffn=gelu", "model.ffn='gelu': must be one of"),
+        ("seed=-1", r"seed=-1: seeds are from 0 to 2\*\*32 - 1"),  # was numpy's, unnamed
+        ("seed=4294967296", "seed=4294967296: seeds are from 0"),
     ],
 )
 def test_bad_values_fail_naming_them(override, message):
