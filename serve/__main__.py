@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "predicted (a hot block and what --ffn-predictors predict; an "
                         "approximation); default: dense")
     g.add_argument("--ffn-predictors", metavar="FILE",
-                   help="predictors.safetensors written by `python -m eval.locality predictors` "
+                   help="predictors.safetensors written by `python -m studies.locality predictors` "
                         "for this model (with --ffn-sparsity predicted)")
     g.add_argument("--ffn-threshold", type=thresholds, default=0.0, metavar="T[,T...]",
                    help="a neuron fires only above this score (|silu(gate)| for SwiGLU, the gate "

@@ -156,7 +156,7 @@ class LLM:
         "oracle" (exact, slower: a check) or "predicted" (a hot block of neurons always, the
         rest where per-layer predictors say they fire: an approximation as good as their
         recall), which takes `ffn_predictors`, the predictors.safetensors that `python -m
-        eval.locality predictors` wrote for this model, and their thresholds; loading them
+        studies.locality predictors` wrote for this model, and their thresholds; loading them
         reorders the model's neurons in place, as they were trained (the function is
         unchanged). None, the default, is dense.
 

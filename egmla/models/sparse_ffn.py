@@ -80,7 +80,7 @@ def firing_score(mlp, x: torch.Tensor) -> torch.Tensor:
 def firing(mlp, x: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
     """Boolean (..., d_ff): the neurons of `mlp` that fire for each row of x: h != 0 and, with a
     threshold, a deciding score above it (`firing_score`; the set SparseDecode computes, and
-    what eval.locality profiles)."""
+    what studies.locality profiles)."""
     fired = mlp.hidden(x) != 0
     if threshold > 0:
         fired &= firing_score(mlp, x) > threshold
@@ -147,7 +147,7 @@ class Predictor:
     scores = relu(x @ w1.T) @ w2.T + bias, neuron i predicted to fire where scores[:, i] > 0.
 
     Plain tensors, not a module, so that the model's state dict is unchanged; trained and
-    calibrated by `python -m eval.locality predictors`, saved with `state()`.
+    calibrated by `python -m studies.locality predictors`, saved with `state()`.
     """
 
     def __init__(self, w1: torch.Tensor, w2: torch.Tensor, bias: torch.Tensor) -> None:
@@ -308,7 +308,7 @@ PREDICTORS_FORMAT = "egmla.predictors/1"  # the metadata of a predictors file
 
 @dataclass(frozen=True)
 class LayerPredictor:
-    """What `python -m eval.locality predictors` saves for one layer: its predictor (in the
+    """What `python -m studies.locality predictors` saves for one layer: its predictor (in the
     reordered neuron order), the order (neuron order[j] of the original MLP becomes neuron j)
     and how many of the first neurons form the hot block."""
 
@@ -388,7 +388,7 @@ def check_settings(mode: str | None, threshold: Threshold = 0.0, predictors: obj
         raise ValueError(f"ffn_threshold={threshold!r} needs an ffn_sparsity mode")
     if (mode == "predicted") != (predictors is not None):
         raise ValueError("ffn_sparsity='predicted' takes ffn_predictors (a file written by "
-                         "`python -m eval.locality predictors`), and only it does")
+                         "`python -m studies.locality predictors`), and only it does")
 
 
 def sparsify(model, mode: str | None, threshold: Threshold = 0.0,
