@@ -166,6 +166,17 @@ def mqar_table(summary: dict[str, Any]) -> str:
                    *(f"vs {_name(b)}" for b in plan["baselines"])], rows, 1)
 
 
+def _by_pairs(slices) -> list[str]:
+    """MQAR slice names (kv4, kv8, kv16) in the order of their pairs, not of their spelling."""
+    return sorted(slices, key=lambda k: (int(k[2:]) if k[2:].isdigit() else 0, k))
+
+
+def _loss(value: float) -> str:
+    """A validation loss to three decimals, or in scientific notation below 0.001 (4.6e-05, not
+    0.000, for a run that all but memorized the task)."""
+    return f"{value:.3f}" if value >= 1e-3 or value == 0 else f"{value:.1e}"
+
+
 def mqar_fair_table(summary: dict[str, Any]) -> str:
     """The fair MQAR runs: each arm at its own rate from a grid on MQAR, recall by seed (the mean
     over the 4, 8 and 16-pair slices), its interval, how many seeds learned the lookup (recall
@@ -179,20 +190,22 @@ def mqar_fair_table(summary: dict[str, Any]) -> str:
     for n in names:
         fair, model = arms[n]["mqar_fair"], arms[n].get("mqar_model") or {}
         slices = fair["by_slice"]
-        rows.append([_name(n), " / ".join(f"{lr}: {loss:.3f}" for lr, loss in sorted(
+        rows.append([_name(n), " / ".join(f"{lr}: {_loss(loss)}" for lr, loss in sorted(
                          fair["lr_grid_val_loss"].items(), key=lambda kv: float(kv[0]))),
                      _rate(fair["lr"]),
                      _seeds({s: _mean(a.values()) for s, a in fair["accuracy_by_seed"].items()}, 3),
                      ci(fair["mean_accuracy"], 3, fraction=True),
                      f"{fair['learned_seeds']} of {len(fair['accuracy_by_seed'])}"
                      if fair["accuracy_by_seed"] else "-",
-                     " / ".join(f"{slices[k]['mean']:.3f}" for k in sorted(slices)) or "-",
+                     " / ".join(f"{slices[k]['mean']:.3f}" for k in _by_pairs(slices)) or "-",
                      str(model.get("kv_bytes_per_token_bf16", "-")),
                      *("-" if b == n else ci(fair.get("paired_differences", {}).get(b), 3,
                                              signed=True) for b in plan["baselines"])])
     return _table(["arm", "grid (LR: val loss, seed 0)", "LR", "recall by seed",
                    "mean [95% CI]", f"seeds past {arms[names[0]]['mqar_fair']['learned_recall']:g}",
-                   "by slice", "KV bytes/token (bf16)",
+                   "by slice (" + " / ".join(k.removeprefix("kv") for k in _by_pairs(
+                       {k for n in names for k in arms[n]["mqar_fair"]["by_slice"]})) + " pairs)",
+                   "KV bytes/token (bf16)",
                    *(f"vs {_name(b)}" for b in plan["baselines"])], rows, 2)
 
 

@@ -223,6 +223,8 @@ def test_the_fair_mqar_phases_give_each_arm_its_own_rate_then_its_seeds(tmp_path
     # recall is nearly two-valued (a plateau, then the lookup): the seeds past 0.5 are counted
     assert fair["learned_seeds"] == 3 and summary["arms"]["mla_dc32"]["mqar_fair"]["learned_seeds"] == 0
     assert "| seeds past 0.5 |" in table[0] and "| 3 of 3 |" in table[3] and "| 0 of 3 |" in table[2]
+    # each slice's mean in the order of its pairs (it was kv16 before kv4, by spelling)
+    assert "| by slice (4 / 16 pairs) |" in table[0] and "| 0.960 / 0.860 |" in table[3]
     # paired by seed, each arm at its own MQAR rate: egmla_kv 0.90 + 0.01 s, mla_dc32 0.40 + 0.02 s
     against = fair["paired_differences"]["mla_dc32"]
     assert against == pytest.approx(stats.paired({0: 0.9, 1: 0.91, 2: 0.92}, {0: 0.4, 1: 0.42, 2: 0.44}))
