@@ -45,6 +45,14 @@ def versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:
     return found
 
 
+def machine_memory_bytes() -> int | None:
+    """The machine's physical memory in bytes, where the OS says (None elsewhere)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def hardware() -> dict[str, Any]:
     cpu = platform.processor() or None
     try:
@@ -55,10 +63,9 @@ def hardware() -> dict[str, Any]:
         pass
     info: dict[str, Any] = {"hostname": socket.gethostname(), "platform": platform.platform(),
                             "cpu": cpu, "cpu_count": os.cpu_count()}
-    try:
-        info["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError, AttributeError):
-        pass
+    memory = machine_memory_bytes()
+    if memory is not None:
+        info["memory_gib"] = round(memory / 2**30, 1)
     if "torch" in sys.modules:
         import torch
 

@@ -3,6 +3,7 @@ run as a subprocess with its output in a log file, and records written atomicall
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -31,6 +32,26 @@ def run_logged(cmd: list[str], log_file: Path, log, append: bool = False) -> Non
     if done.returncode != 0:
         raise PipelineError(f"{what} failed (exit {done.returncode}); see {log_file}")
     log(f"done in {time.perf_counter() - started:.0f} s")
+
+
+def read_record(path: Path) -> dict[str, Any] | None:
+    """The JSON object at `path`, or None where there is no file. A file that cannot be read or
+    is not a JSON object is a PipelineError naming it: a pipeline that took it for missing would
+    redo its work and write over it."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise PipelineError(f"{path}: cannot be read ({err.strerror})") from None
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        raise PipelineError(f"{path}: not valid JSON ({err}); repair or delete it") from None
+    if not isinstance(data, dict):
+        raise PipelineError(f"{path}: a JSON {type(data).__name__}, not an object; repair or "
+                            "delete it")
+    return data
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -21,8 +21,9 @@ Per layer, with G KV heads of width d_h (R = H / G query heads each) and r = rop
    instead (L L^T the second moment of the layer's inputs on calibration text), so the error
    is small where the inputs are: MHA2MLA's activation-aware option. On SmolLM2 it is the
    difference between a usable and a broken starting point (docs/upcycling.md: held-out
-   perplexity 215 against 9,703 at d_c 96). At d_c = N nothing is cut: the model equals the original with RoPE removed from
-   the unselected pairs (exactly, in exact arithmetic), and with r = d_h it equals the original.
+   perplexity 253 against 6,456 at d_c 96, on the recovery domain). At d_c = N nothing is cut:
+   the model equals the original with RoPE removed from the unselected pairs (exactly, in exact
+   arithmetic), and with r = d_h it equals the original.
 3. EG-MLA (`to="egmla"`). By default the gate starts as the identity (`gate_form="identity"`):
    g = 1 + W_UE E[id] with W_UE = 0, no gate norm, no latent norm, so step 0 computes the MLA
    conversion's function and W_UE still receives a gradient through E's random rows.
@@ -47,6 +48,7 @@ from torch import nn
 from egmla.config import ConfigError, EGMLAConfig, MLAConfig, ModelConfig
 from egmla.models.attention.common import RopeKV
 from egmla.models.transformer import Transformer
+from egmla.provenance import machine_memory_bytes
 from egmla.upcycle.rope import RULES, select_frequencies
 from egmla.upcycle.svd import SVD_KINDS, factor
 from egmla.upcycle.stats import LayerStats, collect_stats
@@ -110,7 +112,7 @@ def upcycle(model: Transformer, *, to: str, d_c: int, rope_dims: int, rule: str 
     """
     options, gate = check_options(model, to=to, d_c=d_c, rope_dims=rope_dims, rule=rule,
                                   svd=svd, gate_form=gate_form, gate_position=gate_position,
-                                  d_e=d_e, gate_group_size=gate_group_size)
+                                  d_e=d_e, gate_group_size=gate_group_size, seed=seed)
     if to == "egmla":
         options["seed"] = seed
     needs_data = rule == "2norm" or svd == "whitened" or bool(gate) and gate_form == "paper"
@@ -144,7 +146,8 @@ def upcycle(model: Transformer, *, to: str, d_c: int, rope_dims: int, rule: str 
 def check_options(model: Transformer, *, to: str, d_c: int, rope_dims: int,
                   rule: str = "2norm", svd: str = "whitened", gate_form: str = "identity",
                   gate_position: str | None = None, d_e: int | None = None,
-                  gate_group_size: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+                  gate_group_size: int | None = None,
+                  seed: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every check `upcycle` makes of its options against `model`, before any calibration or
     conversion work (UpcycleError naming the value); returns the record's options and the
     gate's settings (empty for MLA)."""
@@ -155,10 +158,10 @@ def check_options(model: Transformer, *, to: str, d_c: int, rope_dims: int,
     _check_choice("to", to, TARGETS)
     _check_choice("rule", rule, RULES)
     _check_choice("svd", svd, SVD_KINDS)
-    full = G * (2 * d_h - rope_dims) if isinstance(rope_dims, int) else 0
-    _check(isinstance(rope_dims, int) and 2 <= rope_dims <= d_h and rope_dims % 2 == 0,
+    full = G * (2 * d_h - rope_dims) if _is_int(rope_dims) else 0
+    _check(_is_int(rope_dims) and 2 <= rope_dims <= d_h and rope_dims % 2 == 0,
            f"rope_dims={rope_dims!r}: must be even, in [2, {d_h}] (the head width)")
-    _check(isinstance(d_c, int) and 1 <= d_c <= full,
+    _check(_is_int(d_c) and 1 <= d_c <= full,
            f"d_c={d_c!r}: must be in [1, {full}]; {full} = {G} KV heads x (2 x {d_h} - "
            f"rope_dims {rope_dims}) keeps everything")
     options = {"to": to, "d_c": d_c, "rope_dims": rope_dims, "rule": rule, "svd": svd}
@@ -170,9 +173,13 @@ def check_options(model: Transformer, *, to: str, d_c: int, rope_dims: int,
                                      ("gate_group_size", gate_group_size)) if v is not None}}
         _check(gate_form != "paper" or gate["gate_position"] == "kv",
                "gate_form='paper' is the kv gate followed by LayerNorm: gate_position must be kv")
+        for name in ("d_e", "gate_group_size"):
+            _check(_is_int(gate[name]), f"{name}={gate[name]!r}: must be an integer")
+        _check(_is_int(seed) and 0 <= seed < 2**64, f"seed={seed!r}: must be in [0, 2**64)")
         options.update(gate)
     placeholder = [[list(range(rope_dims // 2))] * G] * source.n_layers
-    _target_config(source, G, d_h, to, d_c, rope_dims, placeholder, gate)  # its shape checks
+    target = _target_config(source, G, d_h, to, d_c, rope_dims, placeholder, gate)  # its checks
+    _check_memory(model, target, gate)
     return options, gate
 
 
@@ -194,6 +201,25 @@ def _check(condition: bool, message: str) -> None:
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     _check(value in choices, f"{name}={value!r}: must be one of {', '.join(choices)}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_memory(model: Transformer, target: ModelConfig, gate: dict[str, Any]) -> None:
+    """The converted model is built beside the source: refuse one whose weights alone would not
+    fit the machine's memory (a wide gate table: d_e x vocab per table) before allocating it."""
+    memory = machine_memory_bytes()
+    itemsize = model.tok_emb.weight.element_size()
+    need = target.num_params() * itemsize
+    have = sum(p.numel() for p in model.parameters()) * itemsize
+    if memory is None or need + have <= memory:
+        return
+    what = f"d_e={gate['d_e']}" if gate else f"d_c={target.attention.d_c}"
+    raise UpcycleError(f"{what}: the converted model's weights would take {need / 2**30:,.1f} GiB "
+                       f"beside the source's {have / 2**30:,.1f} GiB; this machine has "
+                       f"{memory / 2**30:,.1f} GiB of memory")
 
 
 def _source_layers(model: Transformer) -> list[RopeKV]:

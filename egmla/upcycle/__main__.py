@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="whitened by the inputs' second moment (activation-aware; default), or "
                         "plain (MHA2MLA's default)")
     g = p.add_argument_group("EG-MLA's gate (--to egmla)")
-    g.add_argument("--gate-form", choices=GATE_FORMS, default="identity",
+    g.add_argument("--gate-form", choices=GATE_FORMS, default=None,
                    help="identity: g = 1 + W_UE E[id] starting at 1 (step 0 equals the MLA "
                         "conversion); paper: LayerNorm after the gate, fitted (default identity)")
     g.add_argument("--gate-position", choices=("kv", "latent"), default=None,
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--d-e", type=int, default=None, help="gate table width (default 32)")
     g.add_argument("--gate-group-size", type=int, default=None,
                    help="consecutive layers sharing one gate table (default 2)")
-    g.add_argument("--seed", type=int, default=0, help="draws the gate tables (default 0)")
+    g.add_argument("--seed", type=int, default=None, help="draws the gate tables (default 0)")
     c = p.add_argument_group("calibration")
     c.add_argument("--calibration-tokens", type=int, default=32768,
                    help="tokens of the recovery mixture to calibrate on (default 32768)")
@@ -105,25 +105,40 @@ def _run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value < (0 if name == "calibration_tokens" else 1):
             raise UpcycleError(f"--{name.replace('_', '-')}={value}: must be positive")
-    if args.to == "mla" and any(v is not None for v in (args.gate_position, args.d_e,
-                                                        args.gate_group_size)):
-        raise UpcycleError("--gate-position, --d-e and --gate-group-size are for --to egmla")
+    gate_flags = {"--gate-form": args.gate_form, "--gate-position": args.gate_position,
+                  "--d-e": args.d_e, "--gate-group-size": args.gate_group_size,
+                  "--seed": args.seed}
+    given = [flag for flag, value in gate_flags.items() if value is not None]
+    if args.to == "mla" and given:
+        raise UpcycleError(f"{', '.join(given)}: EG-MLA's gate options, for --to egmla")
+    gate_form = args.gate_form or "identity"
+    seed = 0 if args.seed is None else args.seed
+    if not 0 <= seed < 2**64:
+        raise UpcycleError(f"--seed={seed}: must be in [0, 2**64)")
     check_destination(args.out, args.overwrite)  # a bad --out fails now, not after the conversion
     started = time.perf_counter()
     model, tokenizer = load_pretrained(args.model, dtype=torch.float32)
     check_options(model, to=args.to, d_c=args.d_c, rope_dims=args.rope_dims, rule=args.rule,
-                  svd=args.svd, gate_form=args.gate_form, gate_position=args.gate_position,
-                  d_e=args.d_e, gate_group_size=args.gate_group_size)  # before any calibration
+                  svd=args.svd, gate_form=gate_form, gate_position=args.gate_position,
+                  d_e=args.d_e, gate_group_size=args.gate_group_size,
+                  seed=seed)  # before any calibration
+    if args.calibration_seq_len > model.config.max_seq_len:
+        raise UpcycleError(f"--calibration-seq-len={args.calibration_seq_len}: the model's "
+                           f"context is {model.config.max_seq_len} tokens")
     calibration = None
     if args.calibration_tokens:
         if tokenizer is None:
             raise UpcycleError(f"--model {args.model}: has no tokenizer to calibrate with; pass "
                                "--calibration-tokens 0 with --rule high|low|uniform --svd plain")
         calibration = calibration_ids(tokenizer, args.calibration_tokens, args.calibration_seq_len)
+        if calibration.numel() < args.calibration_tokens:
+            print(f"calibrating on {calibration.numel():,} tokens, not {args.calibration_tokens:,}: "
+                  f"whole sequences of {args.calibration_seq_len} from what the recovery "
+                  "mixture's training split holds", file=sys.stderr)
     result = upcycle(model, to=args.to, d_c=args.d_c, rope_dims=args.rope_dims, rule=args.rule,
-                     calibration=calibration, svd=args.svd, gate_form=args.gate_form,
+                     calibration=calibration, svd=args.svd, gate_form=gate_form,
                      gate_position=args.gate_position, d_e=args.d_e,
-                     gate_group_size=args.gate_group_size, seed=args.seed, progress=True)
+                     gate_group_size=args.gate_group_size, seed=seed, progress=True)
     record = result.record()
     original = model.cache_spec().elements_per_token()
     save_export(result.model, args.out, tokenizer=tokenizer, overwrite=args.overwrite,

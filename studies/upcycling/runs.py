@@ -40,7 +40,7 @@ from typing import Any
 
 from egmla.files import output_directory
 from eval.local_tasks import group_tasks
-from studies.pipeline import ROOT, PipelineError, run_logged, write_json
+from studies.pipeline import ROOT, PipelineError, read_record, run_logged, write_json
 SOURCE = "SmolLM2-135M-Instruct"
 ROPE_DIMS = 8
 SIZES = (96, 48, 24)
@@ -99,13 +99,6 @@ ARMS = _arms()
 
 # --------------------------------------------------------------------------------------------
 # Records
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _context() -> dict[str, Any]:
@@ -171,7 +164,7 @@ def _key(row: dict[str, Any]) -> str:
 
 def step0(results: Path, log) -> None:
     path = results / "step0.json"
-    record = _read_json(path) or {"rows": []}
+    record = read_record(path) or {"rows": []}
     done = {_key(r["conversion"]) for r in record["rows"]}
     todo = [r for r in step0_plan() if _key(r) not in done]
     if not todo:
@@ -181,7 +174,7 @@ def step0(results: Path, log) -> None:
     from egmla.upcycle.__main__ import calibration_ids
 
     measurer = Measurer()
-    if not any(r.get("original") for r in record["rows"]):
+    if "original" not in record:
         record["original"] = measurer.measure(measurer.original)
     calibration = calibration_ids(measurer.tokenizer, 32768, 512)
     stats = calibration_stats(measurer.original, calibration)
@@ -239,7 +232,7 @@ def train_command(arm: Arm, run_dir: Path, extra: list[str]) -> list[str]:
 def points(run_dir: Path) -> dict[int, Path]:
     """The exports of a run by optimizer step, as its config.json says: 0 (the conversion),
     the curve's (export_steps), the final (trainer.max_steps)."""
-    config = _read_json(run_dir / "config.json") or {}
+    config = read_record(run_dir / "config.json") or {}
     last = config.get("trainer", {}).get("max_steps", STEPS)
     found = {0: run_dir / "init"}
     found.update({s: run_dir / "exports" / f"step{s}" for s in config.get("export_steps", [])
@@ -249,8 +242,8 @@ def points(run_dir: Path) -> dict[int, Path]:
 
 
 def tokens_per_step(run_dir: Path) -> int:
-    data = (_read_json(run_dir / "config.json") or {}).get("data", {})
-    accumulate = (_read_json(run_dir / "config.json") or {}).get("trainer", {}).get(
+    data = (read_record(run_dir / "config.json") or {}).get("data", {})
+    accumulate = (read_record(run_dir / "config.json") or {}).get("trainer", {}).get(
         "accumulate_grad_batches", 1)
     return data.get("batch_size", 8) * data.get("seq_len", 512) * accumulate
 
@@ -290,8 +283,8 @@ PRECISIONS = {
 def started_precision(arm: Arm, runs_dir: Path, results: Path) -> str | None:
     """The precision `arm`'s run trained in at its first start (its record, else its run
     directory's run_info.json); None where it has not started."""
-    for info in (_read_json(results / "runs" / f"{arm.name}.json"),
-                 _read_json(runs_dir / arm.name / "run_info.json")):
+    for info in (read_record(results / "runs" / f"{arm.name}.json"),
+                 read_record(runs_dir / arm.name / "run_info.json")):
         starts = (info or {}).get("starts") or []
         if starts and starts[0].get("precision"):
             return starts[0]["precision"]
@@ -311,7 +304,7 @@ def run_precision(arm: Arm, policy: str, runs_dir: Path, results: Path,
 
 
 def is_complete(arm: Arm, results: Path) -> bool:
-    return bool((_read_json(results / "runs" / f"{arm.name}.json") or {}).get("complete"))
+    return bool((read_record(results / "runs" / f"{arm.name}.json") or {}).get("complete"))
 
 
 def train_arm(arm: Arm, runs_dir: Path, results: Path, extra: list[str], log,
@@ -322,7 +315,7 @@ def train_arm(arm: Arm, runs_dir: Path, results: Path, extra: list[str], log,
     path = results / "runs" / f"{arm.name}.json"
     if is_complete(arm, results):
         return
-    record = _read_json(path)
+    record = read_record(path)
     run_dir = runs_dir / arm.name
     from egmla.checkpoint import is_export
 
@@ -345,9 +338,9 @@ def train_arm(arm: Arm, runs_dir: Path, results: Path, extra: list[str], log,
             raise PipelineError(f"{export}: missing (the run did not write it)")
         record["points"][str(step)] = {"tokens": step * tokens_per_step(run_dir),
                                        **measurer.measure(load_export(export))}
-    info = _read_json(run_dir / "run_info.json") or {}
-    summary = _read_json(run_dir / "summary.json") or {}
-    conversion = _read_json(run_dir / "init" / "config.json") or {}
+    info = read_record(run_dir / "run_info.json") or {}
+    summary = read_record(run_dir / "summary.json") or {}
+    conversion = read_record(run_dir / "init" / "config.json") or {}
     record.update({
         "conversion": conversion.get("extra", {}).get("upcycle"),
         "fit_seconds": summary.get("fit_seconds"),  # the last start's
@@ -400,7 +393,7 @@ def context(jobs: list[tuple[str, str, Path | None]], results: Path, log) -> Non
     from studies.upcycling.quality import LONG_WINDOW, LONG_WINDOWS, context_curve, eval_windows
 
     path = results / "context.json"
-    record = _read_json(path) or {"curves": {}}
+    record = read_record(path) or {"curves": {}}
     windows = original = None
     for name, step, export in jobs:
         key = f"{name}@{step}"
@@ -425,7 +418,7 @@ def lm_eval(jobs: list[tuple[str, str, Path | None]], runs_dir: Path, results: P
     from eval.compare import lm_eval_metrics
 
     path = results / "lm_eval.json"
-    record = _read_json(path) or {"scores": {}}
+    record = read_record(path) or {"scores": {}}
     for name, step, export in jobs:
         key = f"{name}@{step}"
         if key in record["scores"] or (export is not None and not is_export(export)):
@@ -446,11 +439,11 @@ def lm_eval(jobs: list[tuple[str, str, Path | None]], runs_dir: Path, results: P
 def unmeasured(arms: list[Arm], results: Path) -> list[str]:
     """The arms measured in depth whose record is complete but whose context curve or lm-eval
     scores are missing (their exports went with an earlier machine: train them again)."""
-    curves = (_read_json(results / "context.json") or {}).get("curves", {})
-    scores = (_read_json(results / "lm_eval.json") or {}).get("scores", {})
+    curves = (read_record(results / "context.json") or {}).get("curves", {})
+    scores = (read_record(results / "lm_eval.json") or {}).get("scores", {})
     missing = []
     for arm in arms:
-        record = _read_json(results / "runs" / f"{arm.name}.json") or {}
+        record = read_record(results / "runs" / f"{arm.name}.json") or {}
         if measured_in_depth(arm) and record.get("complete"):
             final = f"{arm.name}@{max(map(int, record['points']))}"
             if final not in curves or final not in scores:
@@ -463,6 +456,8 @@ def unmeasured(arms: list[Arm], results: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from serve.__main__ import positive_int
+
     p = argparse.ArgumentParser(prog="python -m studies.upcycling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="arms: " + ", ".join(a.name for a in ARMS))
@@ -473,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", type=output_directory, default=ROOT / "benchmarks" / "results" / "upcycle",
                    help="the record (default benchmarks/results/upcycle)")
     p.add_argument("--arms", nargs="+", default=None, help="only these arms (by name)")
-    p.add_argument("--lm-eval-limit", type=int, default=None,
+    p.add_argument("--lm-eval-limit", type=positive_int, default=None,
                    help="score only the first documents of each task (a rehearsal)")
     p.add_argument("--precision", choices=PRECISIONS, default="seed",
                    help="what each recovery run trains in: " + "; ".join(

@@ -13,6 +13,7 @@ from typing import Any
 from egmla import files
 from eval.compare import png_bytes
 from eval.stats import holm, interval, log_interval, paired, paired_p
+from studies.pipeline import read_record
 
 # The headline family: EG-MLA (each gate position) against MLA at the same cache size,
 # recovered the same way; Holm-adjusted over these two.
@@ -21,7 +22,7 @@ METRICS = (("corpus", "kl"), ("recovery", "kl"), ("corpus", "loss"), ("recovery"
 
 
 def _runs(results: Path) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted((results / "runs").glob("*.json"))]
+    return [read_record(p) for p in sorted((results / "runs").glob("*.json"))]
 
 
 def _final(run: dict[str, Any]) -> dict[str, Any] | None:
@@ -166,6 +167,7 @@ def markdown(summary: dict[str, Any]) -> str:
             seconds = "-" if t["fit_seconds"] is None else t["fit_seconds"]
             lines.append(f"| {name} | {seconds} | {t['starts']} | {t['corpus_kl']:.3f} | "
                          f"{t['recovery_kl']:.3f} |")
+    lines += _depth_tables(summary)
     if summary.get("gate_rows"):
         lines += ["", "## Gate table rows trained", ""]
         for arm, rows in summary["gate_rows"].items():
@@ -174,6 +176,52 @@ def markdown(summary: dict[str, Any]) -> str:
                          f"{rows['rows_per_table']:,} rows per table changed "
                          f"({rows['tables']} tables)")
     return "\n".join(lines) + "\n"
+
+
+def _run_label(key: str, precision: dict[str, list[str]]) -> str:
+    """`name@step` as a table's first cells: the run, its tokens' step, what it trained in."""
+    name, _, step = key.partition("@")
+    return f"{name} | {step} | {', '.join(precision.get(name, ['-']))}"
+
+
+def _depth_tables(summary: dict[str, Any]) -> list[str]:
+    """The measures taken of one run per arm (the original and step 0 besides): perplexity by
+    position on long windows of the embedded corpus, and the offline lm-eval tasks."""
+    lines: list[str] = []
+    precision = summary.get("run_precision", {})
+    curves = (summary.get("context") or {}).get("curves") or {}
+    if curves:
+        buckets = max(curves.values(), key=len)
+        lines += ["", "## Perplexity by position (embedded corpus, long windows)", "",
+                  "Perplexity of the tokens at each range of positions, one run per arm "
+                  "(`original` is the model converted from; step 0 is the conversion alone).", "",
+                  "| run | step | precision | " + " | ".join(
+                      f"{b['from']:,}-{b['to']:,}" for b in buckets) + " |",
+                  "|---|---:|---|" + "---:|" * len(buckets)]
+        for key, curve in sorted(curves.items()):
+            ppl = [f"{b['ppl']:.1f}" for b in curve] + ["-"] * (len(buckets) - len(curve))
+            lines.append(f"| {_run_label(key, precision)} | {' | '.join(ppl)} |")
+    record = summary.get("lm_eval") or {}
+    scores = record.get("scores") or {}
+    if scores:
+        names = sorted({m for v in scores.values() for m in v if not m.endswith("_stderr")})
+        limit = record.get("limit")
+        lines += ["", "## Offline lm-eval tasks", "",
+                  "Each metric with its standard error (lm-eval's)"
+                  + (f"; the first {limit} documents of each task only (a rehearsal)"
+                     if limit else "") + ".", "",
+                  "| run | step | precision | " + " | ".join(names) + " |",
+                  "|---|---:|---|" + "---:|" * len(names)]
+        for key, metrics in sorted(scores.items()):
+            cells = []
+            for m in names:
+                task, _, metric = m.partition("/")
+                err = metrics.get(f"{task}/{metric}_stderr")
+                value = metrics.get(m)
+                cells.append("-" if value is None else f"{value:.3f}"
+                             + ("" if err is None else f" ± {err:.3f}"))
+            lines.append(f"| {_run_label(key, precision)} | {' | '.join(cells)} |")
+    return lines
 
 
 KL_LABEL = "KL to the original, nats/token (embedded corpus)"
@@ -239,12 +287,13 @@ def write_summary(results: Path, log) -> dict[str, Any]:
     final_step = str(max((int(s) for r in runs for s in r["points"]), default=0))
     summary = {"arms": arm_table(families), "comparisons": comparisons(families, final_step),
                "gate_rows": {r["name"]: r["gate_rows"] for r in runs if r.get("gate_rows")},
-               "fit_seconds": {r["name"]: r.get("fit_seconds") for r in runs}}
+               "fit_seconds": {r["name"]: r.get("fit_seconds") for r in runs},
+               "run_precision": {r["name"]: precisions([r]) for r in runs}}
     summary["transfer"] = transfer_comparison(runs)
     for name in ("step0", "context", "lm_eval"):
-        path = results / f"{name}.json"
-        if path.is_file():
-            summary[name] = json.loads(path.read_text())
+        record = read_record(results / f"{name}.json")
+        if record is not None:
+            summary[name] = record
     results.mkdir(parents=True, exist_ok=True)
     files.write_text(results / "summary.json", json.dumps(summary, indent=1, default=str) + "\n")
     files.write_text(results / "summary.md", markdown(summary))

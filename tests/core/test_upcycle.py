@@ -9,6 +9,7 @@ docstring says, the record tells the truth, and bad arguments fail in one line."
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -84,15 +85,39 @@ def test_b_full_rank_equals_the_original_without_rope_on_the_pairs_dropped(
 
 
 @pytest.mark.parametrize("svd", ["plain", "whitened"])
-def test_b_holds_in_float32_within_1e_3(source, calibration, svd):
+@pytest.mark.parametrize("to, position", [("mla", None), ("egmla", "kv"), ("egmla", "latent")])
+def test_a_and_b_hold_in_float32_within_1e_3(source, calibration, svd, to, position):
     source32 = Transformer(SOURCE).eval()
     source32.load_state_dict(source.state_dict())
-    result = upcycle(source32.float(), to="egmla", d_c=full_rank(4), rope_dims=4,
-                     calibration=calibration.long(), svd=svd)
-    assert result.model.tok_emb.weight.dtype == torch.float32
-    for ids in PROMPTS:
-        ref = partial_rope_logits(source32.state_dict(), SOURCE, ids, result.freqs)
-        assert (logits(result.model, ids) - ref).abs().max() < 1e-3
+    kw = {} if position is None else {"gate_position": position}
+    for rope_dims in (4, 16):  # (b), and (a): every pair kept
+        result = upcycle(source32.float(), to=to, d_c=full_rank(rope_dims), rope_dims=rope_dims,
+                         calibration=calibration.long(), svd=svd, **kw)
+        assert result.model.tok_emb.weight.dtype == torch.float32
+        for ids in PROMPTS:
+            ref = partial_rope_logits(source32.state_dict(), SOURCE, ids, result.freqs)
+            assert (logits(result.model, ids) - ref).abs().max() < 1e-3
+            if rope_dims == 16:
+                assert (logits(result.model, ids) - logits(source32, ids)).abs().max() < 1e-3
+
+
+@pytest.mark.slow  # SmolLM2 converted from its GGUF once per session (about 40 s)
+@pytest.mark.parametrize("to, position", [("mla", None), ("egmla", "kv"), ("egmla", "latent")])
+def test_b_holds_on_smollm2_in_float32(smollm2_cache, monkeypatch, to, position):
+    """docs/upcycling.md: on SmolLM2 itself, at full rank (d_c 360) with 8 RoPE dims per KV head,
+    the conversion equals the original without RoPE on the pairs dropped, to 5e-5 in float32."""
+    from egmla.imports import load_pretrained
+
+    monkeypatch.setenv("EGMLA_CACHE", str(smollm2_cache))
+    model, _ = load_pretrained("SmolLM2-135M-Instruct", dtype=torch.float32)
+    vocab = model.config.vocab_size
+    calibration = torch.randint(0, vocab, (4, 128), generator=torch.Generator().manual_seed(0))
+    kw = {} if position is None else {"gate_position": position}
+    result = upcycle(model, to=to, d_c=360, rope_dims=8, calibration=calibration, **kw)
+    for n in (9, 100):
+        ids = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n))
+        ref = partial_rope_logits(model.state_dict(), model.config, ids, result.freqs)
+        assert (logits(result.model, ids) - ref).abs().max() < 2e-4
 
 
 def test_the_rules_keep_the_pairs_they_name(source, calibration):
@@ -211,10 +236,16 @@ def test_the_record_gives_the_energy_the_singular_values_say(source):
     ({"calibration": None}, "needs calibration token ids"),
     ({"to": "egmla", "gate_form": "paper", "gate_position": "latent"}, "must be kv"),
     ({"to": "egmla", "gate_group_size": 3}, "gate_group_size=3"),
+    ({"d_c": True}, "d_c=True"),
+    ({"to": "egmla", "d_e": 8.0}, "d_e=8.0: must be an integer"),
+    ({"to": "egmla", "seed": 2**64}, "seed=18446744073709551616: must be in [0, 2**64)"),
+    ({"to": "egmla", "seed": -1}, "seed=-1"),
+    # 10^10 x 256 rows in float64: refused before anything is allocated
+    ({"to": "egmla", "d_e": 10**10}, "d_e=10000000000: the converted model's weights would take"),
 ])
 def test_bad_arguments_are_named(source, calibration, kwargs, message):
     args = {"to": "mla", "d_c": 8, "rope_dims": 4, "calibration": calibration, **kwargs}
-    with pytest.raises(UpcycleError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(UpcycleError, match=re.escape(message)):
         upcycle(source, **args)
 
 
@@ -263,7 +294,9 @@ def test_the_command_writes_an_export_that_loads_and_equals_the_function(source_
     (["--d-c", "1000"], "d_c=1000: must be in [1, 56]"),
     (["--d-c", "-3"], "--d-c=-3: must be positive"),
     (["--rope-dims", "7"], "rope_dims=7"),
-    (["--d-e", "8"], "are for --to egmla"),
+    (["--d-e", "8"], "--d-e: EG-MLA's gate options, for --to egmla"),
+    (["--gate-form", "paper", "--seed", "1"], "--gate-form, --seed: EG-MLA's gate options"),
+    (["--calibration-seq-len", "100000"], "--calibration-seq-len=100000: the model's context is"),
 ])
 def test_the_command_refuses_bad_values_in_one_line(source_export, tmp_path, args, message):
     done = run_cli("--model", str(source_export), "--to", "mla", "--d-c", "8", "--rope-dims", "4",

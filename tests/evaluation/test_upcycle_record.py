@@ -17,7 +17,7 @@ from eval import stats
 from eval.stats import holm
 from studies.upcycling.quality import context_curve, quality
 from studies.upcycling.runs import ARMS, Arm, points
-from studies.upcycling.summary import comparisons, markdown, write_summary
+from studies.upcycling.summary import comparisons, write_summary
 
 
 def test_quality_is_the_perplexity_and_kl_written_out():
@@ -104,7 +104,9 @@ def _record(arm: Arm, kl: float, steps=(0, 244)) -> dict:
 
 
 def test_the_paired_comparison_equals_scipys_paired_test(tmp_path):
-    from scipy.stats import ttest_rel
+    from statistics import stdev
+
+    from scipy.stats import t, ttest_rel
 
     mla = {0: 1.00, 1: 1.10, 2: 0.95}
     kv = {0: 0.90, 1: 1.02, 2: 0.91}
@@ -121,8 +123,13 @@ def test_the_paired_comparison_equals_scipys_paired_test(tmp_path):
     assert row["p"] == pytest.approx(ttest_rel(list(kv.values()), list(mla.values())).pvalue)
     assert row["p_holm"] == pytest.approx(row["p"])  # alone in its family here
     text = (tmp_path / "summary.md").read_text()
-    assert "egmla-kv-dc24" in text and (tmp_path / "quality_vs_kv.png").stat().st_size > 1000
-    assert markdown(summary) == text
+    assert (tmp_path / "quality_vs_kv.png").stat().st_size > 1000
+    # the table's row, written out here from scipy's figures
+    diffs = [kv[s] - mla[s] for s in mla]
+    half = t.ppf(0.975, 2) * stdev(diffs) / math.sqrt(3)
+    mean, p = sum(diffs) / 3, row["p"]
+    assert (f"| egmla-kv-dc24 | corpus kl | 3 | {mean:.4f} [{mean - half:.4f}, {mean + half:.4f}] "
+            f"| {p:.3f} | {p:.3f} |") in text.splitlines()
 
 
 def test_the_arms_cover_the_issue():
@@ -326,3 +333,51 @@ def test_a_run_that_must_wait_for_bf16_is_named_and_nothing_is_converted(tmp_pat
     assert "waiting for a CPU with native bf16" in out and "egmla-kv-dc24-s1" in out
     assert "mla-dc24-s1 " not in out.split("native bf16")[-1]  # complete: not waiting
     assert not (runs_dir / "egmla-kv-dc24-s1").exists()
+
+
+def test_a_corrupt_record_is_named_and_left_as_it_is(tmp_path, capsys):
+    """A record that cannot be read is not taken for a missing one (which would train the arm
+    again and write over it): the pipeline stops naming the file, which stays as it was."""
+    from studies.upcycling.runs import main
+
+    results, runs_dir = tmp_path / "results", tmp_path / "runs"
+    (results / "runs").mkdir(parents=True)
+    broken = results / "runs" / "mla-dc24-s0.json"
+    for text in ('{"name": "mla-dc24-s0", "complete": tr', "[1, 2]"):
+        broken.write_text(text)
+        for phases in (["train"], ["summary"]):
+            assert main(["--phases", *phases, "--arms", "mla-dc24-s0", "--results", str(results),
+                         "--runs-dir", str(runs_dir)]) == 1
+            err = capsys.readouterr().err
+            assert f"{broken}: " in err and "repair or delete it" in err and "Traceback" not in err
+            assert broken.read_text() == text and not runs_dir.exists()
+
+
+def test_the_lm_eval_limit_is_a_positive_count(capsys):
+    from studies.upcycling.runs import main
+
+    for bad in ("0", "-5", "ten"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--lm-eval-limit", bad])
+        assert exit_.value.code == 2 and "--lm-eval-limit" in capsys.readouterr().err
+
+
+def test_the_summary_tables_the_context_curves_and_lm_eval_scores(tmp_path):
+    (tmp_path / "runs").mkdir()
+    arm = Arm("mla", 24, seed=2)
+    (tmp_path / "runs" / f"{arm.name}.json").write_text(json.dumps(
+        {**_record(arm, 1.0), "starts": [{"precision": "32-true"}]}))
+    (tmp_path / "context.json").write_text(json.dumps({"curves": {
+        "original@0": [{"from": 0, "to": 512, "ppl": 12.34}, {"from": 512, "to": 4096, "ppl": 9.5}],
+        f"{arm.name}@244": [{"from": 0, "to": 512, "ppl": 20.0}]}}))
+    (tmp_path / "lm_eval.json").write_text(json.dumps({"limit": None, "scores": {
+        f"{arm.name}@244": {"cloze/acc": 0.4321, "cloze/acc_stderr": 0.0123, "ppl/word": 55.5},
+        "original@0": {"cloze/acc": 0.5}}}))
+    write_summary(tmp_path, lambda m: None)
+    lines = (tmp_path / "summary.md").read_text().splitlines()
+    assert "| run | step | precision | 0-512 | 512-4,096 |" in lines
+    assert "| original | 0 | - | 12.3 | 9.5 |" in lines
+    assert f"| {arm.name} | 244 | 32-true | 20.0 | - |" in lines
+    assert "| run | step | precision | cloze/acc | ppl/word |" in lines
+    assert f"| {arm.name} | 244 | 32-true | 0.432 ± 0.012 | 55.500 |" in lines
+    assert "| original | 0 | - | 0.500 | - |" in lines

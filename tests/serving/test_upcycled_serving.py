@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from egmla.checkpoint import read_export_config
+from egmla.checkpoint import load_export, load_tokenizer, read_export_config, save_export
 from serve import LLM, SamplingParams
 from support import ROOT
 from support.server import served_by_cli
@@ -29,6 +29,18 @@ def converted(tmp_path_factory):
          "egmla", "--d-c", "24", "--calibration-tokens", "4096", "--out", str(out)],
         capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
+    # The identity start has W_UE = 0, where the gate's table lookup multiplies out: give W_UE
+    # values (as recovery does), so that the serving and transformers paths must get it right.
+    model, (_, meta) = load_export(out), read_export_config(out)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.arange(1, 33)[None]
+    with torch.no_grad():
+        before = model(ids)
+        for block in model.layers:
+            w = block.attn.w_gate.weight
+            w.copy_(0.05 * torch.randn(w.shape, generator=g))
+        assert (model(ids) - before).abs().max() > 0.1  # the gate now changes the function
+    save_export(model, out, tokenizer=load_tokenizer(out), extra=meta["extra"])
     return out
 
 
