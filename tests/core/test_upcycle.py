@@ -120,6 +120,28 @@ def test_b_holds_on_smollm2_in_float32(smollm2_cache, monkeypatch, to, position)
         assert (logits(result.model, ids) - ref).abs().max() < 2e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("to, kw, per_layer_stats, ids", [
+    ("mla", {}, 0, 0),
+    ("egmla", {"gate_position": "kv"}, 0, 4),  # identity start: no gate norm, the token id
+    ("egmla", {"gate_position": "latent"}, 0, 0),
+    ("egmla", {"gate_form": "paper"}, 2, 4),  # LayerNorm: mu and 1/sigma in float32 per layer
+])
+def test_the_caches_allocate_what_the_conversion_promises(source, calibration, dtype, to, kw,
+                                                          per_layer_stats, ids):
+    """Allocated bytes per token (contiguous and paged) equal (d_c + G r) per layer, with the
+    gate's statistics and the token id where the form needs them, written out here."""
+    from egmla.cache import ContiguousCache
+    from serve.paged_cache import PagedKVCache
+
+    model = convert(source, to=to, d_c=10, rope_dims=4, calibration=calibration, **kw)
+    spec = model.cache_spec()
+    expected = 2 * ((10 + 2 * 4) * dtype.itemsize + per_layer_stats * 4) + ids
+    contiguous = ContiguousCache(spec, batch_size=2, max_len=8, dtype=dtype)
+    paged = PagedKVCache(spec, num_blocks=3, block_size=4, dtype=dtype, device="meta")
+    assert contiguous.nbytes() / 16 == paged.nbytes() / 12 == spec.bytes_per_token(dtype) == expected
+
+
 def test_the_rules_keep_the_pairs_they_name(source, calibration):
     def kept(rule):
         return upcycle(source, to="mla", d_c=8, rope_dims=8, rule=rule,
