@@ -92,6 +92,12 @@ def test_readme_quotes_the_studys_record():
     assert not placed["distinguishable_from_zero"]  # "no difference detectable"
     assert quoted("egmla_const_gate", "mla_dc32") in section
     assert quoted("egmla_hidden_gate", "mla_dc32") in section
+    const, latent = (contrast["token_identity", a, b] for a, b in (
+        ("egmla_kv", "egmla_const_gate"), ("egmla_latent", "egmla_hidden_gate")))
+    assert (f"`egmla_kv` is {-const['mean']:.3f} below it ([{const['low']:.3f}, {const['high']:.3f}]; "
+            f"Holm-adjusted p = {const['p_holm']:.3f})") in flat and const["p_holm"] < 0.05
+    assert (f"not shown to beat it directly ({latent['mean']:+.3f} [{latent['low']:+.3f}, "
+            f"{latent['high']:+.3f}])") in flat and not latent["distinguishable_from_zero"]
     assert all(len(arm["val_loss_by_seed"]) >= 3 for arm in arms.values()
                if arm["what"] != "ablation of egmla_kv")  # "three seeds"
     long = {name: arm["long"][0]["val_loss"] for name, arm in arms.items() if arm["long"]}

@@ -73,8 +73,10 @@ ARM = {a.name: a for a in ARMS}
 LATER_ARMS = ("mla_kv_embed", "egmla_v_gate")
 LONG_ARMS = ("mla_dc32", "mla_param_matched", "egmla_kv", "egmla_latent", "mla_value_embed")
 BASELINES = ("mla_dc32", "mla_param_matched")  # the paired differences are taken against these
-# The comparisons the study states, in families declared before reading them: each reports its
-# p-values raw and Holm-adjusted within its family (summary.json's `comparisons`).
+# The comparisons the study states, in families: each reports its p-values raw and Holm-adjusted
+# within its family (summary.json's `comparisons`). headline, baselines and token_identity's
+# first three were declared after their runs were in (to adjust what the text already compared);
+# token_identity's last two before their controls ran; placement_post_hoc after (below).
 # - headline: the two the conclusion rests on, EG-MLA kv against MLA at its latent width and
 #   against MLA given its parameters;
 # - baselines: every arm against each baseline (the seeds table), each pair once;

@@ -522,7 +522,7 @@ def test_the_docs_reading_quotes_the_record():
         d = arms[arm]["paired_differences"]["mla_dc32"]
         return f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
 
-    seeds = section("What these runs support", "What they do not support yet")
+    seeds = section("What these runs support", "What they do not support:")
     kv = arms["egmla_kv"]["paired_differences"]
     dc32, matched = kv["mla_dc32"], kv["mla_param_matched"]
     assert f"{-dc32['mean']:.3f} nats below `mla_dc32`" in seeds
