@@ -69,7 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from egmla.files import output_directory
-from studies.pipeline import PipelineError, run_logged, write_json
+from studies.pipeline import PipelineError, read_record, run_logged, write_json
 
 ROOT = Path(__file__).resolve().parents[2]
 # drelu first: the acceptance figure (its predicted-sparse speedup) is the one to have soonest
@@ -109,7 +109,7 @@ def train(ffn: str, seed: int, args, log, need_model: bool,
     directory = args.runs_dir / name
     export = directory / "export"
     if record_file.is_file() and (not need_model or (export / "config.json").is_file()):
-        return json.loads(record_file.read_text())
+        return read_record(record_file)
     if not trained_model(directory):
         run_logged(train_command(ffn, seed, args.runs_dir, args.overrides), args.runs_dir / f"{name}.log",
              log)
@@ -183,7 +183,7 @@ def benchmarked(results: Path) -> dict[str, float | None]:
     directory) or a known model's: the target sparsity each was measured at (None: none)."""
     names = {}
     for record in results.glob("activation_locality*.json"):
-        for m in json.loads(record.read_text()).get("models", []):
+        for m in (read_record(record) or {}).get("models", []):
             name = m["model"] if m["model"] == SMOLLM2 else Path(m["model"]).parent.name
             names[name] = m.get("sparsity")
     return names
@@ -216,7 +216,7 @@ def locality(command: str, model: str, name: str, args, log,
     out = args.results / name
     work = ROOT / default_out(model)
     report_file = out / f"{command}.json"
-    report = json.loads(report_file.read_text()) if report_file.is_file() else None
+    report = read_record(report_file)
     # the benchmark reads the predictors' file, which is not committed: remade while it is
     # needed, if a rank was chosen (else there is none to make)
     missing = (command == "predictors" and benchmarked(args.results).get(name, -1) != sparsity
@@ -301,7 +301,7 @@ def made_by(report: Path, cmd: list[str]) -> str | None:
     """The sha256 of the predictors file the report describes, if `cmd`'s settings made it."""
     if not report.is_file():
         return None
-    meta = json.loads(report.read_text()).get("meta", {})
+    meta = (read_record(report) or {}).get("meta", {})
     config = {k: v for k, v in meta.get("config", {}).items() if k not in REPORT_PLACE}
     return meta.get("predictors_sha256") if config == predictors_settings(cmd) else None
 
@@ -334,7 +334,7 @@ def lean_measured(p: Predictors, cmd: list[str]) -> bool:
     made = made_by(p.results / "predictors.json", p.cmd)
     if made is None or not record.is_file():
         return False
-    old = json.loads(record.read_text())
+    old = read_record(record) or {}
     want = json.loads(json.dumps({k: v for k, v in vars(args).items() if k not in bench.PER_MODEL}))
     return old.get("settings") == want and any(
         (m.get("predictors_provenance") or {}).get("sha256") == made for m in old.get("models", []))

@@ -175,3 +175,18 @@ def test_the_docs_give_the_committed_records_figures():
             f"({', '.join(f'{r:.2f}' for r in beside[1])})") in flat
     assert f"perplexity {beside[2]:+.2f}%. The dense decode" in flat
     assert lean[0] >= 1.5 and min(lean[1]) > 1.5 and lean[2] < 1.0  # the acceptance, as recorded
+
+
+def test_a_corrupt_record_is_named_and_nothing_is_trained(tmp_path, capsys):
+    """A record the pipeline cannot read is not taken for a missing one (which would train the
+    run again and write over it): it stops, naming the file, which stays as it was."""
+    results, runs_dir = tmp_path / "results", tmp_path / "runs"
+    (results / "runs").mkdir(parents=True)
+    for ffn, seed in locality_runs.RUNS:
+        (results / "runs" / f"{locality_runs.run_name(ffn, seed)}.json").write_text('{"name": ')
+    first = results / "runs" / f"{locality_runs.run_name(*locality_runs.RUNS[0])}.json"
+    assert locality_runs.main(["--steps", "losses", "--runs-dir", str(runs_dir),
+                               "--results", str(results)]) == 1
+    err = capsys.readouterr().err
+    assert f"{first}: not valid JSON" in err and "Traceback" not in err
+    assert first.read_text() == '{"name": ' and not runs_dir.exists()
