@@ -175,6 +175,8 @@ def output_prefix(text: str) -> Path:
 
 
 def _writable(text: str, directory: Path) -> Path:
+    if not text.strip():  # Path("") is the working directory: never what was meant
+        raise argparse.ArgumentTypeError(f"{text!r}: an empty path")
     try:
         check_writable(directory)
     except OSError as err:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import urllib.parse
 import warnings
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from eval.selfdebug.loop import (
     completed,
 )
 from eval.selfdebug.report import write_atomic
+from serve.__main__ import positive_int
 
 TRACES = "traces.jsonl"
 
@@ -49,19 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="in-process: a training export directory or a known model name "
                         "(SmolLM2-135M-Instruct); with --base-url: the served model name")
     p.add_argument("--out", type=output_directory, required=True, help="run directory (created; resumable)")
-    p.add_argument("--base-url", help="an OpenAI-compatible endpoint, e.g. http://host:8000/v1, "
-                                      "instead of the in-process engine")
+    p.add_argument("--base-url", type=endpoint_url,
+                   help="an OpenAI-compatible endpoint, e.g. http://host:8000/v1, instead of the "
+                        "in-process engine")
     p.add_argument("--api-key-env", default="OPENAI_API_KEY",
                    help="environment variable holding the endpoint's key (%(default)s); it is "
                         "never passed into the sandbox")
-    p.add_argument("--concurrency", type=int, default=64,
+    p.add_argument("--concurrency", type=positive_int, default=64,
                    help="requests in flight to --base-url (%(default)s)")
-    p.add_argument("--group-size", type=int, default=64,
+    p.add_argument("--group-size", type=positive_int, default=64,
                    help="problems run together to the end before the next group: one batch per "
                         "round; results are saved group by group (%(default)s)")
     p.add_argument("--limit", type=int, help="only the first N problems")
     p.add_argument("--max-rounds", type=int, default=3, help="repair rounds after the first "
-                                                             "generation (%(default)s)")
+                                                             "generation (%(default)s; at most 100)")
     p.add_argument("--feedback", choices=FEEDBACK, default="unittest",
                    help="what a failure tells the model (%(default)s)")
     p.add_argument("--max-tokens", type=int, default=256, help="per generation (%(default)s)")
@@ -70,15 +73,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-resample", action="store_true", help="skip the resampling baseline")
     p.add_argument("--resample-temperature", type=float, default=0.8, help="(%(default)s)")
     p.add_argument("--resample-max-samples", type=int, default=16,
-                   help="cap on samples per problem, whatever the budget (%(default)s)")
+                   help="cap on samples per problem, whatever the budget (%(default)s; at "
+                        "most 10,000)")
     p.add_argument("--samples", type=int, default=0,
                    help="also draw N plain samples per problem at --resample-temperature, for "
-                        "pass@k with the unbiased estimator (%(default)s: none)")
+                        "pass@k with the unbiased estimator (%(default)s: none; at most 10,000)")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling (%(default)s)")
-    p.add_argument("--block-size", type=int, default=16, help="in-process engine (%(default)s)")
+    p.add_argument("--block-size", type=positive_int, default=16,
+                   help="in-process engine (%(default)s)")
     p.add_argument("--kv-cache-memory-mib", type=int, default=1024,
                    help="in-process engine KV pool (%(default)s MiB)")
     return p
+
+
+def endpoint_url(text: str) -> str:
+    """argparse `type=` of --base-url: an http(s) URL with a host (and a valid port, if any)."""
+    try:
+        parts = urllib.parse.urlsplit(text)
+        parts.port  # noqa: B018 (raises ValueError for a port out of range or not a number)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a URL ({e})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected http://host[:port]/... or https://")
+    return text
+
+
+# The option each Settings field comes from, for messages about a bad value.
+FLAGS = {"timeout_s": "--timeout"}
 
 
 def fail(message: str) -> int:
@@ -95,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
                             resample_temperature=args.resample_temperature,
                             resample_max_samples=args.resample_max_samples,
                             samples=args.samples, seed=args.seed)
+    except ValueError as e:  # "name=value: ..." said with the option's name
+        name, _, rest = str(e).partition("=")
+        return fail(f"{FLAGS.get(name, '--' + name.replace('_', '-'))} {rest}")
+    try:
         problems = load_dataset(args.dataset)
     except (ValueError, DatasetError) as e:
         return fail(str(e))
@@ -102,25 +127,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.limit < 1:
             return fail(f"--limit {args.limit}: must be >= 1")
         problems = problems[:args.limit]
-    if args.max_tokens < 1 or args.timeout <= 0 or args.resample_max_samples < 1 or \
-            args.samples < 0:
-        return fail("--max-tokens, --timeout and --resample-max-samples must be positive, "
-                    "--samples >= 0")
     config = {"dataset": args.dataset, "problems": len(problems), "model": args.model,
               "backend": args.base_url or "in-process engine", "settings": vars(settings)}
     out = args.out
+    previous = out / "config.json"
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        previous = out / "config.json"
         if previous.exists():
             old = json.loads(previous.read_text())
+            if not isinstance(old, dict):
+                raise ValueError(f"{previous}: not a run's config (a JSON {type(old).__name__})")
             # settings added since that run take their defaults, which reproduce the old loop
             old["settings"] = {**vars(Settings()), **old.get("settings", {})}
             if {k: old.get(k) for k in config} != config:
                 return fail(f"{out} holds a run with other settings ({previous}); resume with "
                             "the same options or choose another --out")
-        else:
-            write_atomic(previous, json.dumps(config, indent=1).encode())
         records = resume(out / TRACES)
     except (OSError, ValueError) as e:
         return fail(f"{out}: {e}")
@@ -134,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         backend = make_backend(args) if set(wanted) - done else None
     except BackendError as e:
         return fail(str(e))
+    try:  # the run's config, once its backend is there: a failed start leaves nothing behind
+        if not previous.exists():
+            out.mkdir(parents=True, exist_ok=True)
+            write_atomic(previous, json.dumps(config, indent=1).encode())
+    except OSError as e:
+        return fail(f"{out}: {e}")
     loop = SelfDebug(backend, settings, out / TRACES, group_size=args.group_size,
                      progress=lambda m: print(m, file=sys.stderr, flush=True))
     try:
@@ -164,6 +190,11 @@ def resume(path: Path) -> list[dict]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         records = load_traces(path)
+    for i, r in enumerate(records):
+        missing = [k for k in ("task_id", "method", "sample") if k not in r]
+        if missing:
+            raise ValueError(f"{path}: record {i + 1} has no {', '.join(missing)}: not a trace "
+                             "of this command")
     if caught:
         write_atomic(path, "".join(json.dumps(r) + "\n" for r in records).encode())
     return records
@@ -174,9 +205,16 @@ def make_backend(args):
         backend = OpenAIBackend(args.base_url, args.model, args.api_key_env,
                                 concurrency=max(1, args.concurrency))
         try:
-            backend.client.models.list()
+            models = backend.client.models.list().data
         except backend.errors as e:
             raise BackendError(f"cannot reach {args.base_url}: {type(e).__name__}: {e}") from None
+        # A request the endpoint refuses is recorded as a failed attempt (a conversation grown
+        # past the context): one that every request would exceed is refused here instead.
+        card = next((m for m in models if m.id == args.model), None)
+        limit = getattr(card, "max_model_len", None) if card is not None else None
+        if isinstance(limit, int) and args.max_tokens >= limit:
+            raise BackendError(f"--max-tokens {args.max_tokens}: {args.model} at {args.base_url} "
+                               f"takes at most {limit} tokens, prompt included")
         return backend
     from serve import LLM
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import os
 import re
 import time
@@ -204,6 +205,12 @@ def _shared_time(rows: list[tuple], seconds: float) -> list[Completion]:
 
 # ---- the loop ----
 
+# The counts a run's settings take, with bounds: (name, lowest, highest). The highest are far
+# beyond any useful run and keep a typo (10**12 samples a problem) from filling the memory.
+COUNTS = (("max_rounds", 0, 100), ("max_tokens", 1, 1_000_000),
+          ("resample_max_samples", 1, 10_000), ("samples", 0, 10_000))
+
+
 @dataclass
 class Settings:
     max_rounds: int = 3
@@ -218,10 +225,26 @@ class Settings:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        """Every field checked here, before a model loads or a record is written: a value a
+        request would refuse (a temperature of -1) would record every attempt as failed."""
         if self.feedback not in FEEDBACK:
             raise ValueError(f"feedback={self.feedback!r}: choose one of {', '.join(FEEDBACK)}")
-        if self.max_rounds < 0:
-            raise ValueError(f"max_rounds={self.max_rounds}: must be >= 0")
+        for name, low, high in COUNTS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ValueError(f"{name}={value!r}: must be a whole number in [{low}, {high:,}]")
+        for name, ok, rule in (("resample_temperature", lambda v: 0 <= v < math.inf,
+                                "a finite number >= 0"),
+                               ("resample_top_p", lambda v: 0 < v <= 1, "in (0, 1]")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+                raise ValueError(f"{name}={value!r}: must be {rule}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed={self.seed!r}: must be a whole number")
+        try:
+            Limits(timeout_s=self.timeout_s)
+        except SandboxError as e:
+            raise ValueError(f"timeout_s={self.timeout_s!r}: {e}") from None
 
 
 @dataclass

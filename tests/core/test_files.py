@@ -142,6 +142,10 @@ def test_a_place_that_cannot_be_written_is_found_before_anything_is_made(tmp_pat
     assert files.output_directory(str(tmp_path / "new" / "out")) == tmp_path / "new" / "out"
     assert files.output_prefix(str(tmp_path / "file.d" / "report")) == tmp_path / "file.d" / "report"
     assert [p.name for p in tmp_path.iterdir()] == ["file"]  # checked, nothing made or left
+    for empty in ("", "  "):  # Path("") is the working directory, never what was meant
+        for kind in (files.output_directory, files.output_prefix):
+            with pytest.raises(argparse.ArgumentTypeError, match="an empty path"):
+                kind(empty)
 
 
 

@@ -172,9 +172,56 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
               "--base-url", "http://127.0.0.1:9/v1", "--limit", "1")
     assert out.returncode == 2 and "cannot reach http://127.0.0.1:9/v1" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
-    again = cli("--dataset", "mbpp", "--model", "x", "--out", str(tmp_path / "b"),
-                "--base-url", "http://127.0.0.1:9/v1", "--limit", "2")
-    assert again.returncode == 2 and "other settings" in again.stderr
+    assert not (tmp_path / "b").exists()  # a failed start leaves nothing that blocks the next
+
+
+BAD_VALUES = [
+    (["--timeout", "inf"], "--timeout inf: Limits.timeout_s must be a positive number"),
+    (["--timeout", "nan"], "--timeout nan"),
+    (["--resample-temperature", "-1"], "--resample-temperature -1.0: must be a finite number >= 0"),
+    (["--resample-temperature", "nan"], "--resample-temperature nan"),
+    (["--samples", str(10**12)], "--samples 1000000000000: must be a whole number in [0, 10,000]"),
+    (["--max-tokens", "0"], "--max-tokens 0: must be a whole number in [1, 1,000,000]"),
+    (["--max-rounds", "-1"], "--max-rounds -1"),
+    (["--block-size", "0"], "--block-size: 0: must be >= 1"),
+    (["--concurrency", "0"], "--concurrency: 0: must be >= 1"),
+    (["--base-url", "http://[::1"], "--base-url: 'http://[::1': not a URL"),
+    (["--base-url", "ftp://host/v1"], "expected http://host"),
+    (["--out", ""], "an empty path"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_VALUES, ids=[a[0] for a, _ in BAD_VALUES])
+def test_a_bad_value_is_named_before_anything_loads_or_is_written(tmp_path, capsys, monkeypatch,
+                                                                  args, message):
+    from eval.selfdebug.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(["--dataset", "humaneval", "--model", "/nowhere", "--out", str(tmp_path / "o"),
+                     *args])
+    except SystemExit as e:  # argparse's own refusal
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_what_is_in_the_run_directory_is_checked_before_the_model_loads(tmp_path, capsys):
+    from eval.selfdebug.__main__ import main
+
+    out = tmp_path / "o"
+    out.mkdir()
+    args = ["--dataset", "humaneval", "--model", "/nowhere", "--out", str(out), "--limit", "2"]
+    (out / "config.json").write_text('{"dataset": "humaneval", "problems": 1}')
+    assert main(args) == 2 and "holds a run with other settings" in capsys.readouterr().err
+    (out / "config.json").write_text("[1]")
+    assert main(args) == 2 and "not a run's config (a JSON list)" in capsys.readouterr().err
+    (out / "config.json").unlink()
+    (out / "traces.jsonl").write_text('{"method": "selfdebug", "sample": 0}\n{"task_id": "x"}\n')
+    err = (main(args), capsys.readouterr().err)
+    assert err[0] == 2 and "record 1 has no task_id" in err[1], err
+    assert sorted(p.name for p in out.iterdir()) == ["traces.jsonl"]  # nothing written or changed
 
 
 @pytest.mark.slow
@@ -271,3 +318,25 @@ def test_groups_finish_one_after_another(tmp_path):
     assert [r["task_id"] for r in records] == ["HumanEval/53", "HumanEval/55", "HumanEval/56",
                                                "HumanEval/57"]
     assert batches == [2, 2, 2, 2]  # two rounds per group of two, never more than a group
+
+
+def test_max_tokens_past_the_endpoints_context_is_refused_before_any_attempt(tmp_path, capsys):
+    """Every request would be refused by the server and recorded as a failed attempt: the
+    endpoint's model card (max_model_len) says so first."""
+    import torch
+
+    from egmla.models import Transformer
+    from egmla.presets import preset
+    from eval.selfdebug.__main__ import main
+    from serve import LLM
+    from support.server import serving
+
+    torch.manual_seed(0)
+    tiny = LLM(Transformer(preset("tiny-egmla")), num_blocks=64, block_size=4)
+    context = tiny.model.config.max_seq_len
+    with serving(tiny, "tiny") as url:
+        code = main(["--dataset", "humaneval", "--model", "tiny", "--base-url", url + "/v1",
+                     "--out", str(tmp_path / "o"), "--max-tokens", str(context), "--limit", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--max-tokens {context}: tiny at {url}/v1 takes at most" in err, err
+    assert not (tmp_path / "o").exists()
