@@ -92,7 +92,7 @@ class Subject:
                  swiglu_sparsity: float | None, max_batch: int, max_tokens: int) -> None:
         import torch
 
-        from egmla.checkpoint import read_metadata, read_weights
+        from egmla.checkpoint import CheckpointError, read_metadata, read_weights
         from egmla.imports import load_pretrained
         from egmla.models.sparse_ffn import (layer_thresholds, predictors_from_tensors,
                                              reorder_neurons)
@@ -109,9 +109,12 @@ class Subject:
         self.predictors, self.predictors_file, trained_at = None, None, None
         self.sparsity = None  # the target sparsity the thresholds were calibrated for
         if found.is_file():
-            metadata = read_metadata(found)
-            self.predictors, trained_at = predictors_from_tensors(
-                read_weights(found), metadata, cfg.n_layers, cfg.d_ff)
+            metadata, tensors = read_metadata(found), read_weights(found)  # CheckpointError
+            try:
+                self.predictors, trained_at = predictors_from_tensors(
+                    tensors, metadata, cfg.n_layers, cfg.d_ff)
+            except ValueError as err:
+                raise CheckpointError(f"{found}: not predictors of {name} ({err})") from None
             if (metadata or {}).get("sparsity"):
                 self.sparsity = float(metadata["sparsity"])
             reorder_neurons(self.model, self.predictors)  # the function is unchanged
@@ -417,6 +420,14 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def absent_path(name: str) -> bool:
+    """`--model name` names a directory that is not there (`/x/y`, `runs/x` where runs/ is): not
+    a known name nor a hub id `org/name`, which load_pretrained would look up instead."""
+    path = Path(name)
+    return not path.exists() and (path.is_absolute() or path.parent != Path(".")
+                                  and path.parent.is_dir())
+
+
 def kept_models(partial: Path, settings: dict[str, Any], fresh: bool, log) -> dict[str, Any]:
     """The models an interrupted run with these settings had finished, by name ({} with --fresh,
     without such a run, or when its settings differ)."""
@@ -427,10 +438,14 @@ def kept_models(partial: Path, settings: dict[str, Any], fresh: bool, log) -> di
     except (OSError, ValueError) as error:
         log(f"{partial}: unreadable ({error}); measuring every model")
         return {}
+    models = kept.get("models", []) if isinstance(kept, dict) else None
+    if not (isinstance(models, list) and all(isinstance(m, dict) and "model" in m for m in models)):
+        log(f"{partial}: unreadable (not a record of models); measuring every model")
+        return {}
     if kept.get("settings") != settings:
         log(f"{partial}: made with other settings; measuring every model")
         return {}
-    return {m["model"]: m for m in kept.get("models", [])}
+    return {m["model"]: m for m in models}
 
 
 def recorded_models(record: Path, settings: dict[str, Any], measuring: list[str]
@@ -498,6 +513,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("prompt_len", "new_tokens", "repeats", "held_out_tokens", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.lm_eval_limit is not None and args.lm_eval_limit < 1:
+        p.error(f"--lm-eval-limit {args.lm_eval_limit}: must be >= 1")
     if any(b < 1 or b > 16 for b in args.batch_sizes):
         p.error(f"--batch-sizes {args.batch_sizes}: each must be in [1, 16] (sparse decoding "
                 "takes at most 16 rows)")
@@ -525,10 +542,10 @@ def main(argv: list[str] | None = None) -> int:
         "settings": json.loads(json.dumps({k: v for k, v in vars(args).items()
                                            if k not in PER_MODEL})),
         "models": []}
+    from egmla.checkpoint import CheckpointError
     from egmla.files import write_bytes
 
     stem = "activation_locality_quick" if args.quick else "activation_locality"
-    args.out.mkdir(parents=True, exist_ok=True)
     earlier: list[dict[str, Any]] = []  # with --add: the record's models not measured now
     if args.add:
         try:
@@ -538,6 +555,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"activation_locality: error: {error}", file=sys.stderr)
             return 2
         report["earlier_commands"] = commands
+    if missing := next((m for m in args.model if absent_path(m)), None):
+        print(f"activation_locality: error: --model {missing}: no such directory", file=sys.stderr)
+        return 2
+    # checked here, not when the arguments are read: studies.locality parses a benchmark's
+    # command to plan it before the predictors it names are made
+    from egmla.checkpoint import read_metadata
+
+    for given in args.predictors or []:
+        try:
+            if not given.is_file():
+                raise CheckpointError(f"{given}: no such file")
+            read_metadata(given)  # the header only: a file that is not safetensors fails here
+        except CheckpointError as error:
+            print(f"activation_locality: error: --predictors {error}", file=sys.stderr)
+            return 2
     partial = args.out / f"{stem}.json.partial"  # the models an interrupted run had finished
     kept = kept_models(partial, report["settings"], args.fresh, log)
     for i, name in enumerate(args.model):
@@ -547,8 +579,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         load_before = round(os.getloadavg()[0], 2)
         given = args.predictors[i] if args.predictors else None
-        subject = Subject(name, given, args.swiglu_threshold, args.swiglu_sparsity,
-                          max(args.batch_sizes), args.prompt_len + args.new_tokens + 8)
+        try:
+            subject = Subject(name, given, args.swiglu_threshold, args.swiglu_sparsity,
+                              max(args.batch_sizes), args.prompt_len + args.new_tokens + 8)
+        except CheckpointError as error:  # a model or predictors file that does not load
+            print(f"activation_locality: error: {error}", file=sys.stderr)
+            return 2
         ids, held_out = held_out_tokens(subject.tokenizer, args.held_out_tokens, 128)
         prompts = [ids[j * args.prompt_len:(j + 1) * args.prompt_len]
                    for j in range(max(args.batch_sizes))]
@@ -580,11 +616,11 @@ def main(argv: list[str] | None = None) -> int:
         report["models"].append(entry)
         write_bytes(partial, json.dumps({"settings": report["settings"],
                                          "models": report["models"]}, default=str).encode(),
-                    mode=0o644)
+                    mode=0o644, parents=True)
     report["models"] = earlier + report["models"]
     report["load_after"] = round(os.getloadavg()[0], 2)
     write_bytes(args.out / f"{stem}.json", (json.dumps(report, indent=2, default=str) + "\n").encode(),
-                mode=0o644)
+                mode=0o644, parents=True)
     write_bytes(args.out / f"{stem}.md", render(report).encode(), mode=0o644)
     partial.unlink(missing_ok=True)
     print(render(report))

@@ -56,6 +56,7 @@ from egmla.config import ModelConfig  # noqa: E402
 from egmla.models import Transformer, cache_spec_for  # noqa: E402
 from egmla.presets import preset  # noqa: E402
 from egmla.provenance import provenance  # noqa: E402
+from serve.__main__ import positive_int  # noqa: E402
 
 # (label, preset, attention.impl or None)
 PAPER = [
@@ -232,6 +233,35 @@ def group_key(row: dict) -> tuple:
     return row["shapes"], row["scope"], row["batch"], row["context"]
 
 
+def oversized_layer(families: dict, args: argparse.Namespace) -> str | None:
+    """Why the grid cannot be measured (None: it can): a one-layer cache of the largest
+    context and batch over --max-cache-gib (a layer cell, unlike a whole-model one, is never
+    skipped: --contexts 10**12 would exhaust the memory)."""
+    context, batch = max(args.contexts), max(args.batches)
+    for family in args.shapes:
+        for _, name, impl in families[family]:
+            size = model_cache_bytes(config_of(name, impl, context, n_layers=1), batch, context)
+            if size > args.max_cache_gib * 2**30:
+                return (f"--contexts {context} at --batches {batch}: one layer's float32 cache "
+                        f"of {name} would take {size / 2**30:,.1f} GiB, over --max-cache-gib "
+                        f"{args.max_cache_gib:g}")
+    return None
+
+
+def read_partial(path: Path) -> dict:
+    """The rows an interrupted run saved; ValueError when `path` is not such a record."""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"unreadable ({err})") from None
+    if not (isinstance(saved, dict) and isinstance(saved.get("rows"), list)
+            and isinstance(saved.get("segments"), list) and "grid" in saved
+            and all(isinstance(r, dict) and {"shapes", "scope", "batch", "context"} <= set(r)
+                    for r in saved["rows"])):
+        raise ValueError("not a partial record of this benchmark (grid, segments, rows)")
+    return saved
+
+
 def write_atomic(path: Path, text: str) -> None:
     """A reader sees the previous file or the whole new one, never a part."""
     files.write_text(path, text)
@@ -354,9 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", choices=["paper", "small"], default=["paper", "small"])
-    p.add_argument("--contexts", nargs="+", type=int, default=[256, 512, 1024, 2048, 4096, 8192])
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 16])
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell")
+    p.add_argument("--contexts", nargs="+", type=positive_int,
+                   default=[256, 512, 1024, 2048, 4096, 8192],
+                   help="cache lengths S (one layer's cache at the largest batch must fit "
+                        "--max-cache-gib)")
+    p.add_argument("--batches", nargs="+", type=positive_int, default=[1, 16])
+    p.add_argument("--rounds", type=positive_int, default=5, help="interleaved rounds per cell")
     p.add_argument("--slow-ms", type=float, default=1500.0,
                    help="a step slower than this (first round) is timed once")
     p.add_argument("--max-cache-gib", type=float, default=6.0,
@@ -370,18 +403,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fresh", action="store_true",
                    help="ignore the <out>.partial.json of an earlier run cut short and start over")
     args = p.parse_args(argv)
-    for name in ("contexts", "batches"):
-        if min(getattr(args, name)) < 1:
-            p.error(f"--{name} must be positive integers")
     if args.quick:
         args.shapes, args.contexts, args.batches, args.rounds = ["small"], [256, 1024], [1], 2
-    out = args.out or ROOT / "benchmarks/results" / ("decode_cost_quick" if args.quick else "decode_cost")
+    if not 0 <= args.slow_ms < float("inf"):
+        p.error(f"--slow-ms {args.slow_ms}: must be a finite number >= 0")
+    for name in ("max_cache_gib", "max_group_gib"):
+        value = getattr(args, name)
+        if not 0 < value < float("inf"):
+            p.error(f"--{name.replace('_', '-')} {value}: must be a finite number > 0")
     families = {"paper": PAPER, "small": SMALL}
+    if too_big := oversized_layer(families, args):
+        p.error(too_big)
+    out = args.out or ROOT / "benchmarks/results" / ("decode_cost_quick" if args.quick else "decode_cost")
     grid = {k: v for k, v in vars(args).items() if k not in ("out", "fresh")}
     partial = out.with_name(out.name + ".partial.json")
     rows, segments = [], []
     if partial.exists() and not args.fresh:
-        saved = json.loads(partial.read_text())
+        try:
+            saved = read_partial(partial)
+        except ValueError as err:
+            p.error(f"{partial}: {err}; move it away, or give --fresh to start over")
         if saved["grid"] == grid:
             rows, segments = saved["rows"], saved["segments"]
             print(f"resuming {partial}: {len({group_key(r) for r in rows})} groups already "

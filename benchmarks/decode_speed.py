@@ -71,10 +71,13 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parents[1]))  # measure the checkout this script is in
 from egmla.devices import thread_count  # noqa: E402
-from egmla.files import output_directory  # noqa: E402
+from egmla.files import output_directory, write_text  # noqa: E402
+from egmla.imports import KNOWN_MODELS  # noqa: E402
 from serve.__main__ import positive_int  # noqa: E402  (after the path: this checkout's serve)
 
 MODEL = "SmolLM2-135M-Instruct"
+CONTEXT = KNOWN_MODELS[MODEL].context  # prompt + new tokens at most
+MAX_BATCH = 256  # a sane maximum of --batch-sizes: the KV pools of 256 x 160 tokens take 2 GB
 BATCH_PROMPT_LEN = 32
 BATCH_STRIDE = 3  # batch prompt i is the text's tokens [3i, 3i + 32): distinct windows
 PROFILE_STEPS, PROFILE_TOP = 20, 12
@@ -791,7 +794,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=positive_int, nargs="+", default=[128, 512],
                         metavar="N", help="single-stream output lengths, at least 2 (128 512)")
     parser.add_argument("--batch-sizes", type=positive_int, nargs="*", default=[1, 4, 16, 64],
-                        metavar="B", help="batched cells (1 4 16 64); give none to skip them")
+                        metavar="B", help=f"batched cells (1 4 16 64), each at most {MAX_BATCH}; "
+                                          "give none to skip them")
     parser.add_argument("--batch-new-tokens", type=positive_int, default=128, metavar="N",
                         help="new tokens per request in the batched cells (128)")
     parser.add_argument("--threads", type=thread_count, default=2,
@@ -816,6 +820,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.batch_new_tokens, args.repeats = 32, 1
     if min(args.new_tokens) < 2:
         parser.error("--new-tokens: at least 2 (decode speed is measured from the first token on)")
+    if max(args.prompt_lens) + max(args.new_tokens) > CONTEXT:
+        parser.error(f"--prompt-lens {max(args.prompt_lens)} with --new-tokens "
+                     f"{max(args.new_tokens)}: prompt + new tokens at most {CONTEXT} "
+                     f"({MODEL}'s context)")
+    if BATCH_PROMPT_LEN + args.batch_new_tokens > CONTEXT:
+        parser.error(f"--batch-new-tokens {args.batch_new_tokens}: at most "
+                     f"{CONTEXT - BATCH_PROMPT_LEN} ({MODEL}'s context less the "
+                     f"{BATCH_PROMPT_LEN}-token prompt)")
+    if max(args.batch_sizes, default=0) > MAX_BATCH:
+        parser.error(f"--batch-sizes {max(args.batch_sizes)}: at most {MAX_BATCH}")
     args.systems = [s for s in SYSTEMS if s in args.systems]  # canonical order, no duplicates
     if args.baseline_tree is not None:
         if not (args.baseline_tree / "benchmarks" / "decode_speed.py").is_file():
@@ -893,11 +907,10 @@ def main() -> None:
         "prompts": {"single": single_prompts, "batch": batch_prompts[:max(args.batch_sizes,
                                                                            default=0)]},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
     name = "decode_speed_quick" if args.quick else "decode_speed"
-    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_text(args.out / f"{name}.json", json.dumps(report, indent=2) + "\n", parents=True)
     md = markdown(report)
-    (args.out / f"{name}.md").write_text(md)
+    write_text(args.out / f"{name}.md", md)
     print("\n" + md)
     print(f"wrote {args.out / name}.json and .md", flush=True)
 

@@ -43,9 +43,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # measure the checkout this script is in
-from egmla.quant import QUANTIZATIONS  # noqa: E402  (after the path: this checkout's)
+from egmla.files import write_json, write_text  # noqa: E402  (after the path: this checkout's)
+from egmla.quant import QUANTIZATIONS  # noqa: E402
 from eval.local_tasks import group_tasks  # noqa: E402  (after the path: this checkout's eval)
 from eval.stats import interval  # noqa: E402
+from serve.__main__ import positive_int  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 TASKS = ROOT / "eval" / "tasks"
@@ -229,9 +231,9 @@ def render(report: dict[str, Any]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gsm8k-limit", type=int, default=200,
+    parser.add_argument("--gsm8k-limit", type=positive_int, default=200,
                         help="GSM8K problems to generate for (default 200 of 1,319)")
-    parser.add_argument("--limit", type=int, default=50,
+    parser.add_argument("--limit", type=positive_int, default=50,
                         help="documents per task in the wall-time comparison (default 50)")
     parser.add_argument("--skip-accuracy", action="store_true",
                         help="run only the wall-time part; keep the recorded accuracy part")
@@ -244,6 +246,16 @@ def main() -> int:
                              "float32 (default: none, keep what is recorded)")
     parser.add_argument("--quick", action="store_true", help="a few documents per task")
     args = parser.parse_args()
+    name = "eval_suite_quick" if args.quick else "eval_suite"
+    # A skipped part keeps what the results file already holds (each part says what made it).
+    previous = RESULTS / f"{name}.json"
+    try:
+        report: dict[str, Any] = json.loads(previous.read_text()) if previous.exists() else {}
+    except (OSError, ValueError) as err:
+        parser.error(f"{previous}: unreadable ({err}); move it away to start a new record")
+    if not isinstance(report, dict):
+        parser.error(f"{previous}: not a record of this benchmark (a JSON "
+                     f"{type(report).__name__}); move it away to start a new record")
 
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -258,10 +270,6 @@ def main() -> int:
     suite = sorted(manager.load("egmla_offline")["tasks"])
     ours = (EgmlaLM("SmolLM2-135M-Instruct", dtype="float32", batch_size=8)
             if not (args.skip_accuracy and args.skip_timing) else None)
-    name = "eval_suite_quick" if args.quick else "eval_suite"
-    # A skipped part keeps what the results file already holds (each part says what made it).
-    previous = RESULTS / f"{name}.json"
-    report: dict[str, Any] = json.loads(previous.read_text()) if previous.exists() else {}
     report.setdefault("accuracy", None)
     report.setdefault("timing", None)
     report.setdefault("precision", None)
@@ -292,9 +300,8 @@ def main() -> int:
         rows = compare(EgmlaLM, manager, PRECISION_TASKS, args.quick, variants)
         report["quantization"] = {**made_by, "rows": {**kept["rows"], **rows},
                                   "runs": {**runs, **{m: made_by for m in rows}}}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / f"{name}.md").write_text(render(report))
+    write_json(RESULTS / f"{name}.json", report, indent=2, parents=True)
+    write_text(RESULTS / f"{name}.md", render(report))
     print(render(report))
     return 0
 

@@ -24,7 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # measure the checkout this script is in
 
-from egmla.files import output_prefix  # noqa: E402
+from egmla.checkpoint import CheckpointError, is_export  # noqa: E402
+from egmla.files import output_prefix, write_json, write_text  # noqa: E402
 from egmla.config import ModelConfig  # noqa: E402
 from egmla.export import save_native  # noqa: E402
 from egmla.export.hf import save_hf, transformers_cache_spec  # noqa: E402
@@ -32,6 +33,7 @@ from egmla.generate import generate  # noqa: E402
 from egmla.imports import load_pretrained  # noqa: E402
 from egmla.models.transformer import Transformer  # noqa: E402
 from egmla.provenance import provenance  # noqa: E402
+from serve.__main__ import positive_int  # noqa: E402
 
 MLA = {"d_c": 64, "d_nope": 32, "d_rope": 16, "d_v": 32}
 VARIANTS = {
@@ -113,13 +115,22 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=output_prefix, required=True, help="path prefix for .md and .json")
     p.add_argument("--no-smollm2", action="store_true", help="skip the 135M pretrained model")
-    p.add_argument("--run", type=Path, help="a trained run to score through lm-eval both ways")
-    p.add_argument("--limit", type=int, default=200, help="corpus_cloze items for --run")
+    p.add_argument("--run", type=Path,
+                   help="a trained run (with its export/) to score through lm-eval both ways")
+    p.add_argument("--limit", type=positive_int, default=200, help="corpus_cloze items for --run")
     args = p.parse_args(argv)
+    if args.run:
+        if not is_export(args.run / "export"):
+            p.error(f"--run {args.run}: not a training run with an export ({args.run / 'export'} "
+                    "is not an egmla export)")
+        args.run = args.run.resolve()  # lm-eval runs from the checkout's root
     rows, lm_eval = [], None
     with tempfile.TemporaryDirectory() as tmp:
         if args.run:
-            lm_eval = compare_lm_eval(args.run, args.limit, Path(tmp))
+            try:
+                lm_eval = compare_lm_eval(args.run, args.limit, Path(tmp))
+            except CheckpointError as err:
+                p.error(f"--run {args.run}: {err}")
             print(lm_eval, flush=True)
         for name, attention in VARIANTS.items():
             torch.manual_seed(0)
@@ -152,11 +163,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"| `--model egmla` on the run | {e['acc']:.4f} | {e['acc_norm']:.4f} |", "",
                   f"Largest loglikelihood difference: {lm_eval['max_abs_loglikelihood_diff']:.2e}"]
     info = provenance()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(
-        json.dumps({"rows": rows, "lm_eval": lm_eval, **info}, indent=2) + "\n")
+    write_json(args.out.with_suffix(".json"), {"rows": rows, "lm_eval": lm_eval, **info},
+               indent=2, parents=True)
     machine = info["hardware"]
-    args.out.with_suffix(".md").write_text(
+    write_text(
+        args.out.with_suffix(".md"),
         "# Export round trip: egmla -> transformers\n\nfloat32, "
         f"{machine.get('cpu', 'CPU')}; git {info['git']['sha']}. Command: "
         f"`{' '.join(sys.argv)}`\n\n" + "\n".join(lines) + "\n")

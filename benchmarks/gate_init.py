@@ -17,7 +17,6 @@ finished is reused (train.py resumes or reports), so an interrupted study contin
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -28,11 +27,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from train_variants import composed_model, matched_d_ff, run  # noqa: E402
+from train_variants import composed_model, matched_d_ff, run, seed_value  # noqa: E402
 
-from egmla.files import output_directory, output_prefix  # noqa: E402
+from egmla.files import output_directory, output_prefix, write_json, write_text  # noqa: E402
 from egmla.provenance import provenance  # noqa: E402
 from eval.stats import interval  # noqa: E402
+from serve.__main__ import positive_int  # noqa: E402
 
 POSITIONS = {"kv": "small_egmla", "latent": "small_egmla_latent"}
 INITS = ["random", "matched", "small"]
@@ -65,8 +65,8 @@ def init_diagnostics(attention: str, gate_init: str, d_ff: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--steps", type=positive_int, default=300)
+    p.add_argument("--seeds", type=seed_value, nargs="+", default=[0, 1])
     p.add_argument("--positions", nargs="+", choices=list(POSITIONS), default=list(POSITIONS))
     p.add_argument("--inits", nargs="+", choices=INITS, default=INITS)
     p.add_argument("--runs-dir", type=output_directory, default=ROOT / "runs" / "gate_init")
@@ -96,10 +96,9 @@ def main(argv: list[str] | None = None) -> int:
                         "val_loss_ci95_half": half, "val_losses": losses,
                         **init_diagnostics(POSITIONS[pos], init, d_ff[pos])})
     info = provenance()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(
-        {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-         "arms": results, "runs": rows, **info}, indent=2) + "\n")
+    write_json(args.out.with_suffix(".json"),
+               {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                "arms": results, "runs": rows, **info}, indent=2, parents=True)
     lines = [
         "# EG-MLA gate initialization: validation loss after equal tokens", "",
         f"{info['hardware'].get('cpu', 'CPU')}; git {info['git']['sha']}"
@@ -118,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {a['position']} | {a['gate_init']} | {a['val_loss_mean']:.4f}{ci}; {seeds} "
                      f"| {a['gate_std']:.3g} | {a['norm_input_min_var']:.3g} | "
                      f"{a['norm_output_std']:.3g} |")
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_text(args.out.with_suffix(".md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

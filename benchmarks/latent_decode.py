@@ -61,6 +61,7 @@ from egmla.models.attention.common import attend  # noqa: E402
 from egmla.models.positions import Positions  # noqa: E402
 from egmla.presets import preset  # noqa: E402
 from egmla.provenance import provenance  # noqa: E402
+from serve.__main__ import positive_int  # noqa: E402
 
 VARIANTS = {"mha": "paper-mha", "mla": "paper-mla", "egmla-latent": "paper-egmla-latent64",
             "egmla-kv": "paper-egmla-kv256", "egmla-kv64": "paper-egmla-kv64"}
@@ -68,6 +69,7 @@ GATED = ("egmla-kv", "egmla-kv64")
 FILL_S = 0.05  # each measurement: calls until this long
 BLOCK = 16  # tokens per cache block (serve's default), the blocks in scattered order
 COLD_BYTES = 96 << 20  # a cell's cache copies total at least this (3x the L3 of this machine)
+MAX_KEYS = 1 << 20  # batch x keys of a cell at most: MHA's float32 K and V for 2**20 keys are 6 GiB
 
 
 def layer(variant: str):
@@ -207,11 +209,15 @@ def machine_rates(rounds: int = 5) -> dict:
     return {"read_gb_s": max(bw), "fma_gmac_s": max(macs), "read_runs": bw, "fma_runs": macs}
 
 
+def grid(batches: list[int], contexts: list[int]) -> list[tuple[int, int]]:
+    """The (batch, context) cells measured: batch > 1 stops at 4,096 keys."""
+    return [(b, s) for b in batches for s in contexts if not (b > 1 and s > 4096)]
+
+
 @torch.no_grad()
 def measure(args) -> tuple[list[dict], dict]:
     rates = machine_rates()
-    cells = [Cell(v, b, s) for b in args.batches for s in args.contexts for v in args.variants
-             if not (b > 1 and s > 4096)]
+    cells = [Cell(v, b, s) for b, s in grid(args.batches, args.contexts) for v in args.variants]
     times: dict[tuple, list[float]] = {}
     for rep in range(args.repeats):
         for cell in cells:
@@ -276,19 +282,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 16])
-    p.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096, 8192],
+    p.add_argument("--batches", nargs="+", type=positive_int, default=[1, 16])
+    p.add_argument("--contexts", nargs="+", type=positive_int, default=[1024, 4096, 8192],
                    help="keys per sequence (batch > 1 stops at 4,096: larger MHA caches do "
-                        "not fit in 24 GiB beside the rest)")
-    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds (5)")
+                        f"not fit in 24 GiB beside the rest); batch x keys at most {MAX_KEYS:,}")
+    p.add_argument("--repeats", type=positive_int, default=5, help="interleaved rounds (5)")
     p.add_argument("--threads", type=thread_count, default=2, help="torch threads (2)")
     p.add_argument("--quick", action="store_true", help="batch 1, 1,024 keys, 2 rounds")
     p.add_argument("--out", type=files.output_directory, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
     if args.quick:
         args.batches, args.contexts, args.repeats = [1], [1024], 2
-    if min(args.batches + args.contexts) < 1 or args.repeats < 1 or args.threads < 1:
-        p.error("--batches, --contexts, --repeats and --threads must be positive")
+    if not (cells := grid(args.batches, args.contexts)):
+        p.error(f"--batches {args.batches} --contexts {args.contexts}: no cell to measure "
+                "(batch > 1 stops at 4,096 keys)")
+    b, s = max(cells, key=lambda cell: cell[0] * cell[1])
+    if b * s > MAX_KEYS:
+        p.error(f"--contexts {s} at --batches {b}: {b * s:,} keys in one cell, at most "
+                f"{MAX_KEYS:,} (the cache pools are held in memory)")
     torch.set_num_threads(args.threads)
     if not kernels.load():
         p.error(f"the kernels are unavailable: {kernels.status()['reason']}")

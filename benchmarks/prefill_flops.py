@@ -38,10 +38,13 @@ sys.path.insert(0, str(ROOT))
 
 from egmla import files  # noqa: E402
 from egmla.devices import thread_count  # noqa: E402
+from egmla.imports import KNOWN_MODELS  # noqa: E402
 from egmla.provenance import provenance  # noqa: E402
 from serve.__main__ import positive_int  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
+CONTEXT = KNOWN_MODELS[MODEL].context  # prompt + new tokens at most
+SLACK = 8  # max_model_len is the longest prompt + this
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     p.add_argument("--tokens", nargs="+", type=positive_int, default=[128, 512, 2048],
-                   help="prompt lengths (default 128 512 2048)")
+                   help=f"prompt lengths, at most {CONTEXT - SLACK} (default 128 512 2048)")
     p.add_argument("--repeats", type=positive_int, default=5, help="interleaved rounds (5)")
     p.add_argument("--threads", type=thread_count, default=2, help="torch threads (2)")
     p.add_argument("--quick", action="store_true", help="fp32, 64 tokens, 1 round")
@@ -79,15 +82,24 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.dtypes, args.tokens, args.repeats = ["float32"], [64], 1
+    longest = max(args.tokens)
+    if longest + SLACK > CONTEXT:
+        p.error(f"--tokens {longest}: at most {CONTEXT - SLACK} ({MODEL}'s context is {CONTEXT})")
     torch.set_num_threads(args.threads)
     from serve import LLM, SamplingParams
 
     load_before = os.getloadavg()
-    longest = max(args.tokens)
-    llms = {name: LLM(model=MODEL, dtype=DTYPES[name], enable_prefix_caching=False,
-                      max_num_batched_tokens=max(2048, longest), max_model_len=longest + 8,
-                      kv_cache_memory=256 * 2**20)
-            for name in args.dtypes}
+    try:
+        llms = {name: LLM(model=MODEL, dtype=DTYPES[name], enable_prefix_caching=False,
+                          max_num_batched_tokens=max(2048, longest), max_model_len=longest + SLACK,
+                          kv_cache_memory=256 * 2**20)
+                for name in args.dtypes}
+    except ValueError as err:  # a setting the model refuses (CheckpointError included)
+        p.error(f"{MODEL}: {err}")
+    for name, llm in llms.items():  # the 256 MiB KV pool may hold fewer tokens than the context
+        if longest + 1 > (room := llm.engine.max_request_tokens):
+            p.error(f"--tokens {longest}: at most {room - 1} in {name} (the model's context or "
+                    "its KV pool)")
     vocab = next(iter(llms.values())).model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=1, temperature=0.0)

@@ -44,6 +44,9 @@ from serve.__main__ import positive_int  # noqa: E402
 from studies.upcycling.quality import DOMAINS, eval_windows  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
+# A sane maximum of --windows: each window's float32 reference log-probabilities (512 x 49,152)
+# are held in memory, 100 MB a window and domain (the default 16: 3.2 GB in all).
+MAX_WINDOWS = 64
 
 
 @torch.no_grad()
@@ -76,7 +79,11 @@ def measure(methods: list[str], n_windows: int, threads: int) -> dict:
     exact.eval()
     references = {}
     for domain in DOMAINS:
-        windows = eval_windows(tokenizer, domain, windows=n_windows)
+        try:
+            windows = eval_windows(tokenizer, domain, windows=n_windows)
+        except ValueError as err:  # fewer held-out tokens than --windows asks for
+            print(f"quant_quality.py: error: --windows {n_windows}: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
         print(f"{domain}: {tuple(windows.shape)} token ids; float32 ...", flush=True)
         with torch.no_grad():
             reference = [exact(windows[s:s + 4, :-1]).float().log_softmax(-1)
@@ -136,11 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantization", choices=QUANTIZATIONS, nargs="+", default=list(QUANTIZATIONS),
                    help="the methods measured (default: all, %(default)s)")
     p.add_argument("--windows", type=positive_int, default=16,
-                   help="held-out windows of 512 scored tokens per domain (default %(default)s)")
+                   help=f"held-out windows of 512 scored tokens per domain, at most {MAX_WINDOWS} "
+                        "(default %(default)s)")
     p.add_argument("--threads", type=thread_count, default=2, help="torch threads (2)")
     p.add_argument("--out", type=files.output_directory, default=ROOT / "benchmarks" / "results",
                    help="where quant_quality.{json,md} go (benchmarks/results)")
     args = p.parse_args(argv)
+    if args.windows > MAX_WINDOWS:
+        p.error(f"--windows {args.windows}: at most {MAX_WINDOWS} (100 MB of reference "
+                "log-probabilities a window and domain)")
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         os.environ[key] = "1"
     domains = measure(args.quantization, args.windows, args.threads)

@@ -16,10 +16,40 @@ import json
 import sys
 from pathlib import Path
 
-from egmla.files import output_prefix
+from egmla.files import output_prefix, write_json, write_text
 from eval.selfdebug.report import load_traces, summarize
 
 VOLATILE = {"wall_s", "sandbox_s", "generate_s", "cached_tokens", "visible_reason"}
+COMPARED = ("task_id", "method", "sample", "rounds", "hidden_passed")  # what every record needs
+
+
+def attempts(run: Path) -> dict[tuple, dict]:
+    """The records of `run`'s traces.jsonl by (task_id, method, sample); ValueError naming the
+    file and the record when one lacks what is compared."""
+    path = run / "traces.jsonl"
+    found = {}
+    for i, record in enumerate(load_traces(path), 1):
+        missing = [k for k in COMPARED if k not in record]
+        if missing:
+            raise ValueError(f"{path}: record {i} has no {', '.join(map(repr, missing))}: not a "
+                             "self-debug trace")
+        key = (record["task_id"], record["method"], record["sample"])
+        rounds = record["rounds"]
+        if not (all(isinstance(x, (str, int)) for x in key) and isinstance(rounds, list)
+                and all(isinstance(r, dict) for r in rounds)):
+            raise ValueError(f"{path}: record {i}: task_id, method and sample must be strings or "
+                             "integers and rounds a list of objects")
+        found[key] = record
+    return found
+
+
+def run_config(run: Path) -> dict:
+    """`run`'s config.json; ValueError naming it when it is not a self-debug run's."""
+    path = run / "config.json"
+    config = json.loads(path.read_text())
+    if not (isinstance(config, dict) and "backend" in config):
+        raise ValueError(f"{path}: no 'backend': not a self-debug run's config")
+    return config
 
 
 def comparable(record: dict) -> dict:
@@ -46,12 +76,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=output_prefix, required=True, help="path prefix for .md and .json")
     args = p.parse_args(argv)
     try:
-        runs = [{(r["task_id"], r["method"], r["sample"]): r
-                 for r in load_traces(d / "traces.jsonl")} for d in (args.run_a, args.run_b)]
-        configs = [json.loads((d / "config.json").read_text()) for d in (args.run_a, args.run_b)]
+        runs = [attempts(d) for d in (args.run_a, args.run_b)]
+        configs = [run_config(d) for d in (args.run_a, args.run_b)]
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    summaries = []
+    for run, directory in zip(runs, (args.run_a, args.run_b)):
+        try:
+            summaries.append(summarize(list(run.values())))
+        except (KeyError, TypeError, ValueError) as e:  # a record the report cannot read
+            print(f"error: {directory / 'traces.jsonl'}: not a self-debug trace the report reads "
+                  f"({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
     shared = sorted(set(runs[0]) & set(runs[1]))
     rows = []
     for key in shared:
@@ -71,7 +108,6 @@ def main(argv: list[str] | None = None) -> int:
         m["attempts"] += 1
         m["identical"] += row["identical"]
         m["hidden_passed"] = [x + y for x, y in zip(m["hidden_passed"], row["hidden_passed"])]
-    summaries = [summarize(list(run.values())) for run in runs]
     result = {"runs": [str(args.run_a), str(args.run_b)], "configs": configs,
               "shared_attempts": len(shared), "only_in_a": len(set(runs[0]) - set(runs[1])),
               "only_in_b": len(set(runs[1]) - set(runs[0])), "by_method": by_method,
@@ -90,9 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["", "Differences (first differing field):", ""]
         lines += [f"- {d['task_id']} {d['method']} #{d['sample']}: {d['difference']}"
                   for d in result["differences"][:50]]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    write_text(args.out.with_suffix(".md"), "\n".join(lines) + "\n", parents=True)
+    write_json(args.out.with_suffix(".json"), result)
     print("\n".join(lines))
     return 0
 

@@ -27,7 +27,6 @@ benchmarks/results/serve_capacity.{json,md} (serve_capacity_quick.* with --quick
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -39,7 +38,9 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parents[1]))  # measure the checkout this script is in
 from egmla.devices import thread_count  # noqa: E402
-from egmla.files import output_directory  # noqa: E402
+from egmla.files import output_directory, write_json, write_text  # noqa: E402
+from serve.__main__ import positive_int  # noqa: E402
+
 MODELS = ["small-mha", "small-gqa2", "small-mla", "small-egmla", "small-egmla-latent"]
 
 
@@ -213,45 +214,75 @@ def markdown(meta: dict, cap: list[dict], mixed: list[dict], sweep: list[dict]) 
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+# --quick changes these defaults; an option given explicitly still wins
+QUICK = {"kv_mib": 4, "seq_len": 128, "decode_tokens": 32, "max_seqs": 16, "measure_steps": 8,
+         "mixed_requests": 16, "mixed_prompt_lens": (16, 64), "mixed_output_lens": (8, 32),
+         "shared_prefix": 32}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kv-mib", type=int, default=64, help="KV memory budget per model")
-    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence in (a)")
-    parser.add_argument("--decode-tokens", type=int, default=128, help="generated per sequence, (a)")
-    parser.add_argument("--measure-steps", type=int, default=16,
+    parser.add_argument("--kv-mib", type=positive_int, default=64, help="KV memory budget per model")
+    parser.add_argument("--seq-len", type=positive_int, default=512,
+                        help="tokens per sequence in (a), at most the presets' context")
+    parser.add_argument("--decode-tokens", type=positive_int, default=128,
+                        help="generated per sequence, (a)")
+    parser.add_argument("--measure-steps", type=positive_int, default=16,
                         help="decode steps timed in (a); the sequences are then aborted")
-    parser.add_argument("--max-seqs", type=int, default=64, help="cap on concurrent sequences")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16, 32, 64])
-    parser.add_argument("--max-batched-tokens", type=int, default=512)
-    parser.add_argument("--mixed-requests", type=int, default=48)
-    parser.add_argument("--mixed-prompt-lens", type=int, nargs=2, default=(16, 256))
-    parser.add_argument("--mixed-output-lens", type=int, nargs=2, default=(16, 64))
-    parser.add_argument("--shared-prefix", type=int, default=64)
+    parser.add_argument("--max-seqs", type=positive_int, default=64, help="cap on concurrent sequences")
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--block-sizes", type=positive_int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument("--max-batched-tokens", type=positive_int, default=512)
+    parser.add_argument("--mixed-requests", type=positive_int, default=48)
+    parser.add_argument("--mixed-prompt-lens", type=positive_int, nargs=2, default=(16, 256),
+                        metavar=("MIN", "MAX"))
+    parser.add_argument("--mixed-output-lens", type=positive_int, nargs=2, default=(16, 64),
+                        metavar=("MIN", "MAX"))
+    parser.add_argument("--shared-prefix", type=int, default=64, help="tokens, >= 0 (64)")
     parser.add_argument("--sweep-model", default="small-mha", choices=MODELS)
     parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=thread_count, default=os.cpu_count() or 1)
     parser.add_argument("--output-dir", type=output_directory, default=RESULTS)
     parser.add_argument("--quick", action="store_true",
-                        help="smoke test: 4 MiB, 128-token sequences, 16 mixed requests")
-    args = parser.parse_args()
-    if args.quick:
-        args.kv_mib, args.seq_len, args.decode_tokens, args.max_seqs = 4, 128, 32, 16
-        args.measure_steps = 8
-        args.mixed_requests, args.mixed_prompt_lens, args.mixed_output_lens = 16, (16, 64), (8, 32)
-        args.shared_prefix = 32
+                        help="smoke test: by default 4 MiB, 128-token sequences, 16 mixed requests "
+                             "(options given explicitly still apply)")
+    args = parser.parse_args(argv)
+    if args.quick:  # parsed again with the quick defaults: what the command line gives wins
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
     if args.decode_tokens >= args.seq_len:
         parser.error(f"--decode-tokens {args.decode_tokens} must be < --seq-len {args.seq_len}")
+    if args.shared_prefix < 0:
+        parser.error(f"--shared-prefix {args.shared_prefix}: must be >= 0")
+    for name in ("mixed_prompt_lens", "mixed_output_lens"):
+        lo, hi = getattr(args, name)
+        if lo > hi:
+            parser.error(f"--{name.replace('_', '-')} {lo} {hi}: MIN must be <= MAX")
+    from egmla.presets import preset
+    from egmla.provenance import machine_memory_bytes
+
+    context = min(preset(name).max_seq_len for name in {*args.models, args.sweep_model})
+    if args.seq_len > context:
+        parser.error(f"--seq-len {args.seq_len} exceeds the presets' context {context}")
+    longest = args.shared_prefix + args.mixed_prompt_lens[1] + args.mixed_output_lens[1]
+    if longest > context:
+        parser.error(f"--shared-prefix {args.shared_prefix} + --mixed-prompt-lens MAX "
+                     f"{args.mixed_prompt_lens[1]} + --mixed-output-lens MAX "
+                     f"{args.mixed_output_lens[1]} = {longest} exceeds the presets' context {context}")
+    memory = machine_memory_bytes()
+    if memory is not None and args.kv_mib * 2**20 > memory:
+        parser.error(f"--kv-mib {args.kv_mib}: more than this machine's memory "
+                     f"({memory // 2**20:,} MiB)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
 
     models = {name: build(name) for name in dict.fromkeys([*args.models, args.sweep_model])}
-    for model in models.values():
-        too_long = args.seq_len > model.config.max_seq_len
-        if too_long:
-            raise SystemExit(f"--seq-len {args.seq_len} exceeds the presets' context "
-                             f"{model.config.max_seq_len}")
     warm_up(next(iter(models.values())))
 
     cap = [capacity(name, models[name], args) for name in args.models]
@@ -292,11 +323,11 @@ def main() -> None:
             "torch": p["versions"]["torch"], "torch_threads": torch.get_num_threads(),
             "config": config, "presets": {n: PRESETS[n] for n in models}}
     name = "serve_capacity_quick" if args.quick else "serve_capacity"
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / f"{name}.json").write_text(json.dumps(
-        {"meta": meta, "capacity": cap, "mixed": mixed, "block_size_sweep": sweep}, indent=2) + "\n")
+    write_json(args.output_dir / f"{name}.json",
+               {"meta": meta, "capacity": cap, "mixed": mixed, "block_size_sweep": sweep},
+               indent=2, parents=True)
     md = markdown(meta, cap, mixed, sweep)
-    (args.output_dir / f"{name}.md").write_text(md)
+    write_text(args.output_dir / f"{name}.md", md)
     print("\n" + md)
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import random
 import statistics
@@ -46,8 +45,13 @@ from tqdm import tqdm
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parents[1]))  # measure the checkout this script is in
 from egmla.devices import thread_count  # noqa: E402
-from egmla.files import output_directory  # noqa: E402
+from egmla.files import output_directory, write_json, write_text  # noqa: E402
+from egmla.imports import KNOWN_MODELS  # noqa: E402
+from egmla.provenance import machine_memory_bytes  # noqa: E402
+from serve.__main__ import positive_int  # noqa: E402
+
 MODEL = "SmolLM2-135M-Instruct"
+CONTEXT = KNOWN_MODELS[MODEL].context  # prompt + new tokens at most
 SYSTEMS = ("ours", "generate", "generate_batch")
 
 
@@ -297,25 +301,28 @@ def profile(llm, workload: list[tuple[list[int], int]], path: Path, top: int = 3
     out.write(f"{len(workload)} requests, {sum(map(len, r['outputs']))} output tokens, "
               f"{r['wall_s']:.1f} s under cProfile\n")
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
-    path.write_text(out.getvalue())
+    write_text(path, out.getvalue(), parents=True)
     print(out.getvalue())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--requests", type=positive_int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prompt-lens", type=int, nargs=2, default=(16, 512), metavar=("MIN", "MAX"))
-    parser.add_argument("--output-lens", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32],
+    parser.add_argument("--prompt-lens", type=positive_int, nargs=2, default=(16, 512),
+                        metavar=("MIN", "MAX"))
+    parser.add_argument("--output-lens", type=positive_int, nargs=2, default=(16, 128),
+                        metavar=("MIN", "MAX"), help=f"MAX + --prompt-lens MAX at most {CONTEXT}")
+    parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[8, 16, 32],
                         help="static batch sizes of `generate`, each run in turn")
-    parser.add_argument("--block-size", type=int, default=16, help="KV block (page) size")
-    parser.add_argument("--kv-cache-mib", type=int, default=1024,
+    parser.add_argument("--block-size", type=positive_int, default=16, help="KV block (page) size")
+    parser.add_argument("--kv-cache-mib", type=positive_int, default=1024,
                         help="KV pool of ours and CB (generate's cache is unbounded)")
-    parser.add_argument("--max-batched-tokens", type=int, default=512,
+    parser.add_argument("--max-batched-tokens", type=positive_int, default=512,
                         help="token budget of one step, ours and CB")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="rows of one step, ours and CB")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=64,
+                        help="rows of one step, ours and CB")
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--threads", type=thread_count, default=os.cpu_count() or 1)
     parser.add_argument("--output-dir", type=output_directory, default=RESULTS)
@@ -331,6 +338,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.requests, args.prompt_lens, args.output_lens = 8, (16, 64), (8, 16)
+    for name in ("prompt_lens", "output_lens"):
+        lo, hi = getattr(args, name)
+        if lo > hi:
+            parser.error(f"--{name.replace('_', '-')} {lo} {hi}: MIN must be <= MAX")
+    if args.prompt_lens[1] + args.output_lens[1] > CONTEXT:
+        parser.error(f"--prompt-lens MAX {args.prompt_lens[1]} + --output-lens MAX "
+                     f"{args.output_lens[1]}: at most {CONTEXT} ({MODEL}'s context)")
+    memory = machine_memory_bytes()
+    if memory is not None and args.kv_cache_mib * 2**20 > memory:
+        parser.error(f"--kv-cache-mib {args.kv_cache_mib}: more than this machine's memory "
+                     f"({memory // 2**20:,} MiB)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
     progress = not args.no_progress
@@ -346,7 +364,6 @@ def main() -> None:
                  "max_batched_tokens": args.max_batched_tokens, "max_num_seqs": args.max_num_seqs}
 
     name = "serve_throughput_quick" if args.quick else "serve_throughput"
-    args.output_dir.mkdir(parents=True, exist_ok=True)
     if args.profile:
         profile(llm, workload, args.output_dir / f"{name}_profile.txt")
         return
@@ -421,9 +438,9 @@ def main() -> None:
         "correctness": checks, "errors": errors,
         "requests": [{"prompt_len": len(p_), "output_len": k} for p_, k in workload],
     }
-    (args.output_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.output_dir / f"{name}.json", report, indent=2, parents=True)
     md = markdown(meta, rows, ours, checks, errors)
-    (args.output_dir / f"{name}.md").write_text(md)
+    write_text(args.output_dir / f"{name}.md", md)
     print("\n" + md)
 
 

@@ -49,7 +49,17 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = RESULTS.parents[1]
 sys.path.insert(0, str(ROOT))  # measure the checkout this script is in
 from egmla.devices import thread_count  # noqa: E402
-from egmla.files import output_directory  # noqa: E402
+from egmla.files import output_directory, write_text  # noqa: E402
+from serve.__main__ import positive_int  # noqa: E402
+
+# Sane maxima, checked when the arguments are read: the stop strings are built in this process
+# and sent as one JSON body (the default, 100,000 x 40, is 4.4 MB); 10**12 of them would hang
+# here for ever. Output tokens are bounded by tiny-mha's context (256) less the short prompt.
+MAX_STOP_STRINGS = 1_000_000
+MAX_STOP_LENGTH = 1_000
+MAX_STOP_BYTES = 100_000_000  # --stop-strings x --stop-length
+PROMPT = "the quick brown fox"
+SEEDS = 2**32  # seeds are from 0 to 2**32 - 1, as train.py's
 
 
 def tiny_export(directory: Path) -> Path:
@@ -104,7 +114,7 @@ def short_request(http: httpx.Client, url: str, tokens: int) -> float:
     """Seconds for one short completion, at the client."""
     start = time.perf_counter()
     reply = http.post(url + "/v1/completions", json={
-        "model": "export", "prompt": "the quick brown fox", "max_tokens": tokens,
+        "model": "export", "prompt": PROMPT, "max_tokens": tokens,
         "temperature": 0, "ignore_eos": True})
     elapsed = time.perf_counter() - start
     if reply.status_code != 200 or reply.json()["usage"]["completion_tokens"] != tokens:
@@ -178,6 +188,26 @@ def admitting_round(http: httpx.Client, url: str, body: bytes, short_tokens: int
             "long_total_s": result["total_s"]}
 
 
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The bounds argparse's types do not check (see MAX_*), before the server starts."""
+    if args.stop_strings > MAX_STOP_STRINGS:
+        parser.error(f"--stop-strings {args.stop_strings}: at most {MAX_STOP_STRINGS:,}")
+    if args.stop_length > MAX_STOP_LENGTH:
+        parser.error(f"--stop-length {args.stop_length}: at most {MAX_STOP_LENGTH:,}")
+    if args.stop_strings * args.stop_length > MAX_STOP_BYTES:
+        parser.error(f"--stop-strings {args.stop_strings} x --stop-length {args.stop_length}: "
+                     f"at most {MAX_STOP_BYTES:,} letters in all")
+    if not 0 <= args.seed < SEEDS:
+        parser.error(f"--seed {args.seed}: seeds are from 0 to 2**32 - 1")
+    from egmla.presets import preset
+
+    room = preset("tiny-mha").max_seq_len - len(PROMPT.encode())  # byte-level BPE: <= 1 token a byte
+    for name in ("long_tokens", "short_tokens"):
+        if getattr(args, name) > room:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at most {room} "
+                         "(tiny-mha's context less the prompt)")
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -185,22 +215,22 @@ def median(xs: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=10, help="idle and loaded rounds each")
-    parser.add_argument("--stop-strings", type=int, default=100_000)
-    parser.add_argument("--stop-length", type=int, default=40)
-    parser.add_argument("--long-tokens", type=int, default=128)
-    parser.add_argument("--short-tokens", type=int, default=8)
+    parser.add_argument("--repeats", type=positive_int, default=10, help="idle and loaded rounds each")
+    parser.add_argument("--stop-strings", type=positive_int, default=100_000,
+                        help=f"at most {MAX_STOP_STRINGS:,} (100,000)")
+    parser.add_argument("--stop-length", type=positive_int, default=40,
+                        help=f"letters per stop string, at most {MAX_STOP_LENGTH:,} (40); "
+                             f"--stop-strings x --stop-length at most {MAX_STOP_BYTES:,}")
+    parser.add_argument("--long-tokens", type=positive_int, default=128)
+    parser.add_argument("--short-tokens", type=positive_int, default=8)
     parser.add_argument("--threads", type=thread_count, default=1, help="the server's torch threads")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="0 to 2**32 - 1 (0)")
     parser.add_argument("--output-dir", type=output_directory, default=RESULTS)
     parser.add_argument("--quick", action="store_true", help="2 repeats: a smoke test")
     args = parser.parse_args()
     if args.quick:
         args.repeats = 2
-    if min(args.repeats, args.stop_strings, args.stop_length, args.long_tokens,
-           args.short_tokens, args.threads) < 1:
-        parser.error("--repeats, --stop-strings, --stop-length, --long-tokens, --short-tokens "
-                     "and --threads must be >= 1")
+    check_args(parser, args)
 
     from egmla.provenance import provenance
     from serve.outputs import StopStrings
@@ -276,10 +306,9 @@ def main() -> None:
               "rounds": {"idle_s": idle, "loaded": loaded, "control": controlled,
                          "admitting": admitting}}
     name = "stop_strings_quick" if args.quick else "stop_strings"
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_text(args.output_dir / f"{name}.json", json.dumps(report, indent=2) + "\n", parents=True)
     table = markdown(meta, summary, args)
-    (args.output_dir / f"{name}.md").write_text(table)
+    write_text(args.output_dir / f"{name}.md", table)
     print("\n" + table)
 
 

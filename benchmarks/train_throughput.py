@@ -25,7 +25,8 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parents[1]))  # measure the checkout this script is in
 from egmla.devices import thread_count  # noqa: E402
-from egmla.files import output_directory  # noqa: E402
+from egmla.files import output_directory, write_json, write_text  # noqa: E402
+from serve.__main__ import positive_int  # noqa: E402
 
 # Two sizes that fit a 2-core CPU. d_h = d_model / n_heads; latent widths follow d_h.
 SIZES = {
@@ -187,13 +188,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--steps", type=positive_int, default=5)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, >= 0 (2)")
     parser.add_argument("--threads", type=thread_count, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", type=output_directory, default=RESULTS)
     parser.add_argument("--child", nargs=2, metavar=("SIZE", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.warmup < 0:
+        parser.error(f"--warmup {args.warmup}: must be >= 0")
     if args.child:
         print(json.dumps(measure(*args.child, steps=args.steps, warmup=args.warmup)))
         return
@@ -208,11 +211,10 @@ def main() -> None:
                 rows.append(row)
     meta = metadata(args)
     table = summarize(rows, args.sizes)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "train_throughput.json").write_text(
-        json.dumps({"meta": meta, "summary": table, "measurements": rows}, indent=2) + "\n")
+    write_json(args.out / "train_throughput.json",
+               {"meta": meta, "summary": table, "measurements": rows}, indent=2, parents=True)
     md = markdown(meta, table)
-    (args.out / "train_throughput.md").write_text(md)
+    write_text(args.out / "train_throughput.md", md)
     print("\n" + md)
 
 

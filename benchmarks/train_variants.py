@@ -29,10 +29,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from egmla.files import output_directory  # noqa: E402
+from egmla.files import output_directory, write_json, write_text  # noqa: E402
 from egmla.provenance import provenance  # noqa: E402
+from serve.__main__ import positive_int  # noqa: E402
 
 VARIANTS = ["small_mha", "small_gqa2", "small_mla", "small_egmla", "small_egmla_latent"]
+
+
+def seed_value(text: str) -> int:
+    """argparse type of --seeds: train.py's seeds, 0 to 2**32 - 1, checked before any run
+    (train.py would refuse a bad one only when its turn came, after hours of the others)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not an integer") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"{text}: seeds are from 0 to 2**32 - 1")
+    return value
 
 
 def composed_model(attention: str, d_ff: int | None = None) -> dict:
@@ -84,8 +97,8 @@ def run(attention: str, seed: int, d_ff: int, steps: int, workdir: Path, export:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--steps", type=positive_int, default=300)
+    parser.add_argument("--seeds", type=seed_value, nargs="+", default=[0, 1])
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--out", type=output_directory, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--runs-dir", type=output_directory, metavar="DIR",
@@ -112,7 +125,8 @@ def main() -> None:
                 print(f"{v:<20} seed {seed}: val loss {row['val_loss']:.4f}  "
                       f"{row['tokens_per_s']:7.0f} tok/s  d_ff {row['d_ff']}", flush=True)
 
-    mha_rate = statistics.mean(r["tokens_per_s"] for r in rows if r["attention"] == "small_mha")
+    mha = [r["tokens_per_s"] for r in rows if r["attention"] == "small_mha"]
+    mha_rate = statistics.mean(mha) if mha else None  # not run: no ratio to it
     summary = []
     for v in args.variants:
         rs = [r for r in rows if r["attention"] == v]
@@ -123,7 +137,8 @@ def main() -> None:
             rs[0]["params_without_gate_tables"], "params": rs[0]["params"],
             "kv_bytes_per_token_bf16": rs[0]["kv_bytes_per_token_bf16"],
             "val_loss_mean": statistics.mean(losses), "val_loss_by_seed": losses,
-            "tokens_per_s": round(rate, 1), "throughput_vs_mha": round(rate / mha_rate, 3),
+            "tokens_per_s": round(rate, 1),
+            "throughput_vs_mha": round(rate / mha_rate, 3) if mha_rate else None,
         })
     tokens = args.steps * 16 * 128
     meta = {**provenance(), "steps": args.steps, "tokens_per_run": tokens, "seeds": args.seeds,
@@ -146,12 +161,12 @@ def main() -> None:
             f"| {s['attention']} | {s['d_ff']} | {s['params_without_gate_tables']:,} "
             f"({s['params']:,}) | {s['kv_bytes_per_token_bf16']:,} | {s['val_loss_mean']:.4f}; "
             + ", ".join(f"{x:.4f}" for x in s["val_loss_by_seed"])
-            + f" | {s['tokens_per_s']:,.0f} | {s['throughput_vs_mha']:.2f} |")
+            + f" | {s['tokens_per_s']:,.0f} | "
+            + ("-" if s["throughput_vs_mha"] is None else f"{s['throughput_vs_mha']:.2f}") + " |")
     md = "\n".join(lines) + "\n"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "train_variants.json").write_text(
-        json.dumps({"meta": meta, "summary": summary, "runs": rows}, indent=2) + "\n")
-    (args.out / "train_variants.md").write_text(md)
+    write_json(args.out / "train_variants.json", {"meta": meta, "summary": summary, "runs": rows},
+               indent=2, parents=True)
+    write_text(args.out / "train_variants.md", md)
     print("\n" + md)
 
 

@@ -33,45 +33,75 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # measure the checkout this script is in
-from egmla.files import output_directory  # noqa: E402
+from egmla.checkpoint import CheckpointError, read_export_config  # noqa: E402
+from egmla.files import output_directory, write_json, write_text  # noqa: E402
+from egmla.provenance import machine_memory_bytes  # noqa: E402
 from eval.stats import paired_ratios  # noqa: E402 - the checkout's, after the line above
+from serve.__main__ import positive_int  # noqa: E402
 _spec = importlib.util.spec_from_file_location("serve_capacity", HERE / "serve_capacity.py")
 serve_capacity = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(serve_capacity)
 SOURCE = "SmolLM2-135M-Instruct"
 
 
+# --quick changes these defaults; an option given explicitly still wins
+QUICK = {"kv_mib": 16, "seq_len": 256, "measure_steps": 3, "repeats": 1}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", action="append", default=[], metavar="NAME=EXPORT",
                    help="a converted export to measure beside the original (repeatable)")
-    p.add_argument("--kv-mib", type=int, default=256, help="the KV budget (default 256 MiB)")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
-    p.add_argument("--decode-tokens", type=int, default=16,
+    p.add_argument("--kv-mib", type=positive_int, default=256, help="the KV budget (default 256 MiB)")
+    p.add_argument("--seq-len", type=positive_int, default=2048,
+                   help="tokens per sequence (default 2048), at most every model's context")
+    p.add_argument("--decode-tokens", type=positive_int, default=16,
                    help="of which at least this many generated (default 16; more where many "
                         "sequences decode at once); the rest is prompt")
-    p.add_argument("--measure-steps", type=int, default=8,
+    p.add_argument("--measure-steps", type=positive_int, default=8,
                    help="decode steps timed with every sequence decoding (default 8)")
-    p.add_argument("--max-seqs", type=int, default=32, help="concurrency cap (default 32)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-batched-tokens", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=None, help="default 3 (1 with --quick)")
+    p.add_argument("--max-seqs", type=positive_int, default=32, help="concurrency cap (default 32)")
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--max-batched-tokens", type=positive_int, default=2048)
+    p.add_argument("--repeats", type=positive_int, default=3, help="default 3 (1 with --quick)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
-                   help="a smoke test: 16 MiB, 256-token sequences, 3 steps, 1 repeat")
+                   help="a smoke test: by default 16 MiB, 256-token sequences, 3 steps, 1 repeat "
+                        "(options given explicitly still apply)")
     p.add_argument("--out", type=output_directory, default=HERE / "results" / "upcycle",
                    help="where the record goes (default benchmarks/results/upcycle)")
     args = p.parse_args(argv)
-    if args.quick:
-        args.kv_mib, args.seq_len, args.measure_steps = 16, 256, 3
-    if args.repeats is None:
-        args.repeats = 1 if args.quick else 3
-    if args.repeats < 1:
-        p.error(f"--repeats {args.repeats}: must be >= 1")
+    if args.quick:  # parsed again with the quick defaults: what the command line gives wins
+        p.set_defaults(**QUICK)
+        args = p.parse_args(argv)
+    names = set()
     for item in args.model:
-        if "=" not in item:
+        name, _, path = item.partition("=")
+        if not (name and path):
             p.error(f"--model {item!r}: expected NAME=EXPORT")
+        if name in names or name == "original":
+            p.error(f"--model {item!r}: the name {name!r} is taken (each once; 'original' is "
+                    f"{SOURCE})")
+        names.add(name)
+        try:
+            context = read_export_config(path)[0].max_seq_len
+        except CheckpointError as err:  # missing, not an export, unreadable
+            p.error(f"--model {item!r}: {err}")
+        if args.seq_len > context:
+            p.error(f"--seq-len {args.seq_len} exceeds {name}'s context {context}")
+    if args.decode_tokens >= args.seq_len:
+        p.error(f"--decode-tokens {args.decode_tokens} must be < --seq-len {args.seq_len}")
+    memory = machine_memory_bytes()
+    if memory is not None and args.kv_mib * 2**20 > memory:
+        p.error(f"--kv-mib {args.kv_mib}: more than this machine's memory "
+                f"({memory // 2**20:,} MiB)")
     return args
+
+
+def usage_error(message: str) -> int:
+    """A bad input found after the arguments were read (it needed a model): one line, exit 2."""
+    print(f"upcycle_serving.py: error: {message}", file=sys.stderr)
+    return 2
 
 
 def main(argv=None) -> int:
@@ -81,15 +111,22 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     models = {"original": load_pretrained(SOURCE, dtype=torch.float32)[0].eval()}
+    if args.seq_len > (context := models["original"].config.max_seq_len):
+        return usage_error(f"--seq-len {args.seq_len} exceeds {SOURCE}'s context {context}")
     for item in args.model:
         name, path = item.split("=", 1)
         models[name] = load_export(path, dtype=torch.float32).eval()
     caps = {name: serve_capacity.capacity(name, m, args) for name, m in models.items()}
     short = [n for n, c in caps.items() if c["fit_sequences"] < 1]
     if short:
-        raise SystemExit(f"--kv-mib {args.kv_mib} holds no sequence of --seq-len {args.seq_len} "
-                         f"for {', '.join(short)}: give a larger budget")
+        return usage_error(f"--kv-mib {args.kv_mib} holds no sequence of --seq-len {args.seq_len} "
+                           f"for {', '.join(short)}: give a larger budget")
     common = min(caps["original"]["fit_sequences"], args.max_seqs)
+    for name in models:  # before any engine is filled: every one must have room to decode
+        for n in {min(caps[name]["fit_sequences"], args.max_seqs), common}:
+            if Decoding.tokens_to_generate(args, n) >= args.seq_len:
+                return usage_error(f"--seq-len {args.seq_len}: too short to decode {n} sequences "
+                                   f"for {args.repeats} x {args.measure_steps} steps")
     # Every model's engines are filled first (the prefills, untimed: the costly part), then the
     # decode windows run interleaved: each repeat times --measure-steps steps of every engine
     # in turn, the order rotating each repeat.
@@ -125,11 +162,11 @@ def main(argv=None) -> int:
                         (item.split("=", 1) for item in args.model)},
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     out = args.out
-    out.mkdir(parents=True, exist_ok=True)
     stem = "serving_quick" if args.quick else "serving"
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(markdown(meta, rows, args))
-    print((out / f"{stem}.md").read_text())
+    write_json(out / f"{stem}.json", {"meta": meta, "rows": rows}, parents=True)
+    md = markdown(meta, rows, args)
+    write_text(out / f"{stem}.md", md)
+    print(md)
     return 0
 
 
@@ -164,9 +201,7 @@ class Decoding:
         self.n = n
         self.engine, _ = serve_capacity.engine_for(model, args.kv_mib * 2**20, args.block_size, n,
                                                    args.max_batched_tokens)
-        prefill_steps = -(-n * args.seq_len // args.max_batched_tokens) + n  # chunks, boundaries
-        generate = max(args.decode_tokens,
-                       prefill_steps + args.repeats * args.measure_steps + 2)
+        generate = self.tokens_to_generate(args, n)
         if generate >= args.seq_len:
             raise SystemExit(f"--seq-len {args.seq_len}: too short to decode {n} sequences for "
                              f"{args.repeats} x {args.measure_steps} steps")
@@ -180,6 +215,12 @@ class Decoding:
             if not self.engine.has_unfinished():
                 raise SystemExit(f"{n} sequences finished before all of them were decoding")
             self.engine.step()
+
+    @staticmethod
+    def tokens_to_generate(args, n: int) -> int:
+        """Tokens each of n sequences is left to generate: enough for every timed window."""
+        prefill_steps = -(-n * args.seq_len // args.max_batched_tokens) + n  # chunks, boundaries
+        return max(args.decode_tokens, prefill_steps + args.repeats * args.measure_steps + 2)
 
     def _decoding(self) -> bool:
         e = self.engine

