@@ -397,14 +397,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-group-gib", type=float, default=3.0,
                    help="whole-model cells of one (batch, context) whose caches add up to more are "
                         "timed one variant at a time instead of interleaved (memory)")
-    p.add_argument("--quick", action="store_true", help="small presets, S 256 and 1024, batch 1")
+    p.add_argument("--quick", action="store_true",
+                   help="by default small presets, S 256 and 1024, batch 1 (options given "
+                        "explicitly still apply)")
     p.add_argument("--out", type=files.output_prefix,
                    help="path prefix (default benchmarks/results/decode_cost)")
     p.add_argument("--fresh", action="store_true",
                    help="ignore the <out>.partial.json of an earlier run cut short and start over")
     args = p.parse_args(argv)
-    if args.quick:
-        args.shapes, args.contexts, args.batches, args.rounds = ["small"], [256, 1024], [1], 2
+    if args.quick:  # parsed again with the quick defaults: what the command line gives wins
+        p.set_defaults(shapes=["small"], contexts=[256, 1024], batches=[1], rounds=2)
+        args = p.parse_args(argv)
     if not 0 <= args.slow_ms < float("inf"):
         p.error(f"--slow-ms {args.slow_ms}: must be a finite number >= 0")
     for name in ("max_cache_gib", "max_group_gib"):

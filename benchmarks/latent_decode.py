@@ -288,11 +288,13 @@ def main(argv: list[str] | None = None) -> int:
                         f"not fit in 24 GiB beside the rest); batch x keys at most {MAX_KEYS:,}")
     p.add_argument("--repeats", type=positive_int, default=5, help="interleaved rounds (5)")
     p.add_argument("--threads", type=thread_count, default=2, help="torch threads (2)")
-    p.add_argument("--quick", action="store_true", help="batch 1, 1,024 keys, 2 rounds")
+    p.add_argument("--quick", action="store_true",
+                   help="by default batch 1, 1,024 keys, 2 rounds (options given explicitly still apply)")
     p.add_argument("--out", type=files.output_directory, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
-    if args.quick:
-        args.batches, args.contexts, args.repeats = [1], [1024], 2
+    if args.quick:  # parsed again with the quick defaults: what the command line gives wins
+        p.set_defaults(batches=[1], contexts=[1024], repeats=2)
+        args = p.parse_args(argv)
     if not (cells := grid(args.batches, args.contexts)):
         p.error(f"--batches {args.batches} --contexts {args.contexts}: no cell to measure "
                 "(batch > 1 stops at 4,096 keys)")

@@ -77,11 +77,13 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"prompt lengths, at most {CONTEXT - SLACK} (default 128 512 2048)")
     p.add_argument("--repeats", type=positive_int, default=5, help="interleaved rounds (5)")
     p.add_argument("--threads", type=thread_count, default=2, help="torch threads (2)")
-    p.add_argument("--quick", action="store_true", help="fp32, 64 tokens, 1 round")
+    p.add_argument("--quick", action="store_true",
+                   help="by default fp32, 64 tokens, 1 round (options given explicitly still apply)")
     p.add_argument("--out", type=files.output_directory, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
-    if args.quick:
-        args.dtypes, args.tokens, args.repeats = ["float32"], [64], 1
+    if args.quick:  # parsed again with the quick defaults: what the command line gives wins
+        p.set_defaults(dtypes=["float32"], tokens=[64], repeats=1)
+        args = p.parse_args(argv)
     longest = max(args.tokens)
     if longest + SLACK > CONTEXT:
         p.error(f"--tokens {longest}: at most {CONTEXT - SLACK} ({MODEL}'s context is {CONTEXT})")

@@ -83,6 +83,17 @@ CASES = {
                             ["--predictors", "predictors.safetensors"], "junk"),
     "parity-task-id": ("selfdebug_parity", "{d}/a {d}/b --out {d}/out/parity",
                        ["traces.jsonl", "task_id"], "traces"),
+    # --quick changes defaults only: an explicit value still applies (and is checked)
+    "cost-quick-explicit": ("decode_cost", "--quick --contexts 1000000000000 --out {d}/out/decode_cost",
+                            ["--contexts", "1000000000000"], None),
+    "latent-quick-explicit": ("latent_decode", "--quick --contexts 1000000000000 --out {d}/out",
+                              ["--contexts", "1000000000000"], None),
+    "prefill-quick-explicit": ("prefill_flops", "--quick --tokens 100000 --out {d}/out",
+                               ["--tokens", "100000"], None),
+    "speed-quick-explicit": ("decode_speed", "--quick --prompt-lens 1000000000000 --out {d}/out",
+                             ["--prompt-lens", "1000000000000"], None),
+    "throughput-quick-explicit": ("serve_throughput", "--quick --prompt-lens 512 16 --output-dir {d}/out",
+                                  ["--prompt-lens", "512 16"], None),
     "quickstart-out": ("quickstart", "--out /proc/egmla/quickstart.json", ["/proc/egmla/quickstart.json"],
                        None),
 }
@@ -114,7 +125,7 @@ def outcomes(tmp_path_factory):
         return {case: future.result() for case, future in futures.items()}
 
 
-@pytest.mark.slow  # about 50 s on 2 cores: 34 processes, each mostly importing torch
+@pytest.mark.slow  # about 60 s on 2 cores: 39 processes, each mostly importing torch
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_bad_argument_is_refused_at_once_and_leaves_nothing(case, outcomes):
     run, before, after = outcomes[case]
