@@ -27,10 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from train_variants import composed_model, matched_d_ff, run, seed_value  # noqa: E402
+from train_variants import composed_model, matched_d_ff, run  # noqa: E402
 
 from egmla.files import output_directory, output_prefix, write_json, write_text  # noqa: E402
 from egmla.provenance import provenance  # noqa: E402
+from egmla.training.config import seed_arg  # noqa: E402
 from eval.stats import interval  # noqa: E402
 from serve.__main__ import positive_int  # noqa: E402
 
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=positive_int, default=300)
-    p.add_argument("--seeds", type=seed_value, nargs="+", default=[0, 1])
+    p.add_argument("--seeds", type=seed_arg, nargs="+", default=[0, 1])
     p.add_argument("--positions", nargs="+", choices=list(POSITIONS), default=list(POSITIONS))
     p.add_argument("--inits", nargs="+", choices=INITS, default=INITS)
     p.add_argument("--runs-dir", type=output_directory, default=ROOT / "runs" / "gate_init")

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from egmla.files import output_prefix, write_json, write_text
-from eval.selfdebug.report import load_traces, summarize
+from eval.selfdebug.report import load_traces, require_fields, summarize
 
 VOLATILE = {"wall_s", "sandbox_s", "generate_s", "cached_tokens", "visible_reason"}
 COMPARED = ("task_id", "method", "sample", "rounds", "hidden_passed")  # what every record needs
@@ -27,12 +27,10 @@ def attempts(run: Path) -> dict[tuple, dict]:
     """The records of `run`'s traces.jsonl by (task_id, method, sample); ValueError naming the
     file and the record when one lacks what is compared."""
     path = run / "traces.jsonl"
+    records = load_traces(path)
+    require_fields(path, records, COMPARED)
     found = {}
-    for i, record in enumerate(load_traces(path), 1):
-        missing = [k for k in COMPARED if k not in record]
-        if missing:
-            raise ValueError(f"{path}: record {i} has no {', '.join(map(repr, missing))}: not a "
-                             "self-debug trace")
+    for i, record in enumerate(records, 1):
         key = (record["task_id"], record["method"], record["sample"])
         rounds = record["rounds"]
         if not (all(isinstance(x, (str, int)) for x in key) and isinstance(rounds, list)

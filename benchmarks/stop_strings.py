@@ -50,6 +50,7 @@ ROOT = RESULTS.parents[1]
 sys.path.insert(0, str(ROOT))  # measure the checkout this script is in
 from egmla.devices import thread_count  # noqa: E402
 from egmla.files import output_directory, write_text  # noqa: E402
+from egmla.training.config import seed_arg  # noqa: E402
 from serve.__main__ import positive_int  # noqa: E402
 
 # Sane maxima, checked when the arguments are read: the stop strings are built in this process
@@ -59,7 +60,6 @@ MAX_STOP_STRINGS = 1_000_000
 MAX_STOP_LENGTH = 1_000
 MAX_STOP_BYTES = 100_000_000  # --stop-strings x --stop-length
 PROMPT = "the quick brown fox"
-SEEDS = 2**32  # seeds are from 0 to 2**32 - 1, as train.py's
 
 
 def tiny_export(directory: Path) -> Path:
@@ -197,8 +197,6 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.stop_strings * args.stop_length > MAX_STOP_BYTES:
         parser.error(f"--stop-strings {args.stop_strings} x --stop-length {args.stop_length}: "
                      f"at most {MAX_STOP_BYTES:,} letters in all")
-    if not 0 <= args.seed < SEEDS:
-        parser.error(f"--seed {args.seed}: seeds are from 0 to 2**32 - 1")
     from egmla.presets import preset
 
     room = preset("tiny-mha").max_seq_len - len(PROMPT.encode())  # byte-level BPE: <= 1 token a byte
@@ -224,7 +222,7 @@ def main() -> None:
     parser.add_argument("--long-tokens", type=positive_int, default=128)
     parser.add_argument("--short-tokens", type=positive_int, default=8)
     parser.add_argument("--threads", type=thread_count, default=1, help="the server's torch threads")
-    parser.add_argument("--seed", type=int, default=0, help="0 to 2**32 - 1 (0)")
+    parser.add_argument("--seed", type=seed_arg, default=0, help="0 to 2**32 - 1 (0)")
     parser.add_argument("--output-dir", type=output_directory, default=RESULTS)
     parser.add_argument("--quick", action="store_true", help="2 repeats: a smoke test")
     args = parser.parse_args()

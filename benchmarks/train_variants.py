@@ -31,21 +31,10 @@ sys.path.insert(0, str(ROOT))
 
 from egmla.files import output_directory, write_json, write_text  # noqa: E402
 from egmla.provenance import provenance  # noqa: E402
+from egmla.training.config import seed_arg  # noqa: E402
 from serve.__main__ import positive_int  # noqa: E402
 
 VARIANTS = ["small_mha", "small_gqa2", "small_mla", "small_egmla", "small_egmla_latent"]
-
-
-def seed_value(text: str) -> int:
-    """argparse type of --seeds: train.py's seeds, 0 to 2**32 - 1, checked before any run
-    (train.py would refuse a bad one only when its turn came, after hours of the others)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: not an integer") from None
-    if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"{text}: seeds are from 0 to 2**32 - 1")
-    return value
 
 
 def composed_model(attention: str, d_ff: int | None = None) -> dict:
@@ -98,7 +87,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=positive_int, default=300)
-    parser.add_argument("--seeds", type=seed_value, nargs="+", default=[0, 1])
+    parser.add_argument("--seeds", type=seed_arg, nargs="+", default=[0, 1])
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--out", type=output_directory, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--runs-dir", type=output_directory, metavar="DIR",

@@ -20,6 +20,25 @@ from egmla.config import (
 )
 
 
+# A run's seeds: numpy's (train.py seeds it too). Commands that start runs check theirs with
+# `seed_arg` when their command line is read, not when a run's turn comes hours later.
+TRAIN_SEEDS = range(2**32)
+SEED_RULE = "seeds are from 0 to 2**32 - 1"
+
+
+def seed_arg(text: str) -> int:
+    """argparse `type=` of a seed a training run takes (TRAIN_SEEDS)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not an integer") from None
+    if value not in TRAIN_SEEDS:
+        raise argparse.ArgumentTypeError(f"{text}: {SEED_RULE}")
+    return value
+
+
 def build(cls: type, data: Any, where: str = "") -> Any:
     """Build dataclass `cls` from `data`, recursing into dataclass-typed fields; strict keys and
     types. `where` is the dotted path of `data` ("" for the top level)."""
@@ -339,8 +358,8 @@ class TrainConfig:
         cfg.data.validate()
         cfg.optim.validate()
         cfg.trainer.validate()
-        _check(0 <= cfg.seed < 2**32, f"seed={cfg.seed}: seeds are from 0 to 2**32 - 1 "
-               "(numpy's, which the run seeds too)")
+        _check(cfg.seed in TRAIN_SEEDS, f"seed={cfg.seed}: {SEED_RULE} (numpy's, which the run "
+               "seeds too)")
         if cfg.distill is not None:
             cfg.distill.validate()
             _check(cfg.distill.transfer_steps < cfg.trainer.max_steps,

@@ -185,16 +185,12 @@ def resume(path: Path) -> list[dict]:
     """The finished attempts of an earlier run; a line cut off by a kill is dropped for good."""
     if not path.exists():
         return []
-    from eval.selfdebug.report import load_traces
+    from eval.selfdebug.report import load_traces, require_fields
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         records = load_traces(path)
-    for i, r in enumerate(records):
-        missing = [k for k in ("task_id", "method", "sample") if k not in r]
-        if missing:
-            raise ValueError(f"{path}: record {i + 1} has no {', '.join(missing)}: not a trace "
-                             "of this command")
+    require_fields(path, records, ("task_id", "method", "sample"))  # what `completed` reads
     if caught:
         write_atomic(path, "".join(json.dumps(r) + "\n" for r in records).encode())
     return records

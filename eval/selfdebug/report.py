@@ -74,6 +74,15 @@ def load_traces(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+def require_fields(path: str | Path, records: list[dict[str, Any]], fields: tuple[str, ...]) -> None:
+    """ValueError naming `path` and the first record that lacks one of `fields`."""
+    for i, record in enumerate(records, 1):
+        missing = [k for k in fields if k not in record]
+        if missing:
+            raise ValueError(f"{path}: record {i} has no {', '.join(missing)}: not a self-debug "
+                             "trace")
+
+
 # ---- statistics ------------------------------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import studies.gating as package
 from egmla.files import output_directory
+from egmla.training.config import seed_arg
 from studies.gating.plan import choose_lrs, eval_runs, plan
 from studies.gating.plots import write_figures
 from studies.gating.protocol import (ARM, ARMS, LR_EXTENSIONS, LRS, PHASES, RESULTS, ROOT, SEEDS,
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="how many times a best learning rate at the grid's edge may double "
                              f"(or halve) the grid past it (default: {LR_EXTENSIONS}; 0: the "
                              "grid as given)")
-    parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS), metavar="SEED",
+    parser.add_argument("--seeds", nargs="+", type=seed_arg, default=list(SEEDS), metavar="SEED",
                         help="the seeds; the first is the LR grid's (default: 0 1 2)")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply every run's steps (a quick rehearsal: --scale 0.02)")
@@ -56,8 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     if any(not 0 < lr < math.inf for lr in args.lrs):
         parser.error(f"--lrs {' '.join(map(str, args.lrs))}: learning rates must be finite "
                      "numbers > 0")
-    if any(not 0 <= seed < 2**32 for seed in args.seeds):  # numpy's, which train.py seeds
-        parser.error(f"--seeds {' '.join(map(str, args.seeds))}: seeds are from 0 to 2**32 - 1")
     if args.lr_extensions < 0:
         parser.error(f"--lr-extensions {args.lr_extensions}: must be >= 0")
     if args.eval_limit is not None and args.eval_limit < 1:
