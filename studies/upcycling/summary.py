@@ -171,10 +171,10 @@ def markdown(summary: dict[str, Any]) -> str:
     if summary.get("gate_rows"):
         lines += ["", "## Gate table rows trained", ""]
         for arm, rows in summary["gate_rows"].items():
-            lines.append(f"- {arm}: {rows['rows_changed_per_table_min_max'][0]:,}-"
-                         f"{rows['rows_changed_per_table_min_max'][1]:,} of "
-                         f"{rows['rows_per_table']:,} rows per table changed "
-                         f"({rows['tables']} tables)")
+            low, high = rows["rows_changed_per_table_min_max"]
+            changed = f"{low:,}" if low == high else f"{low:,} to {high:,}"
+            lines.append(f"- {arm}: {changed} of {rows['rows_per_table']:,} rows changed in each "
+                         f"of its {rows['tables']} tables")
     return "\n".join(lines) + "\n"
 
 

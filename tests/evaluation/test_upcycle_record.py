@@ -381,3 +381,15 @@ def test_the_summary_tables_the_context_curves_and_lm_eval_scores(tmp_path):
     assert "| run | step | precision | cloze/acc | ppl/word |" in lines
     assert f"| {arm.name} | 244 | 32-true | 0.432 ± 0.012 | 55.500 |" in lines
     assert "| original | 0 | - | 0.500 | - |" in lines
+
+
+def test_the_summary_states_the_gate_rows_trained_per_table():
+    from studies.upcycling.summary import markdown
+    summary = {"arms": [], "comparisons": [], "precision": {}, "gate_rows": {
+        "egmla-kv-dc24-s0": {"rows_changed_per_table_min_max": [16155, 16155], "rows_per_table": 49152,
+                             "tables": 15},
+        "egmla-latent-dc24-s0": {"rows_changed_per_table_min_max": [900, 1200], "rows_per_table": 49152,
+                                 "tables": 15}}}
+    lines = markdown(summary).splitlines()
+    assert "- egmla-kv-dc24-s0: 16,155 of 49,152 rows changed in each of its 15 tables" in lines
+    assert "- egmla-latent-dc24-s0: 900 to 1,200 of 49,152 rows changed in each of its 15 tables" in lines
