@@ -17,7 +17,7 @@ from eval import stats
 from eval.stats import holm
 from studies.upcycling.quality import context_curve, quality
 from studies.upcycling.runs import ARMS, Arm, points
-from studies.upcycling.summary import comparisons, write_summary
+from studies.upcycling.summary import comparisons, markdown, write_summary
 
 
 def test_quality_is_the_perplexity_and_kl_written_out():
@@ -384,7 +384,6 @@ def test_the_summary_tables_the_context_curves_and_lm_eval_scores(tmp_path):
 
 
 def test_the_summary_states_the_gate_rows_trained_per_table():
-    from studies.upcycling.summary import markdown
     summary = {"arms": [], "comparisons": [], "precision": {}, "gate_rows": {
         "egmla-kv-dc24-s0": {"rows_changed_per_table_min_max": [16155, 16155], "rows_per_table": 49152,
                              "tables": 15},
